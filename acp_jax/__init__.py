@@ -1,0 +1,40 @@
+"""acp_jax: communication-efficient data-parallel training as optax transforms.
+
+Each factory returns an ``optax.GradientTransformation`` whose update, called
+inside ``jax.shard_map`` or ``jax.pmap`` with a device's local gradients,
+returns their (approximate) mean over the data-parallel axis.
+"""
+
+from acp_jax.acp import acp_sgd
+from acp_jax.acp import AcpSgdState
+from acp_jax.acp import Phase
+from acp_jax.compressor import comm_bytes
+from acp_jax.compressor import CommVolume
+from acp_jax.compressor import Compressor
+from acp_jax.hlo import collective_stats
+from acp_jax.powersgd import power_sgd
+from acp_jax.powersgd import PowerSgdState
+from acp_jax.sign import sign_sgd
+from acp_jax.sign import SignSgdState
+from acp_jax.ssgd import ssgd
+from acp_jax.topk import topk_sgd
+from acp_jax.topk import TopkSgdState
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "AcpSgdState",
+    "CommVolume",
+    "Compressor",
+    "Phase",
+    "PowerSgdState",
+    "SignSgdState",
+    "TopkSgdState",
+    "acp_sgd",
+    "collective_stats",
+    "comm_bytes",
+    "power_sgd",
+    "sign_sgd",
+    "ssgd",
+    "topk_sgd",
+)

@@ -1,0 +1,186 @@
+"""Pieces shared by the low-rank compressors (Power-SGD and ACP-SGD)."""
+
+from collections.abc import Callable
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from acp_jax import compressor
+from acp_jax import collectives
+
+
+class MatrixSpec(NamedTuple):
+  """How a leaf is compressed: viewed as an n x m matrix, sent at rank r."""
+
+  n: int
+  m: int
+  rank: int
+
+
+def check_args(rank: Any, min_compression_rate: Any) -> None:
+  if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+    raise ValueError(f"rank must be a positive int, got {rank!r}")
+  if (
+      isinstance(min_compression_rate, bool)
+      or not isinstance(min_compression_rate, (int, float))
+      or not min_compression_rate >= 0
+  ):
+    raise ValueError(
+        "min_compression_rate must be a non-negative number, got"
+        f" {min_compression_rate!r}"
+    )
+
+
+def matrix_spec(
+    shape: tuple[int, ...], rank: int, min_compression_rate: float
+) -> MatrixSpec | None:
+  """The matrix view of a leaf, or None if the leaf is sent dense.
+
+  A leaf with two or more dims is an n x m matrix, m its last dim and n the
+  product of the others, so a flax conv kernel (kh, kw, in, out) becomes
+  (kh * kw * in, out). The rank is clipped to min(n, m). Vectors, scalars and
+  matrices that the factors would not shrink by ``min_compression_rate`` are
+  sent dense.
+  """
+  if len(shape) < 2:
+    return None
+  n, m = math.prod(shape[:-1]), shape[-1]
+  r = min(rank, n, m)
+  if (n + m) * r * min_compression_rate >= n * m:
+    return None
+  return MatrixSpec(n, m, r)
+
+
+def plan(
+    tree: Any,
+    rank: int,
+    min_compression_rate: float,
+    keep_dense: compressor.KeepDense,
+) -> list[MatrixSpec | None]:
+  """``matrix_spec`` of every leaf of ``tree``, honouring ``keep_dense``."""
+  dense = compressor.keep_dense_leaves(keep_dense, tree)
+  return [
+      None if d else matrix_spec(tuple(x.shape), rank, min_compression_rate)
+      for x, d in zip(jax.tree.leaves(tree), dense)
+  ]
+
+
+def orthogonalize(x: jax.Array) -> jax.Array:
+  """Orthonormal basis of the columns of ``x`` (n x r, n >= r).
+
+  Householder QR in float32, whatever the input dtype, so bf16 and fp16
+  factors stay well conditioned; a rank-deficient input still gives
+  orthonormal columns. The result has the input's dtype.
+  """
+  q, _ = jnp.linalg.qr(x.astype(jnp.float32))
+  return q.astype(x.dtype)
+
+
+def init_trees(
+    params: Any, specs: list[MatrixSpec | None], seed: int
+) -> tuple[Any, Any, Any]:
+  """Zero residuals E, zero P factors and random Q factors, like ``params``.
+
+  Each tree holds ``optax.MaskedNode()`` at the leaves sent dense. Q is drawn
+  from ``seed`` and the leaf's position only, so every replica starts from the
+  same factors wherever ``init`` runs.
+  """
+  leaves, treedef = jax.tree.flatten(params)
+  key = jax.random.key(seed)
+  errors, ps, qs = [], [], []
+  for i, (x, spec) in enumerate(zip(leaves, specs)):
+    if spec is None:
+      for tree in (errors, ps, qs):
+        tree.append(optax.MaskedNode())
+      continue
+    errors.append(jnp.zeros(x.shape, x.dtype))
+    ps.append(jnp.zeros((spec.n, spec.rank), x.dtype))
+    qs.append(
+        jax.random.normal(
+            jax.random.fold_in(key, i), (spec.m, spec.rank), x.dtype
+        )
+    )
+  return tuple(jax.tree.unflatten(treedef, t) for t in (errors, ps, qs))
+
+
+class Split(NamedTuple):
+  """One update's leaves, split into compressed matrices and dense leaves."""
+
+  treedef: Any
+  shapes: list[tuple[int, ...]]
+  specs: list[MatrixSpec | None]
+  matrices: list[jax.Array]  # M = G + E, n x m, for each compressed leaf
+  dense: list[jax.Array]  # the gradient of each leaf sent dense
+
+
+def split(
+    grads: Any,
+    errors: Any,
+    rank: int,
+    min_compression_rate: float,
+    keep_dense: compressor.KeepDense,
+    caller: str,
+) -> Split:
+  """Checks ``grads`` against the state and adds the residuals to them."""
+  compressor.check_tree_matches(grads, errors, caller)
+  leaves, treedef = jax.tree.flatten(grads)
+  error_leaves = jax.tree.leaves(
+      errors, is_leaf=lambda x: isinstance(x, optax.MaskedNode)
+  )
+  specs = plan(grads, rank, min_compression_rate, keep_dense)
+  matrices, dense = [], []
+  for g, e, spec in zip(leaves, error_leaves, specs):
+    if (spec is None) != isinstance(e, optax.MaskedNode):
+      raise ValueError(
+          f"{caller}: the gradients do not match the state: keep_dense or"
+          " rank selects other leaves than at init."
+      )
+    if spec is None:
+      dense.append(g)
+    else:
+      matrices.append((g + e).reshape(spec.n, spec.m))
+  return Split(treedef, [x.shape for x in leaves], specs, matrices, dense)
+
+
+def merge(
+    s: Split, low_rank: list[Any], dense: list[Any], *, reshape: bool
+) -> Any:
+  """The tree of ``s`` with compressed leaves from ``low_rank`` (reshaped from
+  n x m to the leaf's shape if ``reshape``), the others from ``dense``."""
+  low_rank, dense = iter(low_rank), iter(dense)
+  out = []
+  for shape, spec in zip(s.shapes, s.specs):
+    if spec is None:
+      out.append(next(dense))
+    else:
+      x = next(low_rank)
+      out.append(x.reshape(shape) if reshape else x)
+  return jax.tree.unflatten(s.treedef, out)
+
+
+def leaves_of(s: Split, tree: Any) -> list[jax.Array]:
+  """Leaves of a state tree at the compressed positions of ``s``."""
+  leaves = jax.tree.leaves(
+      tree, is_leaf=lambda x: isinstance(x, optax.MaskedNode)
+  )
+  return [x for x, spec in zip(leaves, s.specs) if spec is not None]
+
+
+def volume(
+    params: Any,
+    rank: int,
+    min_compression_rate: float,
+    keep_dense: compressor.KeepDense,
+    factor_rows: Callable[[MatrixSpec], int],
+) -> int:
+  """Bytes of one all-reduce carrying a factor of each compressed leaf (with
+  ``factor_rows(spec)`` x rank elements) and every dense leaf."""
+  specs = plan(params, rank, min_compression_rate, keep_dense)
+  total = 0
+  for x, spec in zip(jax.tree.leaves(params), specs):
+    shape = x.shape if spec is None else (factor_rows(spec), spec.rank)
+    total += collectives.nbytes(shape, x.dtype)
+  return total

@@ -1,0 +1,69 @@
+"""S-SGD: the dense all-reduce every compressor is measured against."""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from acp_jax import collectives
+from acp_jax import compressor
+
+
+def ssgd(
+    *,
+    axis_name: str = "data",
+    comm_dtype=None,
+    fusion_bytes: int | None = collectives.DEFAULT_FUSION_BYTES,
+) -> compressor.Compressor:
+  """S-SGD: the mean gradient over the axis by a dense all-reduce.
+
+  ``update = allreduce_sum(G / N)``, sent in ``comm_dtype`` if given (each
+  device divides by N first, so fp16 sums do not overflow) and returned in the
+  gradient's dtype.
+
+  Args:
+    axis_name: the mapped axis over which devices hold their data shards.
+    comm_dtype: floating dtype to communicate in (e.g. ``jnp.bfloat16``), or
+      ``None`` for the gradients' own dtype.
+    fusion_bytes: largest all-reduce buffer; ``None`` sends everything in one.
+
+  Returns:
+    A stateless ``Compressor``; its update runs inside ``jax.shard_map`` or
+    ``jax.pmap`` over ``axis_name``.
+
+  Example::
+
+    tx = optax.chain(acp_jax.ssgd(comm_dtype=jnp.bfloat16), optax.sgd(0.1))
+  """
+  if comm_dtype is not None:
+    try:
+      floating = jnp.issubdtype(comm_dtype, jnp.floating)
+    except TypeError:
+      floating = False
+    if not floating:
+      raise ValueError(
+          f"comm_dtype must be a floating dtype or None, got {comm_dtype!r}"
+      )
+  collectives.check_fusion_bytes(fusion_bytes)
+
+  def init_fn(params):
+    compressor.check_float_leaves(params, "ssgd")
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None):
+    del params
+    n = compressor.begin_update(updates, axis_name, "ssgd")
+    leaves, treedef = jax.tree.flatten(updates)
+    sent = [(g / n).astype(comm_dtype or g.dtype) for g in leaves]
+    summed = collectives.fused_psum(sent, axis_name, fusion_bytes)
+    mean = [x.astype(g.dtype) for x, g in zip(summed, leaves)]
+    return jax.tree.unflatten(treedef, mean), state
+
+  def volume(params, num_devices):
+    del num_devices
+    step = sum(
+        collectives.nbytes(x.shape, comm_dtype or x.dtype)
+        for x in jax.tree.leaves(params)
+    )
+    return {"step": compressor.CommVolume(all_reduce=step)}
+
+  return compressor.Compressor(init_fn, update_fn, volume)

@@ -1,0 +1,106 @@
+"""Top-k SGD: each device sends its k largest entries per leaf."""
+
+import math
+from typing import NamedTuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import optax
+
+from acp_jax import collectives
+from acp_jax import compressor
+from acp_jax import error_feedback
+
+
+class TopkSgdState(NamedTuple):
+  """State of ``topk_sgd``.
+
+  Attributes:
+    error: residual e per leaf (the entries not sent yet), leaf shape and
+      dtype; differs across devices.
+  """
+
+  error: optax.Updates
+
+
+def _k(numel: int, density: float) -> int:
+  return max(1, math.ceil(density * numel))
+
+
+def topk_sgd(density: float, *, axis_name: str = "data") -> compressor.Compressor:
+  """Top-k sparsification with error feedback.
+
+  Per leaf with d elements, k = max(1, ceil(density d))::
+
+    p = g + e;  I = indices of the k largest |p|
+    update = scatter_add over devices of (I, p[I]) / N;  e = p with p[I] = 0
+
+  Values (leaf dtype) and int32 indices travel by all-gather, so a device
+  receives N k (itemsize + 4) bytes per leaf: less than a dense all-reduce
+  only when the density is below about 1 / N.
+
+  Args:
+    density: fraction of each leaf's elements to send, in (0, 1].
+    axis_name: the mapped axis over which devices hold their data shards.
+
+  Returns:
+    A ``Compressor``; its update runs inside ``jax.shard_map`` or ``jax.pmap``
+    over ``axis_name``.
+
+  Example::
+
+    tx = optax.chain(acp_jax.topk_sgd(0.01), optax.sgd(0.1))
+
+  .. warning::
+    Put it first in the chain: it must see each device's own gradients.
+
+  References:
+    Lin et al., "Deep Gradient Compression", ICLR 2018.
+    https://arxiv.org/abs/1712.01887
+
+    Stich et al., "Sparsified SGD with Memory", NeurIPS 2018.
+    https://arxiv.org/abs/1809.07599
+  """
+  if (
+      isinstance(density, bool)
+      or not isinstance(density, (int, float))
+      or not 0 < density <= 1
+  ):
+    raise ValueError(f"density must be a number in (0, 1], got {density!r}")
+
+  def init_fn(params):
+    compressor.check_float_leaves(params, "topk_sgd")
+    return TopkSgdState(error=error_feedback.zeros_like(params))
+
+  def compress(ps):
+    flats = [p.ravel() for p in ps]
+    indices = [lax.top_k(jnp.abs(f), _k(f.size, density))[1] for f in flats]
+    values = [f[i] for f, i in zip(flats, indices)]
+    gathered = collectives.fused_all_gather(values + indices, axis_name)
+    k = len(ps)
+    sent, mean = [], []
+    for p, f, i, v, all_v, all_i in zip(
+        ps, flats, indices, values, gathered[:k], gathered[k:]
+    ):
+      sent.append(jnp.zeros_like(f).at[i].set(v).reshape(p.shape))
+      total = jnp.zeros(f.shape, jnp.float32).at[all_i.ravel()].add(
+          all_v.ravel().astype(jnp.float32)
+      )
+      mean.append((total / all_v.shape[0]).astype(p.dtype).reshape(p.shape))
+    return sent, mean
+
+  def update_fn(updates, state, params=None):
+    del params
+    compressor.begin_update(updates, axis_name, "topk_sgd")
+    mean, error = error_feedback.apply(updates, state.error, compress, "topk_sgd")
+    return mean, TopkSgdState(error=error)
+
+  def volume(params, num_devices):
+    received = sum(
+        _k(math.prod(x.shape), density) * (jnp.dtype(x.dtype).itemsize + 4)
+        for x in jax.tree.leaves(params)
+    )
+    return {"step": compressor.CommVolume(all_gather=num_devices * received)}
+
+  return compressor.Compressor(init_fn, update_fn, volume)

@@ -1,0 +1,85 @@
+"""Running a compressor's update on the simulated devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tests.conftest import NUM_DEVICES
+
+AXIS = "data"
+
+
+def mesh():
+  return jax.make_mesh(
+      (NUM_DEVICES,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,)
+  )
+
+
+def shard(tree):
+  """Puts arrays stacked on a leading device axis one slice per device."""
+  return jax.device_put(tree, NamedSharding(mesh(), P(AXIS)))
+
+
+def replicate(tree, n=NUM_DEVICES):
+  """One copy per device, stacked on a new leading axis and sharded."""
+  return shard(jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), tree))
+
+
+def per_device(local):
+  """``local`` on each device's slice of arrays stacked on a leading axis.
+
+  Every input and output (state included: residuals differ across devices)
+  carries a leading device axis, sharded over the mesh.
+  """
+
+  def body(*args):
+    args = jax.tree.map(lambda x: x[0], args)
+    return jax.tree.map(lambda x: x[None], local(*args))
+
+  return jax.jit(
+      jax.shard_map(body, mesh=mesh(), in_specs=P(AXIS), out_specs=P(AXIS))
+  )
+
+
+def mapped(update, mapper):
+  """``update(grads, state)`` over stacked per-device inputs, by ``mapper``."""
+  if mapper == "pmap":
+    return jax.pmap(update, axis_name=AXIS)
+  assert mapper == "shard_map", mapper
+  return per_device(update)
+
+
+def random_grads(key, params, n=NUM_DEVICES):
+  """Different gradients on each device, stacked, in each leaf's dtype."""
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(key, len(leaves))
+  return shard(jax.tree.unflatten(
+      treedef,
+      [
+          jax.random.normal(k, (n,) + x.shape).astype(x.dtype)
+          for k, x in zip(keys, leaves)
+      ],
+  ))
+
+
+def to_numpy(tree):
+  return jax.tree.map(np.asarray, tree)
+
+
+def assert_trees_all_close(a, b, rtol=1e-6, atol=1e-6):
+  a, b = to_numpy(a), to_numpy(b)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
+
+
+# A tree mixing every kind of leaf: a conv kernel and a dense kernel that are
+# compressed, a matrix too small to compress, a bias and a scalar.
+MIXED = {
+    "conv": {"kernel": jnp.zeros((3, 3, 4, 8))},
+    "dense": {"kernel": jnp.zeros((16, 12)), "bias": jnp.zeros((12,))},
+    "tiny": jnp.zeros((2, 3)),
+    "temperature": jnp.zeros(()),
+}

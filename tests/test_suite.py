@@ -1,0 +1,147 @@
+"""The suite every compressor joins with one entry in COMPRESSORS."""
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import acp_jax
+from tests import helpers
+from tests.conftest import NUM_DEVICES
+
+
+class Entry(NamedTuple):
+  make: Callable[[], acp_jax.Compressor]
+  learning_rate: float  # for the convergence test
+  phases: int = 1
+
+
+COMPRESSORS = {
+    "ssgd": Entry(acp_jax.ssgd, 0.1),
+    "ssgd_bf16": Entry(lambda: acp_jax.ssgd(comm_dtype=jnp.bfloat16), 0.1),
+    "sign_sgd": Entry(acp_jax.sign_sgd, 0.1),
+    "sign_sgd_vote": Entry(
+        lambda: acp_jax.sign_sgd(majority_vote=True), 0.003
+    ),
+    "topk_sgd": Entry(lambda: acp_jax.topk_sgd(0.2), 0.1),
+    "power_sgd": Entry(lambda: acp_jax.power_sgd(2), 0.1),
+    "acp_sgd": Entry(lambda: acp_jax.acp_sgd(2), 0.1, phases=2),
+}
+all_compressors = pytest.mark.parametrize(
+    "name", list(COMPRESSORS), ids=list(COMPRESSORS)
+)
+with_residual = pytest.mark.parametrize(
+    "name", ["sign_sgd", "topk_sgd", "power_sgd", "acp_sgd"]
+)
+
+
+def run_steps(tx, mapper, steps, params=helpers.MIXED, seed=0):
+  """Updates of ``steps`` steps with fresh per-device gradients each step."""
+  update = helpers.mapped(tx.update, mapper)
+  state = helpers.replicate(tx.init(params))
+  grads, updates = [], []
+  for key in jax.random.split(jax.random.key(seed), steps):
+    g = helpers.random_grads(key, params)
+    u, state = update(g, state)
+    grads.append(g)
+    updates.append(u)
+  return grads, updates, state
+
+
+@all_compressors
+def test_pmap_and_shard_map_agree(name):
+  tx = COMPRESSORS[name].make()
+  _, by_pmap, _ = run_steps(tx, "pmap", 4)
+  _, by_shard_map, _ = run_steps(tx, "shard_map", 4)
+  helpers.assert_trees_all_close(by_pmap, by_shard_map)
+
+
+@all_compressors
+@pytest.mark.parametrize("mapper", ["pmap", "shard_map"])
+def test_compiles_once_per_phase(name, mapper):
+  entry = COMPRESSORS[name]
+  tx = entry.make()
+  traces = []
+
+  def update(g, s):
+    traces.append(s)
+    return tx.update(g, s)
+
+  update = helpers.mapped(update, mapper)
+  state = helpers.replicate(tx.init(helpers.MIXED))
+  keys = jax.random.split(jax.random.key(0), 3 * entry.phases)
+  for step, key in enumerate(keys):
+    if step == entry.phases:  # each phase has run once
+      traces.clear()
+    _, state = update(helpers.random_grads(key, helpers.MIXED), state)
+  assert not traces
+
+
+@all_compressors
+def test_replicas_stay_bitwise_identical(name):
+  _, updates, _ = run_steps(COMPRESSORS[name].make(), "shard_map", 20)
+  for step, u in enumerate(helpers.to_numpy(updates)):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(u):
+      for device in range(1, NUM_DEVICES):
+        assert np.array_equal(leaf[0], leaf[device]), (step, path, device)
+
+
+@all_compressors
+def test_updates_keep_low_precision_dtypes(name):
+  params = jax.tree.map(
+      lambda x: x.astype(jnp.bfloat16), helpers.MIXED
+  )
+  params["dense"]["kernel"] = params["dense"]["kernel"].astype(jnp.float16)
+  _, updates, _ = run_steps(COMPRESSORS[name].make(), "pmap", 2, params)
+  for u in updates:
+    for x, p in zip(jax.tree.leaves(u), jax.tree.leaves(params)):
+      assert x.dtype == p.dtype
+      assert np.all(np.isfinite(np.asarray(x, np.float32)))
+
+
+@with_residual
+def test_error_feedback_loses_nothing(name):
+  """sum of applied updates + mean residual = sum of mean gradients."""
+  grads, updates, state = run_steps(COMPRESSORS[name].make(), "pmap", 10)
+  is_masked = lambda x: isinstance(x, optax.MaskedNode)
+  residuals = jax.tree.leaves(state.error, is_leaf=is_masked)
+  sent_dense = [is_masked(e) for e in residuals]
+  mean_residuals = [0.0 if d else e.mean(0) for e, d in zip(residuals, sent_dense)]
+  applied = [sum(u) for u in zip(*(jax.tree.leaves(u) for u in updates))]
+  mean_grads = [sum(g) for g in zip(*(jax.tree.leaves(g) for g in grads))]
+  for a, e, g in zip(applied, mean_residuals, mean_grads):
+    np.testing.assert_allclose(a[0] + e, g.mean(0), atol=1e-4)
+  # Something was left behind, so the invariant was put to the test.
+  assert max(float(jnp.abs(e).max()) for e in jax.tree.leaves(state.error)) > 0.1
+
+
+@all_compressors
+def test_converges_on_least_squares(name):
+  """Each device fits its own shard of a linear regression to a common W."""
+  entry = COMPRESSORS[name]
+  k1, k2, k3 = jax.random.split(jax.random.key(42), 3)
+  w_true = jax.random.normal(k1, (16, 12)) / 4
+  x = jax.random.normal(k2, (NUM_DEVICES, 32, 16))
+  y = x @ w_true + 0.01 * jax.random.normal(k3, (NUM_DEVICES, 32, 12))
+  params = {"w": jnp.zeros((16, 12)), "b": jnp.zeros((12,))}
+  tx = optax.chain(entry.make(), optax.sgd(entry.learning_rate))
+
+  def loss(p, x, y):
+    return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+  def step(p, s, x, y):
+    g = jax.grad(loss)(p, x, y)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  step = helpers.per_device(step)
+  p, s = helpers.replicate(params), helpers.replicate(tx.init(params))
+  initial = float(loss(params, x.reshape(-1, 16), y.reshape(-1, 12)))
+  for _ in range(150):
+    p, s = step(p, s, x, y)
+  final = float(loss(jax.tree.map(lambda a: np.asarray(a)[0], p),
+                     x.reshape(-1, 16), y.reshape(-1, 12)))
+  assert final < 0.05 * initial, (initial, final)
