@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from acp_jax import compressor
@@ -84,25 +85,28 @@ def init_trees(
 ) -> tuple[Any, Any, Any]:
   """Zero residuals E, zero P factors and random Q factors, like ``params``.
 
-  Each tree holds ``optax.MaskedNode()`` at the leaves sent dense. Q is drawn
-  from ``seed`` and the leaf's position only, so every replica starts from the
-  same factors wherever ``init`` runs.
+  Each tree holds ``optax.MaskedNode()`` at the leaves sent dense. The Q
+  factors are slices of one normal draw from ``seed`` (one small program to
+  compile, not one per shape), so every replica starts from the same factors
+  wherever ``init`` runs.
   """
   leaves, treedef = jax.tree.flatten(params)
-  key = jax.random.key(seed)
+  sizes = [spec.m * spec.rank for spec in specs if spec is not None]
+  draw = iter(
+      jnp.split(
+          jax.random.normal(jax.random.key(seed), (sum(sizes),)),
+          np.cumsum(sizes)[:-1],
+      )
+  )
   errors, ps, qs = [], [], []
-  for i, (x, spec) in enumerate(zip(leaves, specs)):
+  for x, spec in zip(leaves, specs):
     if spec is None:
       for tree in (errors, ps, qs):
         tree.append(optax.MaskedNode())
       continue
     errors.append(jnp.zeros(x.shape, x.dtype))
     ps.append(jnp.zeros((spec.n, spec.rank), x.dtype))
-    qs.append(
-        jax.random.normal(
-            jax.random.fold_in(key, i), (spec.m, spec.rank), x.dtype
-        )
-    )
+    qs.append(next(draw).reshape(spec.m, spec.rank).astype(x.dtype))
   return tuple(jax.tree.unflatten(treedef, t) for t in (errors, ps, qs))
 
 

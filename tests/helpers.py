@@ -27,6 +27,22 @@ def replicate(tree, n=NUM_DEVICES):
   return shard(jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), tree))
 
 
+def _blocking(f):
+  """``f`` that waits for its results.
+
+  With several steps in flight, XLA:CPU's simulated devices can deadlock in a
+  collective's rendezvous on 2 cores (jax 0.10.2: "Expected 8 threads to
+  join the rendezvous, but only 6 of them arrived"), so tests run one step at
+  a time.
+  """
+
+  def run(*args):
+    return jax.block_until_ready(f(*args))
+
+  run.lower = f.lower
+  return run
+
+
 def per_device(local):
   """``local`` on each device's slice of arrays stacked on a leading axis.
 
@@ -38,30 +54,30 @@ def per_device(local):
     args = jax.tree.map(lambda x: x[0], args)
     return jax.tree.map(lambda x: x[None], local(*args))
 
-  return jax.jit(
+  return _blocking(jax.jit(
       jax.shard_map(body, mesh=mesh(), in_specs=P(AXIS), out_specs=P(AXIS))
-  )
+  ))
 
 
 def mapped(update, mapper):
   """``update(grads, state)`` over stacked per-device inputs, by ``mapper``."""
   if mapper == "pmap":
-    return jax.pmap(update, axis_name=AXIS)
+    return _blocking(jax.pmap(update, axis_name=AXIS))
   assert mapper == "shard_map", mapper
   return per_device(update)
 
 
-def random_grads(key, params, n=NUM_DEVICES):
-  """Different gradients on each device, stacked, in each leaf's dtype."""
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(key, len(leaves))
-  return shard(jax.tree.unflatten(
-      treedef,
-      [
-          jax.random.normal(k, (n,) + x.shape).astype(x.dtype)
-          for k, x in zip(keys, leaves)
-      ],
-  ))
+def random_grads(seed, params, n=NUM_DEVICES):
+  """Different gradients on each device, stacked, in each leaf's dtype.
+
+  Drawn by NumPy: jax.random compiles a program per shape, seconds each here.
+  """
+  rng = np.random.default_rng(seed)
+  return shard(
+      jax.tree.map(
+          lambda x: rng.standard_normal((n,) + x.shape).astype(x.dtype), params
+      )
+  )
 
 
 def to_numpy(tree):
@@ -83,3 +99,23 @@ MIXED = {
     "tiny": jnp.zeros((2, 3)),
     "temperature": jnp.zeros(()),
 }
+
+
+def stacked_shapes(tree, n=NUM_DEVICES):
+  """``jax.ShapeDtypeStruct`` of ``replicate(tree)``, allocating nothing."""
+  sharding = NamedSharding(mesh(), P(AXIS))
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct((n,) + x.shape, x.dtype, sharding=sharding),
+      tree,
+  )
+
+
+def compiled_update(tx, params, state=None):
+  """The compiled shard_map update of ``tx`` for ``params`` (shapes suffice)."""
+  if state is None:
+    state = jax.eval_shape(tx.init, params)
+  return (
+      per_device(tx.update)
+      .lower(stacked_shapes(params), stacked_shapes(state))
+      .compile()
+  )

@@ -1,0 +1,154 @@
+"""What the compiled update really sends equals what comm_bytes says."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import acp_jax
+from acp_jax import lowrank
+from tests import helpers
+from tests import shapes
+from tests.conftest import NUM_DEVICES
+from tests.test_suite import all_compressors
+from tests.test_suite import COMPRESSORS
+
+# Every layer kind of ResNet-50 (stem, bottlenecks with projections, BN,
+# head) at a width that compiles in seconds.
+SMALL_RESNET = shapes.resnet(blocks=(1, 1, 1, 1), width=8, num_classes=10)
+
+
+def phase_states(tx, params):
+  """The abstract state before each phase's step, with the phase's name."""
+  state = jax.eval_shape(tx.init, params)
+  if isinstance(state, acp_jax.AcpSgdState):
+    return {"p": state, "q": state._replace(phase=acp_jax.Phase.Q)}
+  return {"step": state}
+
+
+def hlo_volume(tx, params, state):
+  text = helpers.compiled_update(tx, params, state).as_text()
+  stats = acp_jax.collective_stats(text)
+  assert set(stats) <= {"all-reduce", "all-gather"}, stats
+  none = acp_jax.hlo.CollectiveStats(0, 0)
+  return acp_jax.CommVolume(
+      all_reduce=stats.get("all-reduce", none).bytes,
+      all_gather=stats.get("all-gather", none).bytes,
+  )
+
+
+@all_compressors
+def test_compiled_bytes_equal_accounting(name):
+  tx = COMPRESSORS[name].make()
+  expected = acp_jax.comm_bytes(tx, SMALL_RESNET, num_devices=NUM_DEVICES)
+  if name == "ssgd_bf16" and jax.default_backend() == "cpu":
+    # XLA:CPU widens bf16 all-reduces to f32 (its reducer is "_promoted");
+    # GPUs send the bf16 buffer that the accounting counts.
+    expected = {k: v._replace(all_reduce=2 * v.all_reduce)
+                for k, v in expected.items()}
+  states = phase_states(tx, SMALL_RESNET)
+  assert set(expected) == set(states)
+  for phase, state in states.items():
+    assert hlo_volume(tx, SMALL_RESNET, state) == expected[phase], phase
+
+
+def dense_bytes(params, rank):
+  specs = lowrank.plan(params, rank, 2.0, None)
+  return sum(
+      x.size * x.dtype.itemsize
+      for x, spec in zip(jax.tree.leaves(params), specs)
+      if spec is None
+  )
+
+
+def test_acp_phases_add_up_to_one_power_sgd_step_plus_dense_leaves():
+  acp, power = acp_jax.acp_sgd(4), acp_jax.power_sgd(4)
+  a = {
+      phase: hlo_volume(acp, SMALL_RESNET, state).all_reduce
+      for phase, state in phase_states(acp, SMALL_RESNET).items()
+  }
+  (p_state,) = phase_states(power, SMALL_RESNET).values()
+  p = hlo_volume(power, SMALL_RESNET, p_state).all_reduce
+  dense = dense_bytes(SMALL_RESNET, 4)
+  assert 0 < dense < a["p"] and 0 < dense < a["q"]
+  assert a["p"] + a["q"] == p + dense
+
+
+def count(pattern, text):
+  return len(re.findall(pattern, text))
+
+
+@pytest.mark.parametrize(
+    "name, all_reduces, all_gathers",
+    [
+        ("acp_sgd", 1, 0),  # factors and dense leaves in one buffer
+        ("power_sgd", 2, 0),  # P, then Q: the second needs the first
+        ("sign_sgd", 0, 2),  # packed signs, scales
+        ("sign_sgd_vote", 0, 1),
+        ("topk_sgd", 0, 2),  # values, indices
+    ],
+)
+def test_collectives_per_step(name, all_reduces, all_gathers):
+  tx = COMPRESSORS[name].make()
+  for state in phase_states(tx, SMALL_RESNET).values():
+    lowered = helpers.per_device(tx.update).lower(
+        helpers.stacked_shapes(SMALL_RESNET), helpers.stacked_shapes(state)
+    )
+    # What the code asks for, before XLA's combiners could merge anything.
+    emitted = lowered.as_text()
+    assert count(r"stablehlo\.all_reduce", emitted) == all_reduces
+    assert count(r"stablehlo\.all_gather", emitted) == all_gathers
+    stats = acp_jax.collective_stats(lowered.compile().as_text())
+    assert sum(s.count for s in stats.values()) == all_reduces + all_gathers
+
+
+def test_fusion_bytes_splits_the_all_reduce_into_buffers():
+  params = {f"w{i}": jnp.zeros((64, 64)) for i in range(5)}  # 16 KiB each
+  for fusion_bytes, buffers in [(None, 1), (40_000, 3), (16_384, 5), (1, 5)]:
+    tx = acp_jax.ssgd(fusion_bytes=fusion_bytes)
+    state = jax.eval_shape(tx.init, params)
+    lowered = helpers.per_device(tx.update).lower(
+        helpers.stacked_shapes(params), helpers.stacked_shapes(state)
+    )
+    assert count(r"stablehlo\.all_reduce", lowered.as_text()) == buffers
+    assert hlo_volume(tx, params, state).all_reduce == 5 * 64 * 64 * 4
+
+
+def test_grad_step_sends_only_the_compressed_bytes():
+  """With params cast to varying, jax.grad under shard_map adds no dense
+  all-reduce: the step sends exactly the accounting's bytes."""
+  tx = acp_jax.acp_sgd(2)
+  params = {"w": jnp.zeros((16, 12)), "b": jnp.zeros((12,))}
+  x = jnp.ones((NUM_DEVICES * 4, 16))
+
+  def step(params, state, x):
+    state = jax.tree.map(lambda a: a[0], state)
+    local = jax.lax.pcast(params, helpers.AXIS, to="varying")
+    g = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"]) ** 2))(local)
+    u, state = tx.update(g, state)
+    return jax.tree.map(lambda a: a[None], (u, state))
+
+  P = jax.sharding.PartitionSpec
+  f = jax.jit(jax.shard_map(
+      step, mesh=helpers.mesh(), in_specs=(P(), P(helpers.AXIS), P(helpers.AXIS)),
+      out_specs=P(helpers.AXIS),
+  ))
+  state = helpers.replicate(tx.init(params))
+  stats = acp_jax.collective_stats(f.lower(params, state, x).compile().as_text())
+  assert stats == {
+      "all-reduce": acp_jax.hlo.CollectiveStats(
+          1, acp_jax.comm_bytes(tx, params, num_devices=NUM_DEVICES)["p"].total
+      )
+  }
+
+
+@pytest.mark.slow
+@all_compressors
+def test_resnet50_compiled_bytes_equal_accounting(name):
+  tx = COMPRESSORS[name].make()
+  params = shapes.resnet()
+  assert shapes.num_params(params) == 25_557_032  # torchvision's ResNet-50
+  expected = acp_jax.comm_bytes(tx, params, num_devices=NUM_DEVICES)
+  for phase, state in phase_states(tx, params).items():
+    assert hlo_volume(tx, params, state) == expected[phase], phase
