@@ -38,19 +38,23 @@ def hlo_volume(tx, params, state):
   )
 
 
-@all_compressors
-def test_compiled_bytes_equal_accounting(name):
+def assert_compiled_bytes_equal_accounting(name, params):
   tx = COMPRESSORS[name].make()
-  expected = acp_jax.comm_bytes(tx, SMALL_RESNET, num_devices=NUM_DEVICES)
+  expected = acp_jax.comm_bytes(tx, params, num_devices=NUM_DEVICES)
   if name == "ssgd_bf16" and jax.default_backend() == "cpu":
     # XLA:CPU widens bf16 all-reduces to f32 (its reducer is "_promoted");
     # GPUs send the bf16 buffer that the accounting counts.
     expected = {k: v._replace(all_reduce=2 * v.all_reduce)
                 for k, v in expected.items()}
-  states = phase_states(tx, SMALL_RESNET)
+  states = phase_states(tx, params)
   assert set(expected) == set(states)
   for phase, state in states.items():
-    assert hlo_volume(tx, SMALL_RESNET, state) == expected[phase], phase
+    assert hlo_volume(tx, params, state) == expected[phase], phase
+
+
+@all_compressors
+def test_compiled_bytes_equal_accounting(name):
+  assert_compiled_bytes_equal_accounting(name, SMALL_RESNET)
 
 
 def dense_bytes(params, rank):
@@ -115,24 +119,26 @@ def test_fusion_bytes_splits_the_all_reduce_into_buffers():
     assert hlo_volume(tx, params, state).all_reduce == 5 * 64 * 64 * 4
 
 
-def test_grad_step_sends_only_the_compressed_bytes():
-  """With params cast to varying, jax.grad under shard_map adds no dense
-  all-reduce: the step sends exactly the accounting's bytes."""
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_grad_step_sends_only_the_compressed_bytes(check_vma):
+  """jax.grad under shard_map adds no dense all-reduce when params are cast
+  to varying (check_vma=True) or when varying axes are not tracked."""
   tx = acp_jax.acp_sgd(2)
   params = {"w": jnp.zeros((16, 12)), "b": jnp.zeros((12,))}
   x = jnp.ones((NUM_DEVICES * 4, 16))
 
   def step(params, state, x):
     state = jax.tree.map(lambda a: a[0], state)
-    local = jax.lax.pcast(params, helpers.AXIS, to="varying")
-    g = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"]) ** 2))(local)
+    if check_vma:
+      params = jax.lax.pcast(params, helpers.AXIS, to="varying")
+    g = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"]) ** 2))(params)
     u, state = tx.update(g, state)
     return jax.tree.map(lambda a: a[None], (u, state))
 
   P = jax.sharding.PartitionSpec
   f = jax.jit(jax.shard_map(
       step, mesh=helpers.mesh(), in_specs=(P(), P(helpers.AXIS), P(helpers.AXIS)),
-      out_specs=P(helpers.AXIS),
+      out_specs=P(helpers.AXIS), check_vma=check_vma,
   ))
   state = helpers.replicate(tx.init(params))
   stats = acp_jax.collective_stats(f.lower(params, state, x).compile().as_text())
@@ -146,9 +152,6 @@ def test_grad_step_sends_only_the_compressed_bytes():
 @pytest.mark.slow
 @all_compressors
 def test_resnet50_compiled_bytes_equal_accounting(name):
-  tx = COMPRESSORS[name].make()
   params = shapes.resnet()
   assert shapes.num_params(params) == 25_557_032  # torchvision's ResNet-50
-  expected = acp_jax.comm_bytes(tx, params, num_devices=NUM_DEVICES)
-  for phase, state in phase_states(tx, params).items():
-    assert hlo_volume(tx, params, state) == expected[phase], phase
+  assert_compiled_bytes_equal_accounting(name, params)
