@@ -109,7 +109,11 @@ def acp_sgd(
     del params
     n = compressor.begin_update(updates, axis_name, "acp_sgd")
     s = lowrank.split(
-        updates, state.error, rank, min_compression_rate, keep_dense,
+        updates,
+        state.error,
+        rank,
+        min_compression_rate,
+        keep_dense,
         "acp_sgd",
     )
     # A Q-step is a P-step on the transposed matrices.

@@ -31,7 +31,7 @@ def check_fusion_bytes(fusion_bytes) -> None:
 
 
 def axis_size(axis_name: str, caller: str) -> int:
-  """Size of the bound mapped axis ``axis_name``, or a clear error if unbound."""
+  """Size of the mapped axis ``axis_name``; a clear error if it is unbound."""
   try:
     return lax.axis_size(axis_name)
   except NameError:

@@ -68,9 +68,7 @@ def comm_bytes(
         " optax.chain holding it."
     )
   if not isinstance(num_devices, int) or num_devices < 1:
-    raise ValueError(
-        f"num_devices must be a positive int, got {num_devices!r}"
-    )
+    raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
   return compressor._volume(params, num_devices)
 
 

@@ -21,13 +21,6 @@ _INSTRUCTION = re.compile(
     rf"(?P<op>{'|'.join(_OPS)})(?P<start>-start)?\("
 )
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
-_ITEMSIZE = {
-    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4,
-    "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-    "c128": 16,
-}
 
 
 class CollectiveStats(NamedTuple):
@@ -37,15 +30,23 @@ class CollectiveStats(NamedTuple):
   bytes: int
 
 
+def _itemsize(element_type: str) -> int:
+  """Bytes of an HLO element type: pred, s8, bf16, f32, c64, f8e4m3fn..."""
+  if element_type == "pred":
+    return 1
+  bits = re.search(r"[0-9]+", element_type)
+  if bits is None or int(bits.group()) % 8:
+    raise ValueError(f"unknown HLO element type {element_type!r}")
+  return int(bits.group()) // 8
+
+
 def _array_bytes(shape_text: str) -> list[int]:
   sizes = []
-  for dtype, dims in _ARRAY.findall(shape_text):
-    if dtype not in _ITEMSIZE:
-      raise ValueError(f"unknown HLO element type {dtype!r} in {shape_text!r}")
+  for element_type, dims in _ARRAY.findall(shape_text):
     numel = 1
     for d in filter(None, dims.split(",")):
       numel *= int(d)
-    sizes.append(numel * _ITEMSIZE[dtype])
+    sizes.append(numel * _itemsize(element_type))
   return sizes
 
 
@@ -71,7 +72,7 @@ def collective_stats(hlo_text: str) -> dict[str, CollectiveStats]:
     sizes = _array_bytes(match["shape"])
     if match["start"] and match["op"] in ("all-gather", "collective-permute"):
       # The async start returns (operands..., results...).
-      sizes = sizes[len(sizes) // 2:]
+      sizes = sizes[len(sizes) // 2 :]
     count[match["op"]] += 1
     nbytes[match["op"]] += sum(sizes)
   return {op: CollectiveStats(count[op], nbytes[op]) for op in count}

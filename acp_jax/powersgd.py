@@ -10,6 +10,7 @@ from acp_jax import collectives
 from acp_jax import compressor
 from acp_jax import lowrank
 
+
 class PowerSgdState(NamedTuple):
   """State of ``power_sgd``; ``MaskedNode`` at leaves sent dense.
 
@@ -87,7 +88,11 @@ def power_sgd(
     del params
     n = compressor.begin_update(updates, axis_name, "power_sgd")
     s = lowrank.split(
-        updates, state.error, rank, min_compression_rate, keep_dense,
+        updates,
+        state.error,
+        rank,
+        min_compression_rate,
+        keep_dense,
         "power_sgd",
     )
     qs = lowrank.leaves_of(s, state.q)
@@ -107,7 +112,9 @@ def power_sgd(
     masked = [optax.MaskedNode()] * len(dense)
     new_state = PowerSgdState(
         error=lowrank.merge(
-            s, [m - a for m, a in zip(s.matrices, approx)], masked,
+            s,
+            [m - a for m, a in zip(s.matrices, approx)],
+            masked,
             reshape=True,
         ),
         q=lowrank.merge(s, qs, masked, reshape=False),
@@ -117,7 +124,10 @@ def power_sgd(
   def volume(params, num_devices):
     del num_devices
     step = lowrank.volume(
-        params, rank, min_compression_rate, keep_dense,
+        params,
+        rank,
+        min_compression_rate,
+        keep_dense,
         lambda spec: spec.n + spec.m,
     )
     return {"step": compressor.CommVolume(all_reduce=step)}

@@ -30,10 +30,9 @@ def _pack_signs(x: jax.Array) -> jax.Array:
 
 
 def _unpack_signs(bits: jax.Array, like: jax.Array) -> jax.Array:
-  """(..., bytes) uint8 -> (..., *like.shape) signs +-1 in like's dtype."""
-  b = jnp.unpackbits(bits, axis=-1, count=like.size)
-  signs = (2 * b.astype(like.dtype) - 1)
-  return signs.reshape(bits.shape[:-1] + like.shape)
+  """(N, bytes) uint8 -> (N, *like.shape) signs +-1 in float32."""
+  b = jnp.unpackbits(bits, axis=-1, count=like.size).astype(jnp.float32)
+  return (2 * b - 1).reshape(bits.shape[:1] + like.shape)
 
 
 def sign_sgd(
@@ -87,12 +86,14 @@ def sign_sgd(
     return SignSgdState(error=error_feedback.zeros_like(params))
 
   def vote(updates, state):
+    compressor.check_tree_matches(updates, state.error, "sign_sgd")
     leaves, treedef = jax.tree.flatten(updates)
     gathered = collectives.fused_all_gather(
         [_pack_signs(g) for g in leaves], axis_name
     )
     votes = [
-        jnp.sign(_unpack_signs(bits, g).sum(0)) for bits, g in zip(gathered, leaves)
+        jnp.sign(_unpack_signs(bits, g).sum(0)).astype(g.dtype)
+        for bits, g in zip(gathered, leaves)
     ]
     return jax.tree.unflatten(treedef, votes), state
 
@@ -102,15 +103,16 @@ def sign_sgd(
     gathered = collectives.fused_all_gather(bits + scales, axis_name)
     k = len(ps)
     sent, mean = [], []
-    for p, own_bits, own_scale, all_bits, all_scales in zip(
-        ps, bits, scales, gathered[:k], gathered[k:]
+    for p, scale, all_bits, all_scales in zip(
+        ps, scales, gathered[:k], gathered[k:]
     ):
-      sent.append((own_scale * _unpack_signs(own_bits, p)).astype(p.dtype))
-      signs = _unpack_signs(all_bits, p).astype(jnp.float32)
-      mean.append(
-          jnp.tensordot(all_scales, signs, axes=1).astype(p.dtype)
-          / all_scales.shape[0]
+      sent.append(jnp.where(p >= 0, scale, -scale).astype(p.dtype))
+      # Multiply and sum fuse into one reduction: the N unpacked sign
+      # vectors are never materialized.
+      scaled = all_scales.reshape((-1,) + (1,) * p.ndim) * _unpack_signs(
+          all_bits, p
       )
+      mean.append(scaled.mean(0).astype(p.dtype))
     return sent, mean
 
   def update_fn(updates, state, params=None):
@@ -118,7 +120,9 @@ def sign_sgd(
     compressor.begin_update(updates, axis_name, "sign_sgd")
     if majority_vote:
       return vote(updates, state)
-    mean, error = error_feedback.apply(updates, state.error, compress, "sign_sgd")
+    mean, error = error_feedback.apply(
+        updates, state.error, compress, "sign_sgd"
+    )
     return mean, SignSgdState(error=error)
 
   def volume(params, num_devices):

@@ -28,7 +28,9 @@ def _k(numel: int, density: float) -> int:
   return max(1, math.ceil(density * numel))
 
 
-def topk_sgd(density: float, *, axis_name: str = "data") -> compressor.Compressor:
+def topk_sgd(
+    density: float, *, axis_name: str = "data"
+) -> compressor.Compressor:
   """Top-k sparsification with error feedback.
 
   Per leaf with d elements, k = max(1, ceil(density d))::
@@ -84,8 +86,10 @@ def topk_sgd(density: float, *, axis_name: str = "data") -> compressor.Compresso
         ps, flats, indices, values, gathered[:k], gathered[k:]
     ):
       sent.append(jnp.zeros_like(f).at[i].set(v).reshape(p.shape))
-      total = jnp.zeros(f.shape, jnp.float32).at[all_i.ravel()].add(
-          all_v.ravel().astype(jnp.float32)
+      total = (
+          jnp.zeros(f.shape, jnp.float32)
+          .at[all_i.ravel()]
+          .add(all_v.ravel().astype(jnp.float32))
       )
       mean.append((total / all_v.shape[0]).astype(p.dtype).reshape(p.shape))
     return sent, mean
@@ -93,7 +97,9 @@ def topk_sgd(density: float, *, axis_name: str = "data") -> compressor.Compresso
   def update_fn(updates, state, params=None):
     del params
     compressor.begin_update(updates, axis_name, "topk_sgd")
-    mean, error = error_feedback.apply(updates, state.error, compress, "topk_sgd")
+    mean, error = error_feedback.apply(
+        updates, state.error, compress, "topk_sgd"
+    )
     return mean, TopkSgdState(error=error)
 
   def volume(params, num_devices):

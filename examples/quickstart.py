@@ -37,15 +37,15 @@ def make_step(tx):
   # it, grad would all-reduce replicated params' gradients densely itself).
   @jax.jit
   @functools.partial(
-      jax.shard_map, mesh=mesh, check_vma=False,
+      jax.shard_map,
+      mesh=mesh,
+      check_vma=False,
       in_specs=(P(), P("data"), P("data"), P("data")),
       out_specs=(P(), P("data"), P()),
   )
   def step(params, opt_state, x, y):
     opt_state = jax.tree.map(lambda a: a[0], opt_state)  # this device's
-    (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        params, x, y
-    )
+    (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, x, y)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = jax.lax.pmean(jnp.stack([loss, acc]), "data")
@@ -91,7 +91,9 @@ def train(compressor, steps=300, batch=256):
 
 
 if __name__ == "__main__":
-  print(f"{'compressor':<12}{'train loss':>12}{'accuracy':>10}{'bytes/step':>12}")
+  print(
+      f"{'compressor':<12}{'train loss':>12}{'accuracy':>10}{'bytes/step':>12}"
+  )
   for name, compressor in [
       ("ssgd", acp_jax.ssgd()),
       ("acp_sgd", acp_jax.acp_sgd(rank=4)),

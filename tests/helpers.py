@@ -24,7 +24,9 @@ def shard(tree):
 
 def replicate(tree, n=NUM_DEVICES):
   """One copy per device, stacked on a new leading axis and sharded."""
-  return shard(jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), tree))
+  return shard(
+      jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), tree)
+  )
 
 
 def _blocking(f):
@@ -54,9 +56,11 @@ def per_device(local):
     args = jax.tree.map(lambda x: x[0], args)
     return jax.tree.map(lambda x: x[None], local(*args))
 
-  return _blocking(jax.jit(
-      jax.shard_map(body, mesh=mesh(), in_specs=P(AXIS), out_specs=P(AXIS))
-  ))
+  return _blocking(
+      jax.jit(
+          jax.shard_map(body, mesh=mesh(), in_specs=P(AXIS), out_specs=P(AXIS))
+      )
+  )
 
 
 def mapped(update, mapper):
@@ -105,7 +109,9 @@ def stacked_shapes(tree, n=NUM_DEVICES):
   """``jax.ShapeDtypeStruct`` of ``replicate(tree)``, allocating nothing."""
   sharding = NamedSharding(mesh(), P(AXIS))
   return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct((n,) + x.shape, x.dtype, sharding=sharding),
+      lambda x: jax.ShapeDtypeStruct(
+          (n,) + x.shape, x.dtype, sharding=sharding
+      ),
       tree,
   )
 

@@ -24,9 +24,12 @@ def resnet(blocks=(3, 4, 6, 3), width=64, num_classes=1000):
     cout = 4 * mid
     for b in range(n):
       block = {
-          "conv1": _conv(1, 1, cin, mid), "bn1": _bn(mid),
-          "conv2": _conv(3, 3, mid, mid), "bn2": _bn(mid),
-          "conv3": _conv(1, 1, mid, cout), "bn3": _bn(cout),
+          "conv1": _conv(1, 1, cin, mid),
+          "bn1": _bn(mid),
+          "conv2": _conv(3, 3, mid, mid),
+          "bn2": _bn(mid),
+          "conv3": _conv(1, 1, mid, cout),
+          "bn3": _bn(cout),
       }
       if b == 0:
         block["proj"] = {"conv": _conv(1, 1, cin, cout), "bn": _bn(cout)}

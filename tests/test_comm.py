@@ -44,8 +44,9 @@ def assert_compiled_bytes_equal_accounting(name, params):
   if name == "ssgd_bf16" and jax.default_backend() == "cpu":
     # XLA:CPU widens bf16 all-reduces to f32 (its reducer is "_promoted");
     # GPUs send the bf16 buffer that the accounting counts.
-    expected = {k: v._replace(all_reduce=2 * v.all_reduce)
-                for k, v in expected.items()}
+    expected = {
+        k: v._replace(all_reduce=2 * v.all_reduce) for k, v in expected.items()
+    }
   states = phase_states(tx, params)
   assert set(expected) == set(states)
   for phase, state in states.items():
@@ -136,12 +137,19 @@ def test_grad_step_sends_only_the_compressed_bytes(check_vma):
     return jax.tree.map(lambda a: a[None], (u, state))
 
   P = jax.sharding.PartitionSpec
-  f = jax.jit(jax.shard_map(
-      step, mesh=helpers.mesh(), in_specs=(P(), P(helpers.AXIS), P(helpers.AXIS)),
-      out_specs=P(helpers.AXIS), check_vma=check_vma,
-  ))
+  f = jax.jit(
+      jax.shard_map(
+          step,
+          mesh=helpers.mesh(),
+          in_specs=(P(), P(helpers.AXIS), P(helpers.AXIS)),
+          out_specs=P(helpers.AXIS),
+          check_vma=check_vma,
+      )
+  )
   state = helpers.replicate(tx.init(params))
-  stats = acp_jax.collective_stats(f.lower(params, state, x).compile().as_text())
+  stats = acp_jax.collective_stats(
+      f.lower(params, state, x).compile().as_text()
+  )
   assert stats == {
       "all-reduce": acp_jax.hlo.CollectiveStats(
           1, acp_jax.comm_bytes(tx, params, num_devices=NUM_DEVICES)["p"].total

@@ -16,7 +16,9 @@ from tests.test_suite import COMPRESSORS
 @pytest.mark.parametrize("factory", [acp_jax.power_sgd, acp_jax.acp_sgd])
 @pytest.mark.parametrize("rank", [0, -2, 2.0, True, "4", None])
 def test_rank_must_be_a_positive_int(factory, rank):
-  with pytest.raises(ValueError, match=re.escape(f"rank must be a positive int, got {rank!r}")):
+  with pytest.raises(
+      ValueError, match=re.escape(f"rank must be a positive int, got {rank!r}")
+  ):
     factory(rank)
 
 
@@ -29,18 +31,36 @@ def test_min_compression_rate_must_be_non_negative(factory, rate):
 
 @pytest.mark.parametrize("density", [0, -0.1, 1.5, float("nan"), True, "0.1"])
 def test_density_must_be_in_unit_interval(density):
-  with pytest.raises(ValueError, match=re.escape(f"density must be a number in (0, 1], got {density!r}")):
+  with pytest.raises(
+      ValueError,
+      match=re.escape(f"density must be a number in (0, 1], got {density!r}"),
+  ):
     acp_jax.topk_sgd(density)
 
 
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: acp_jax.ssgd(comm_dtype=jnp.int8), "comm_dtype must be a floating dtype"),
-        (lambda: acp_jax.ssgd(comm_dtype="bogus"), "comm_dtype must be a floating dtype"),
-        (lambda: acp_jax.ssgd(fusion_bytes=0), "fusion_bytes must be a positive int or None, got 0"),
-        (lambda: acp_jax.acp_sgd(4, fusion_bytes=1.5), "fusion_bytes must be a positive int or None, got 1.5"),
-        (lambda: acp_jax.sign_sgd(majority_vote="yes"), "majority_vote must be a bool, got 'yes'"),
+        (
+            lambda: acp_jax.ssgd(comm_dtype=jnp.int8),
+            "comm_dtype must be a floating dtype",
+        ),
+        (
+            lambda: acp_jax.ssgd(comm_dtype="bogus"),
+            "comm_dtype must be a floating dtype",
+        ),
+        (
+            lambda: acp_jax.ssgd(fusion_bytes=0),
+            "fusion_bytes must be a positive int or None, got 0",
+        ),
+        (
+            lambda: acp_jax.acp_sgd(4, fusion_bytes=1.5),
+            "fusion_bytes must be a positive int or None, got 1.5",
+        ),
+        (
+            lambda: acp_jax.sign_sgd(majority_vote="yes"),
+            "majority_vote must be a bool, got 'yes'",
+        ),
     ],
 )
 def test_bad_options(make, message):
@@ -74,7 +94,9 @@ def test_init_rejects_non_real_float_leaves(name, dtype):
 def test_update_outside_a_mapped_context(name):
   tx = COMPRESSORS[name].make()
   params = {"w": jnp.zeros((8, 8))}
-  with pytest.raises(ValueError, match="axis_name='data' is not bound.*jax.shard_map.*jax.pmap"):
+  with pytest.raises(
+      ValueError, match="axis_name='data' is not bound.*jax.shard_map.*jax.pmap"
+  ):
     jax.jit(tx.update)(params, tx.init(params))
 
 
@@ -98,17 +120,30 @@ def test_gradients_already_reduced_by_grad(name):
     g = jax.grad(lambda p: jnp.mean((x @ p["w"]) ** 2))(params)
     return tx.update(g, jax.tree.map(lambda a: a[0], state))[0]
 
-  f = jax.jit(jax.shard_map(step, mesh=helpers.mesh(),
-                            in_specs=(P(), P("data"), P("data")), out_specs=P()))
-  with pytest.raises(ValueError, match=re.escape("lax.pcast(params, 'data', to='varying')")):
+  f = jax.jit(
+      jax.shard_map(
+          step,
+          mesh=helpers.mesh(),
+          in_specs=(P(), P("data"), P("data")),
+          out_specs=P(),
+      )
+  )
+  with pytest.raises(
+      ValueError, match=re.escape("lax.pcast(params, 'data', to='varying')")
+  ):
     f.lower(params, helpers.replicate(tx.init(params)), jnp.ones((64, 16)))
 
 
-@pytest.mark.parametrize("name", ["sign_sgd", "topk_sgd", "power_sgd", "acp_sgd"])
+@pytest.mark.parametrize(
+    "name", ["sign_sgd", "topk_sgd", "power_sgd", "acp_sgd"]
+)
 @pytest.mark.parametrize(
     "grads, message",
     [
-        ({"w": jnp.zeros((16, 12)), "extra": jnp.zeros(3)}, "does not match the tree"),
+        (
+            {"w": jnp.zeros((16, 12)), "extra": jnp.zeros(3)},
+            "does not match the tree",
+        ),
         ({"w": jnp.zeros((12, 16)), "b": jnp.zeros(12)}, "has shape (12, 16)"),
     ],
 )
@@ -122,7 +157,9 @@ def test_update_with_another_tree(name, grads, message):
 
 def test_keep_dense_of_another_tree():
   tx = acp_jax.acp_sgd(2, keep_dense={"w": True})
-  with pytest.raises(ValueError, match="keep_dense must give a tree of bools like the params"):
+  with pytest.raises(
+      ValueError, match="keep_dense must give a tree of bools like the params"
+  ):
     tx.init({"w": jnp.zeros((16, 12)), "b": jnp.zeros(12)})
 
 
@@ -130,5 +167,7 @@ def test_comm_bytes_needs_the_compressor_itself():
   chained = optax.chain(acp_jax.acp_sgd(4), optax.sgd(0.1))
   with pytest.raises(TypeError, match="pass the compressor itself"):
     acp_jax.comm_bytes(chained, {"w": jnp.zeros((4, 4))}, num_devices=8)
-  with pytest.raises(ValueError, match="num_devices must be a positive int, got 0"):
+  with pytest.raises(
+      ValueError, match="num_devices must be a positive int, got 0"
+  ):
     acp_jax.comm_bytes(acp_jax.ssgd(), {"w": jnp.zeros((4, 4))}, num_devices=0)

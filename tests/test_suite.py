@@ -23,9 +23,7 @@ COMPRESSORS = {
     "ssgd": Entry(acp_jax.ssgd, 0.1),
     "ssgd_bf16": Entry(lambda: acp_jax.ssgd(comm_dtype=jnp.bfloat16), 0.1),
     "sign_sgd": Entry(acp_jax.sign_sgd, 0.1),
-    "sign_sgd_vote": Entry(
-        lambda: acp_jax.sign_sgd(majority_vote=True), 0.003
-    ),
+    "sign_sgd_vote": Entry(lambda: acp_jax.sign_sgd(majority_vote=True), 0.003),
     "topk_sgd": Entry(lambda: acp_jax.topk_sgd(0.2), 0.1),
     "power_sgd": Entry(lambda: acp_jax.power_sgd(2), 0.1),
     "acp_sgd": Entry(lambda: acp_jax.acp_sgd(2), 0.1, phases=2),
@@ -90,9 +88,7 @@ def test_replicas_stay_bitwise_identical(name):
 
 @all_compressors
 def test_updates_keep_low_precision_dtypes(name):
-  params = jax.tree.map(
-      lambda x: x.astype(jnp.bfloat16), helpers.MIXED
-  )
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), helpers.MIXED)
   params["dense"]["kernel"] = params["dense"]["kernel"].astype(jnp.float16)
   _, updates, _ = run_steps(COMPRESSORS[name].make(), "pmap", 2, params)
   for u in updates:
@@ -108,13 +104,17 @@ def test_error_feedback_loses_nothing(name):
   is_masked = lambda x: isinstance(x, optax.MaskedNode)
   residuals = jax.tree.leaves(state.error, is_leaf=is_masked)
   sent_dense = [is_masked(e) for e in residuals]
-  mean_residuals = [0.0 if d else e.mean(0) for e, d in zip(residuals, sent_dense)]
+  mean_residuals = [
+      0.0 if d else e.mean(0) for e, d in zip(residuals, sent_dense)
+  ]
   applied = [sum(u) for u in zip(*(jax.tree.leaves(u) for u in updates))]
   mean_grads = [sum(g) for g in zip(*(jax.tree.leaves(g) for g in grads))]
   for a, e, g in zip(applied, mean_residuals, mean_grads):
     np.testing.assert_allclose(a[0] + e, g.mean(0), atol=1e-4)
   # Something was left behind, so the invariant was put to the test.
-  assert max(float(jnp.abs(e).max()) for e in jax.tree.leaves(state.error)) > 0.1
+  assert (
+      max(float(jnp.abs(e).max()) for e in jax.tree.leaves(state.error)) > 0.1
+  )
 
 
 @all_compressors
@@ -141,6 +141,11 @@ def test_converges_on_least_squares(name):
   initial = float(loss(params, x.reshape(-1, 16), y.reshape(-1, 12)))
   for _ in range(150):
     p, s = step(p, s, x, y)
-  final = float(loss(jax.tree.map(lambda a: np.asarray(a)[0], p),
-                     x.reshape(-1, 16), y.reshape(-1, 12)))
+  final = float(
+      loss(
+          jax.tree.map(lambda a: np.asarray(a)[0], p),
+          x.reshape(-1, 16),
+          y.reshape(-1, 12),
+      )
+  )
   assert final < 0.05 * initial, (initial, final)

@@ -1,0 +1,35 @@
+"""Reading collectives and their bytes from HLO text."""
+
+import pytest
+
+from acp_jax import hlo
+
+# Lines in the forms XLA prints: a variadic all-reduce whose tuple carries an
+# index comment, a GPU async all-gather pair, a root instruction, and ops
+# whose metadata mentions a collective without being one.
+MODULE = """
+HloModule jit_step
+  %x = f32[2,3]{1,0} parameter(0)
+  %all-reduce.3 = (f32[2,3]{1,0}, bf16[4]{0}, pred[3]{0}, s32[], f32[1]{0}, /*index=5*/u8[8,2]{1,0}) all-reduce(%x, %y), channel_id=1, replica_groups={{0,1}}, to_apply=%sum
+  %all-gather-start.1 = (f32[4]{0}, f32[32]{0}) all-gather-start(%y), dimensions={0}
+  %all-gather-done.1 = f32[32]{0} all-gather-done(%all-gather-start.1)
+  %fusion = f32[4]{0} fusion(%z), kind=kLoop, metadata={op_name="jit(f)/all-reduce(x)"}
+  ROOT %all-to-all = f8e4m3fn[10]{0} all-to-all(%z), dimensions={0}
+"""
+
+
+def test_counts_and_bytes():
+  assert hlo.collective_stats(MODULE) == {
+      "all-reduce": hlo.CollectiveStats(1, 24 + 8 + 3 + 4 + 4 + 16),
+      "all-gather": hlo.CollectiveStats(1, 32 * 4),
+      "all-to-all": hlo.CollectiveStats(1, 10),
+  }
+
+
+def test_no_collectives():
+  assert not hlo.collective_stats("  %x = f32[2]{0} add(%a, %b)")
+
+
+def test_unknown_element_type():
+  with pytest.raises(ValueError, match="unknown HLO element type 'u4'"):
+    hlo.collective_stats("  %a = u4[8]{0} all-reduce(%x)")
