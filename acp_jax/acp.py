@@ -4,6 +4,7 @@ import enum
 from typing import NamedTuple
 
 import jax
+from jax import lax
 import optax
 
 from acp_jax import collectives
@@ -49,7 +50,6 @@ def acp_sgd(
     min_compression_rate: float = 2.0,
     seed: int = 0,
     keep_dense: compressor.KeepDense = None,
-    fusion_bytes: int | None = collectives.DEFAULT_FUSION_BYTES,
 ) -> compressor.Compressor:
   """ACP-SGD: alternate compressed Power-SGD, one all-reduce a step.
 
@@ -75,8 +75,6 @@ def acp_sgd(
     seed: seed of the initial Q, the same on every replica.
     keep_dense: a tree of bools like the params, or a function of the params
       returning one, marking leaves to send uncompressed.
-    fusion_bytes: largest all-reduce buffer; ``None`` puts the whole step in
-      one buffer.
 
   Returns:
     A ``Compressor`` whose update, called inside ``jax.shard_map`` or
@@ -97,7 +95,6 @@ def acp_sgd(
     Distributed Deep Learning", ICDCS 2023. https://arxiv.org/abs/2306.08881
   """
   lowrank.check_args(rank, min_compression_rate)
-  collectives.check_fusion_bytes(fusion_bytes)
 
   def init_fn(params):
     compressor.check_float_leaves(params, "acp_sgd")
@@ -126,19 +123,19 @@ def acp_sgd(
     errors = [
         m - orient(f @ b.T) for m, f, b in zip(s.matrices, factors, bases)
     ]
-    k = len(factors)
-    summed = collectives.fused_psum(factors + s.dense, axis_name, fusion_bytes)
-    means = [x / n for x in summed]
-    applied = [orient(f @ b.T) for f, b in zip(means[:k], bases)]
+    # The one round: packed factors, and dense leaves that XLA fuses in.
+    reduced = [f / n for f in collectives.packed_psum(factors, axis_name)]
+    dense = [x / n for x in lax.psum(s.dense, axis_name)]
+    applied = [orient(f @ b.T) for f, b in zip(reduced, bases)]
     masked = [optax.MaskedNode()] * len(s.dense)
-    reduced = lowrank.merge(s, means[:k], masked, reshape=False)
+    reduced_tree = lowrank.merge(s, reduced, masked, reshape=False)
     new_state = AcpSgdState(
         error=lowrank.merge(s, errors, masked, reshape=True),
-        p=reduced if p_step else state.p,
-        q=state.q if p_step else reduced,
+        p=reduced_tree if p_step else state.p,
+        q=state.q if p_step else reduced_tree,
         phase=Phase.Q if p_step else Phase.P,
     )
-    return lowrank.merge(s, applied, means[k:], reshape=True), new_state
+    return lowrank.merge(s, applied, dense, reshape=True), new_state
 
   def volume(params, num_devices):
     del num_devices

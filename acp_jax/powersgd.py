@@ -3,6 +3,7 @@
 from typing import Any, NamedTuple
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import optax
 
@@ -32,7 +33,6 @@ def power_sgd(
     min_compression_rate: float = 2.0,
     seed: int = 0,
     keep_dense: compressor.KeepDense = None,
-    fusion_bytes: int | None = collectives.DEFAULT_FUSION_BYTES,
 ) -> compressor.Compressor:
   """Power-SGD: error-feedback low-rank compression, two all-reduces a step.
 
@@ -44,9 +44,10 @@ def power_sgd(
     Q = allreduce_sum(M^T P) / N
     update = P Q^T;  E = M - update
 
-  Leaves sent dense (vectors, scalars, small matrices, ``keep_dense``) ride in
-  the first all-reduce. The second all-reduce needs the first one's result,
-  so the two cannot be fused nor overlapped with backprop.
+  Each round packs its factors into one buffer; leaves sent dense (vectors,
+  scalars, small matrices, ``keep_dense``) are psummed on their own and XLA
+  fuses them into a round. The second round needs the first one's result,
+  so the two can neither be fused nor overlapped with backprop.
 
   Args:
     rank: rank r of the factors, clipped per leaf to min(n, m).
@@ -56,8 +57,6 @@ def power_sgd(
     seed: seed of the initial Q, the same on every replica.
     keep_dense: a tree of bools like the params, or a function of the params
       returning one, marking leaves to send uncompressed.
-    fusion_bytes: largest all-reduce buffer; ``None`` puts each all-reduce's
-      whole payload in one buffer.
 
   Returns:
     A ``Compressor`` whose update, called inside ``jax.shard_map`` or
@@ -76,7 +75,6 @@ def power_sgd(
     Distributed Optimization", NeurIPS 2019. https://arxiv.org/abs/1905.13727
   """
   lowrank.check_args(rank, min_compression_rate)
-  collectives.check_fusion_bytes(fusion_bytes)
 
   def init_fn(params):
     compressor.check_float_leaves(params, "power_sgd")
@@ -96,19 +94,19 @@ def power_sgd(
         "power_sgd",
     )
     qs = lowrank.leaves_of(s, state.q)
-    k = len(s.matrices)
-    summed = collectives.fused_psum(
-        [m @ q for m, q in zip(s.matrices, qs)] + s.dense,
-        axis_name,
-        fusion_bytes,
+    ps = collectives.packed_psum(
+        [m @ q for m, q in zip(s.matrices, qs)], axis_name
     )
-    ps = [lowrank.orthogonalize(p) for p in summed[:k]]
-    qs = collectives.fused_psum(
-        [m.T @ p for m, p in zip(s.matrices, ps)], axis_name, fusion_bytes
+    dense = lax.psum(s.dense, axis_name)  # XLA fuses it with a factor round.
+    ps = [lowrank.orthogonalize(p) for p in ps]
+    # Q needs the reduced P: a second all-reduce that can neither fuse with
+    # the first nor start before it ends.
+    qs = collectives.packed_psum(
+        [m.T @ p for m, p in zip(s.matrices, ps)], axis_name
     )
     qs = [q / n for q in qs]
     approx = [p @ q.T for p, q in zip(ps, qs)]
-    dense = [x / n for x in summed[k:]]
+    dense = [x / n for x in dense]
     masked = [optax.MaskedNode()] * len(dense)
     new_state = PowerSgdState(
         error=lowrank.merge(

@@ -88,7 +88,7 @@ def sign_sgd(
   def vote(updates, state):
     compressor.check_tree_matches(updates, state.error, "sign_sgd")
     leaves, treedef = jax.tree.flatten(updates)
-    gathered = collectives.fused_all_gather(
+    gathered = collectives.packed_all_gather(
         [_pack_signs(g) for g in leaves], axis_name
     )
     votes = [
@@ -100,7 +100,7 @@ def sign_sgd(
   def compress(ps):
     bits = [_pack_signs(p) for p in ps]
     scales = [jnp.abs(p).astype(jnp.float32).mean() for p in ps]
-    gathered = collectives.fused_all_gather(bits + scales, axis_name)
+    gathered = collectives.packed_all_gather(bits + scales, axis_name)
     k = len(ps)
     sent, mean = [], []
     for p, scale, all_bits, all_scales in zip(

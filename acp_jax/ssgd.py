@@ -1,6 +1,7 @@
 """S-SGD: the dense all-reduce every compressor is measured against."""
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import optax
 
@@ -12,7 +13,6 @@ def ssgd(
     *,
     axis_name: str = "data",
     comm_dtype=None,
-    fusion_bytes: int | None = collectives.DEFAULT_FUSION_BYTES,
 ) -> compressor.Compressor:
   """S-SGD: the mean gradient over the axis by a dense all-reduce.
 
@@ -24,7 +24,6 @@ def ssgd(
     axis_name: the mapped axis over which devices hold their data shards.
     comm_dtype: floating dtype to communicate in (e.g. ``jnp.bfloat16``), or
       ``None`` for the gradients' own dtype.
-    fusion_bytes: largest all-reduce buffer; ``None`` sends everything in one.
 
   Returns:
     A stateless ``Compressor``; its update runs inside ``jax.shard_map`` or
@@ -43,7 +42,6 @@ def ssgd(
       raise ValueError(
           f"comm_dtype must be a floating dtype or None, got {comm_dtype!r}"
       )
-  collectives.check_fusion_bytes(fusion_bytes)
 
   def init_fn(params):
     compressor.check_float_leaves(params, "ssgd")
@@ -54,7 +52,7 @@ def ssgd(
     n = compressor.begin_update(updates, axis_name, "ssgd")
     leaves, treedef = jax.tree.flatten(updates)
     sent = [(g / n).astype(comm_dtype or g.dtype) for g in leaves]
-    summed = collectives.fused_psum(sent, axis_name, fusion_bytes)
+    summed = lax.psum(sent, axis_name)
     mean = [x.astype(g.dtype) for x, g in zip(summed, leaves)]
     return jax.tree.unflatten(treedef, mean), state
 

@@ -79,7 +79,7 @@ def topk_sgd(
     flats = [p.ravel() for p in ps]
     indices = [lax.top_k(jnp.abs(f), _k(f.size, density))[1] for f in flats]
     values = [f[i] for f, i in zip(flats, indices)]
-    gathered = collectives.fused_all_gather(values + indices, axis_name)
+    gathered = collectives.packed_all_gather(values + indices, axis_name)
     k = len(ps)
     sent, mean = [], []
     for p, f, i, v, all_v, all_i in zip(

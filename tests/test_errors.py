@@ -50,14 +50,6 @@ def test_density_must_be_in_unit_interval(density):
             "comm_dtype must be a floating dtype",
         ),
         (
-            lambda: acp_jax.ssgd(fusion_bytes=0),
-            "fusion_bytes must be a positive int or None, got 0",
-        ),
-        (
-            lambda: acp_jax.acp_sgd(4, fusion_bytes=1.5),
-            "fusion_bytes must be a positive int or None, got 1.5",
-        ),
-        (
             lambda: acp_jax.sign_sgd(majority_vote="yes"),
             "majority_vote must be a bool, got 'yes'",
         ),
