@@ -83,13 +83,19 @@ def check_float_leaves(params: Any, caller: str) -> None:
       )
 
 
-def check_tree_matches(grads: Any, state_tree: Any, caller: str) -> None:
-  """Raises unless ``grads`` has the structure and shapes of ``state_tree``.
+def is_masked(x: Any) -> bool:
+  return isinstance(x, optax.MaskedNode)
 
-  ``state_tree`` mirrors the params it was initialized from, with
-  ``optax.MaskedNode`` where a leaf keeps no state.
-  """
-  is_masked = lambda x: isinstance(x, optax.MaskedNode)
+
+def state_leaves(state_tree: Any) -> list[Any]:
+  """Leaves of a state tree that mirrors the params, one per param: an array,
+  or ``optax.MaskedNode`` where that param keeps no state."""
+  return jax.tree.leaves(state_tree, is_leaf=is_masked)
+
+
+def check_tree_matches(grads: Any, state_tree: Any, caller: str) -> None:
+  """Raises unless ``grads`` has the structure and shapes of ``state_tree``,
+  a tree that mirrors the params the state was initialized from."""
   state_def = jax.tree.structure(state_tree, is_leaf=is_masked)
   grads_def = jax.tree.structure(grads)
   if state_def != grads_def:
@@ -98,8 +104,7 @@ def check_tree_matches(grads: Any, state_tree: Any, caller: str) -> None:
         f" state was initialized with, {state_def}."
     )
   pairs = zip(
-      jax.tree_util.tree_leaves_with_path(grads),
-      jax.tree.leaves(state_tree, is_leaf=is_masked),
+      jax.tree_util.tree_leaves_with_path(grads), state_leaves(state_tree)
   )
   for (path, g), s in pairs:
     if not is_masked(s) and s.shape != g.shape:

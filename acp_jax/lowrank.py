@@ -131,16 +131,14 @@ def split(
   """Checks ``grads`` against the state and adds the residuals to them."""
   compressor.check_tree_matches(grads, errors, caller)
   leaves, treedef = jax.tree.flatten(grads)
-  error_leaves = jax.tree.leaves(
-      errors, is_leaf=lambda x: isinstance(x, optax.MaskedNode)
-  )
   specs = plan(grads, rank, min_compression_rate, keep_dense)
   matrices, dense = [], []
-  for g, e, spec in zip(leaves, error_leaves, specs):
-    if (spec is None) != isinstance(e, optax.MaskedNode):
+  for g, e, spec in zip(leaves, compressor.state_leaves(errors), specs):
+    if (spec is None) != compressor.is_masked(e):
       raise ValueError(
-          f"{caller}: the gradients do not match the state: keep_dense or"
-          " rank selects other leaves than at init."
+          f"{caller}: the state was initialized to compress other leaves;"
+          " init and update must use the same compressor (rank,"
+          " min_compression_rate, keep_dense)."
       )
     if spec is None:
       dense.append(g)
@@ -167,10 +165,11 @@ def merge(
 
 def leaves_of(s: Split, tree: Any) -> list[jax.Array]:
   """Leaves of a state tree at the compressed positions of ``s``."""
-  leaves = jax.tree.leaves(
-      tree, is_leaf=lambda x: isinstance(x, optax.MaskedNode)
-  )
-  return [x for x, spec in zip(leaves, s.specs) if spec is not None]
+  return [
+      x
+      for x, spec in zip(compressor.state_leaves(tree), s.specs)
+      if spec is not None
+  ]
 
 
 def volume(

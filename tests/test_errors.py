@@ -147,6 +147,14 @@ def test_update_with_another_tree(name, grads, message):
     update(helpers.replicate(grads), helpers.replicate(tx.init(params)))
 
 
+def test_state_of_another_compressor():
+  params = {"w": jnp.zeros((16, 12)), "b": jnp.zeros(12)}
+  state = helpers.replicate(acp_jax.power_sgd(2).init(params))
+  other = acp_jax.power_sgd(2, keep_dense={"w": True, "b": True})
+  with pytest.raises(ValueError, match="the state was initialized to compress"):
+    helpers.mapped(other.update, "pmap")(helpers.replicate(params), state)
+
+
 def test_keep_dense_of_another_tree():
   tx = acp_jax.acp_sgd(2, keep_dense={"w": True})
   with pytest.raises(

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import acp_jax
+from acp_jax import compressor
 from tests import helpers
 from tests.conftest import NUM_DEVICES
 
@@ -101,9 +102,8 @@ def test_updates_keep_low_precision_dtypes(name):
 def test_error_feedback_loses_nothing(name):
   """sum of applied updates + mean residual = sum of mean gradients."""
   grads, updates, state = run_steps(COMPRESSORS[name].make(), "pmap", 10)
-  is_masked = lambda x: isinstance(x, optax.MaskedNode)
-  residuals = jax.tree.leaves(state.error, is_leaf=is_masked)
-  sent_dense = [is_masked(e) for e in residuals]
+  residuals = compressor.state_leaves(state.error)
+  sent_dense = [compressor.is_masked(e) for e in residuals]
   mean_residuals = [
       0.0 if d else e.mean(0) for e, d in zip(residuals, sent_dense)
   ]
