@@ -94,25 +94,16 @@ def acp_sgd(
     Zhang et al., "Evaluation and Optimization of Gradient Compression for
     Distributed Deep Learning", ICDCS 2023. https://arxiv.org/abs/2306.08881
   """
-  lowrank.check_args(rank, min_compression_rate)
+  lr = lowrank.settings(rank, min_compression_rate, keep_dense, seed, "acp_sgd")
 
   def init_fn(params):
-    compressor.check_float_leaves(params, "acp_sgd")
-    specs = lowrank.plan(params, rank, min_compression_rate, keep_dense)
-    error, p, q = lowrank.init_trees(params, specs, seed)
+    error, p, q = lowrank.init_trees(lr, params)
     return AcpSgdState(error=error, p=p, q=q, phase=Phase.P)
 
   def update_fn(updates, state, params=None):
     del params
     n = compressor.begin_update(updates, axis_name, "acp_sgd")
-    s = lowrank.split(
-        updates,
-        state.error,
-        rank,
-        min_compression_rate,
-        keep_dense,
-        "acp_sgd",
-    )
+    s = lowrank.split(lr, updates, state.error)
     # A Q-step is a P-step on the transposed matrices.
     p_step = state.phase is Phase.P
     orient = (lambda x: x) if p_step else (lambda x: x.T)
@@ -140,9 +131,7 @@ def acp_sgd(
   def volume(params, num_devices):
     del num_devices
     phase_volume = lambda rows: compressor.CommVolume(
-        all_reduce=lowrank.volume(
-            params, rank, min_compression_rate, keep_dense, rows
-        )
+        all_reduce=lowrank.volume(lr, params, rows)
     )
     return {
         "p": phase_volume(lambda spec: spec.n),

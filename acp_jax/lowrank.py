@@ -21,7 +21,34 @@ class MatrixSpec(NamedTuple):
   rank: int
 
 
-def check_args(rank: Any, min_compression_rate: Any) -> None:
+class LowRank(NamedTuple):
+  """Settings of a low-rank compressor; build it with ``settings``."""
+
+  rank: int
+  min_compression_rate: float
+  keep_dense: compressor.KeepDense
+  seed: int
+  caller: str  # the factory's name, for error messages
+
+  def plan(self, tree: Any) -> list[MatrixSpec | None]:
+    """``matrix_spec`` of every leaf of ``tree``, honouring ``keep_dense``."""
+    dense = compressor.keep_dense_leaves(self.keep_dense, tree)
+    return [
+        None
+        if d
+        else matrix_spec(tuple(x.shape), self.rank, self.min_compression_rate)
+        for x, d in zip(jax.tree.leaves(tree), dense)
+    ]
+
+
+def settings(
+    rank: Any,
+    min_compression_rate: Any,
+    keep_dense: compressor.KeepDense,
+    seed: int,
+    caller: str,
+) -> LowRank:
+  """Checks a low-rank factory's arguments."""
   if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
     raise ValueError(f"rank must be a positive int, got {rank!r}")
   if (
@@ -33,6 +60,7 @@ def check_args(rank: Any, min_compression_rate: Any) -> None:
         "min_compression_rate must be a non-negative number, got"
         f" {min_compression_rate!r}"
     )
+  return LowRank(rank, min_compression_rate, keep_dense, seed, caller)
 
 
 def matrix_spec(
@@ -55,20 +83,6 @@ def matrix_spec(
   return MatrixSpec(n, m, r)
 
 
-def plan(
-    tree: Any,
-    rank: int,
-    min_compression_rate: float,
-    keep_dense: compressor.KeepDense,
-) -> list[MatrixSpec | None]:
-  """``matrix_spec`` of every leaf of ``tree``, honouring ``keep_dense``."""
-  dense = compressor.keep_dense_leaves(keep_dense, tree)
-  return [
-      None if d else matrix_spec(tuple(x.shape), rank, min_compression_rate)
-      for x, d in zip(jax.tree.leaves(tree), dense)
-  ]
-
-
 def orthogonalize(x: jax.Array) -> jax.Array:
   """Orthonormal basis of the columns of ``x`` (n x r, n >= r).
 
@@ -80,9 +94,7 @@ def orthogonalize(x: jax.Array) -> jax.Array:
   return q.astype(x.dtype)
 
 
-def init_trees(
-    params: Any, specs: list[MatrixSpec | None], seed: int
-) -> tuple[Any, Any, Any]:
+def init_trees(lr: LowRank, params: Any) -> tuple[Any, Any, Any]:
   """Zero residuals E, zero P factors and random Q factors, like ``params``.
 
   Each tree holds ``optax.MaskedNode()`` at the leaves sent dense. The Q
@@ -90,11 +102,13 @@ def init_trees(
   compile, not one per shape), so every replica starts from the same factors
   wherever ``init`` runs.
   """
+  compressor.check_float_leaves(params, lr.caller)
+  specs = lr.plan(params)
   leaves, treedef = jax.tree.flatten(params)
   sizes = [spec.m * spec.rank for spec in specs if spec is not None]
   draw = iter(
       jnp.split(
-          jax.random.normal(jax.random.key(seed), (sum(sizes),)),
+          jax.random.normal(jax.random.key(lr.seed), (sum(sizes),)),
           np.cumsum(sizes)[:-1],
       )
   )
@@ -120,23 +134,16 @@ class Split(NamedTuple):
   dense: list[jax.Array]  # the gradient of each leaf sent dense
 
 
-def split(
-    grads: Any,
-    errors: Any,
-    rank: int,
-    min_compression_rate: float,
-    keep_dense: compressor.KeepDense,
-    caller: str,
-) -> Split:
+def split(lr: LowRank, grads: Any, errors: Any) -> Split:
   """Checks ``grads`` against the state and adds the residuals to them."""
-  compressor.check_tree_matches(grads, errors, caller)
+  compressor.check_tree_matches(grads, errors, lr.caller)
   leaves, treedef = jax.tree.flatten(grads)
-  specs = plan(grads, rank, min_compression_rate, keep_dense)
+  specs = lr.plan(grads)
   matrices, dense = [], []
   for g, e, spec in zip(leaves, compressor.state_leaves(errors), specs):
     if (spec is None) != compressor.is_masked(e):
       raise ValueError(
-          f"{caller}: the state was initialized to compress other leaves;"
+          f"{lr.caller}: the state was initialized to compress other leaves;"
           " init and update must use the same compressor (rank,"
           " min_compression_rate, keep_dense)."
       )
@@ -173,15 +180,11 @@ def leaves_of(s: Split, tree: Any) -> list[jax.Array]:
 
 
 def volume(
-    params: Any,
-    rank: int,
-    min_compression_rate: float,
-    keep_dense: compressor.KeepDense,
-    factor_rows: Callable[[MatrixSpec], int],
+    lr: LowRank, params: Any, factor_rows: Callable[[MatrixSpec], int]
 ) -> int:
   """Bytes of one all-reduce carrying a factor of each compressed leaf (with
   ``factor_rows(spec)`` x rank elements) and every dense leaf."""
-  specs = plan(params, rank, min_compression_rate, keep_dense)
+  specs = lr.plan(params)
   total = 0
   for x, spec in zip(jax.tree.leaves(params), specs):
     shape = x.shape if spec is None else (factor_rows(spec), spec.rank)

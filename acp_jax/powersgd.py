@@ -74,25 +74,18 @@ def power_sgd(
     Vogels et al., "PowerSGD: Practical Low-Rank Gradient Compression for
     Distributed Optimization", NeurIPS 2019. https://arxiv.org/abs/1905.13727
   """
-  lowrank.check_args(rank, min_compression_rate)
+  lr = lowrank.settings(
+      rank, min_compression_rate, keep_dense, seed, "power_sgd"
+  )
 
   def init_fn(params):
-    compressor.check_float_leaves(params, "power_sgd")
-    specs = lowrank.plan(params, rank, min_compression_rate, keep_dense)
-    error, _, q = lowrank.init_trees(params, specs, seed)
+    error, _, q = lowrank.init_trees(lr, params)
     return PowerSgdState(error=error, q=q)
 
   def update_fn(updates, state, params=None):
     del params
     n = compressor.begin_update(updates, axis_name, "power_sgd")
-    s = lowrank.split(
-        updates,
-        state.error,
-        rank,
-        min_compression_rate,
-        keep_dense,
-        "power_sgd",
-    )
+    s = lowrank.split(lr, updates, state.error)
     qs = lowrank.leaves_of(s, state.q)
     ps = collectives.packed_psum(
         [m @ q for m, q in zip(s.matrices, qs)], axis_name
@@ -121,13 +114,7 @@ def power_sgd(
 
   def volume(params, num_devices):
     del num_devices
-    step = lowrank.volume(
-        params,
-        rank,
-        min_compression_rate,
-        keep_dense,
-        lambda spec: spec.n + spec.m,
-    )
+    step = lowrank.volume(lr, params, lambda spec: spec.n + spec.m)
     return {"step": compressor.CommVolume(all_reduce=step)}
 
   return compressor.Compressor(init_fn, update_fn, volume)

@@ -57,7 +57,7 @@ def test_compiled_bytes_equal_accounting(name):
 
 
 def dense_bytes(params, rank):
-  specs = lowrank.plan(params, rank, 2.0, None)
+  specs = lowrank.settings(rank, 2.0, None, 0, "test").plan(params)
   return sum(
       x.size * x.dtype.itemsize
       for x, spec in zip(jax.tree.leaves(params), specs)
