@@ -88,13 +88,6 @@ def to_numpy(tree):
   return jax.tree.map(np.asarray, tree)
 
 
-def assert_trees_all_close(a, b, rtol=1e-6, atol=1e-6):
-  a, b = to_numpy(a), to_numpy(b)
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
-
-
 # A tree mixing every kind of leaf: a conv kernel and a dense kernel that are
 # compressed, a matrix too small to compress, a bias and a scalar.
 MIXED = {
