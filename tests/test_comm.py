@@ -156,3 +156,28 @@ def test_resnet50_compiled_bytes_equal_accounting(name):
   params = shapes.resnet()
   assert shapes.num_params(params) == 25_557_032  # torchvision's ResNet-50
   assert_compiled_bytes_equal_accounting(name, params)
+
+
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        # helpers.MIXED: conv 3x3x4x8 (288 = 36 x 8), dense 16x12 (192), bias
+        # 12, tiny 2x3 (6, too small to compress at rank 2), scalar; fp32.
+        (acp_jax.ssgd, {"step": (499 * 4, 0)}),
+        # Bits 36 + 24 + 2 + 1 + 1, five float32 scales, from each of 8.
+        (acp_jax.sign_sgd, {"step": (0, 8 * (64 + 5 * 4))}),
+        # k = 58, 39, 3, 2, 1 values (4 bytes) and int32 indices.
+        (lambda: acp_jax.topk_sgd(0.2), {"step": (0, 8 * 103 * 8)}),
+        # (36 + 8) x 2 and (16 + 12) x 2 factor entries, 19 dense entries.
+        (lambda: acp_jax.power_sgd(2), {"step": ((88 + 56 + 19) * 4, 0)}),
+        (
+            lambda: acp_jax.acp_sgd(2),
+            {"p": ((72 + 32 + 19) * 4, 0), "q": ((16 + 24 + 19) * 4, 0)},
+        ),
+    ],
+)
+def test_accounting_by_hand(make, expected):
+  volume = acp_jax.comm_bytes(make(), helpers.MIXED, num_devices=8)
+  assert volume == {
+      phase: acp_jax.CommVolume(*v) for phase, v in expected.items()
+  }
