@@ -1,0 +1,44 @@
+"""BERT-Base masked-LM pre-training: the paper's setting (32 per GPU, sequence
+length 64, rank 32).
+
+We have no tokenized corpus loader, so the tokens are synthetic, as in the
+paper's throughput benchmarks.
+"""
+
+import ml_collections
+
+from configs import default
+
+
+def get_config():
+  config = default.get_config()
+  config.data = ml_collections.ConfigDict(
+      {
+          "name": "synthetic_tokens",
+          "seq_len": 64,
+          "vocab_size": 30522,
+          "task": "masked_lm",
+      }
+  )
+  config.model = ml_collections.ConfigDict({"name": "bert", "size": "base"})
+  config.batch_size = 0
+  config.per_device_batch_size = 32
+  config.compressor.rank = 32
+  config.num_train_steps = 100_000
+  config.log_every_steps = 100
+  config.eval_every_steps = 5000
+  config.checkpoint_every_steps = 5000
+  config.optimizer = ml_collections.ConfigDict(
+      {
+          "name": "adamw",
+          "learning_rate": 1e-4,
+          "b1": 0.9,
+          "b2": 0.999,
+          "eps": 1e-6,
+          "weight_decay": 0.01,
+      }
+  )
+  config.schedule = ml_collections.ConfigDict(
+      {"name": "cosine", "warmup_steps": 10_000, "end_factor": 0.0}
+  )
+  return config

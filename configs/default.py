@@ -1,0 +1,71 @@
+"""The embedded default: digits on a small CNN with ACP-SGD.
+
+Needs no download (scikit-learn's bundled 8x8 digits). Every other config
+starts from this one and overrides what differs.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  # Seeds the params, the data order and dropout.
+  config.seed = 0
+  # "shard_map" (jax.shard_map over the mesh) or "pmap" (jax.pmap).
+  config.mapper = "shard_map"
+  config.num_train_steps = 300
+  # Global batch, split evenly over all devices. Set this or
+  # per_device_batch_size (which multiplies by the device count), not both.
+  config.batch_size = 128
+  config.per_device_batch_size = 0
+  config.log_every_steps = 1
+  # Held-out evaluation every this many steps (0: only at the end).
+  config.eval_every_steps = 100
+  # Checkpoint every this many steps (0: only at the end); keep the last K.
+  config.checkpoint_every_steps = 100
+  config.keep_checkpoints = 3
+  # "local": each device normalizes by its own batch and keeps its own
+  # running statistics, sending nothing (PyTorch DDP's default). "sync":
+  # statistics averaged over all devices each step (counted in bytes_sent).
+  config.batch_norm = "local"
+  # Random flips and 4-pixel pad-and-crop of training images.
+  config.augment = False
+
+  # The model by name (train/models.py) with its arguments beside it; the
+  # number of classes or the vocabulary comes from the data.
+  config.model = ml_collections.ConfigDict({"name": "small_cnn", "width": 32})
+
+  # The loader by name (train/data.py) with its arguments beside it.
+  config.data = ml_collections.ConfigDict({"name": "digits"})
+
+  # The compressor by name with its factory's keyword arguments beside it:
+  # ssgd, sign_sgd, topk_sgd (density), power_sgd (rank), acp_sgd (rank).
+  # Arguments that the named compressor does not take are ignored, so
+  # --config.compressor.name=ssgd works here as is.
+  config.compressor = ml_collections.ConfigDict(
+      {
+          "name": "acp_sgd",
+          "rank": 4,
+          "density": 0.01,
+          "min_compression_rate": 2.0,
+      }
+  )
+
+  # The base optimizer after the compressor: "sgd" (learning_rate,
+  # momentum, nesterov, weight_decay) or "adamw" (learning_rate, b1, b2,
+  # eps, weight_decay).
+  config.optimizer = ml_collections.ConfigDict(
+      {
+          "name": "sgd",
+          "learning_rate": 0.1,
+          "momentum": 0.9,
+          "nesterov": False,
+          "weight_decay": 0.0,
+      }
+  )
+  # Linear warmup, then "constant", "cosine" (end_factor) or "step"
+  # (boundaries as fractions of the steps after warmup, decay_factor).
+  config.schedule = ml_collections.ConfigDict(
+      {"name": "cosine", "warmup_steps": 20, "end_factor": 0.0}
+  )
+  return config

@@ -1,0 +1,251 @@
+"""The train loop: learning, no hidden communication, exact resume, errors."""
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import acp_jax
+from configs import default
+from tests.conftest import NUM_DEVICES
+from train import train
+
+COMPRESSORS = ("ssgd", "sign_sgd", "topk_sgd", "power_sgd", "acp_sgd")
+
+
+def small_config(compressor="acp_sgd", steps=6, **overrides):
+  config = default.get_config()
+  config.compressor.name = compressor
+  config.compressor.density = 0.1
+  config.model.width = 8
+  config.num_train_steps = steps
+  config.batch_size = 64
+  config.eval_every_steps = 0
+  config.checkpoint_every_steps = 0
+  # A schedule that does not depend on num_train_steps, so that runs of
+  # different lengths can be compared step by step.
+  config.schedule = {"name": "constant", "warmup_steps": 0}
+  config.update(overrides)
+  return config
+
+
+def read_metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    lines = [json.loads(line) for line in f]
+  train_lines = [l for l in lines if "loss" in l]
+  eval_lines = [l for l in lines if "eval_loss" in l]
+  return train_lines, eval_lines
+
+
+def losses(workdir):
+  return {l["step"]: l["loss"] for l in read_metrics(workdir)[0]}
+
+
+@pytest.fixture(scope="module")
+def acp_run(tmp_path_factory):
+  """Six steps of ACP-SGD on digits, shared by the tests that read a run."""
+  workdir = str(tmp_path_factory.mktemp("acp"))
+  summary = train.train_and_evaluate(small_config(), workdir)
+  return workdir, summary
+
+
+def test_metrics_lines(acp_run):
+  workdir, summary = acp_run
+  train_lines, eval_lines = read_metrics(workdir)
+  assert [l["step"] for l in train_lines] == list(range(1, 7))
+  experiment = train.build(small_config())
+  phases = experiment.bytes_per_step()
+  assert len(phases) == 2  # ACP-SGD alternates P and Q steps
+  for line in train_lines:
+    assert {"loss", "learning_rate", "bytes_sent", "examples_per_sec"} <= set(
+        line
+    )
+    assert np.isfinite(line["loss"]) and line["examples_per_sec"] > 0
+    assert line["bytes_sent"] == phases[(line["step"] - 1) % 2]
+  assert train_lines[0]["learning_rate"] == pytest.approx(0.1)
+  assert [l["step"] for l in eval_lines] == [6]
+  assert 0 <= eval_lines[0]["eval_accuracy"] <= 1
+  assert summary["eval_accuracy"] == eval_lines[0]["eval_accuracy"]
+  assert summary["bytes_per_step"] == sum(phases) / 2
+
+
+def test_pmap_logs_the_same_losses(acp_run, tmp_path):
+  workdir, _ = acp_run
+  train.train_and_evaluate(small_config(mapper="pmap"), str(tmp_path))
+  np.testing.assert_allclose(
+      list(losses(str(tmp_path)).values()),
+      list(losses(workdir).values()),
+      rtol=1e-6,
+  )
+
+
+def test_resume_is_bitwise_identical(acp_run, tmp_path):
+  """Three steps, then the same command with six: steps 4-6 match exactly.
+
+  Three is odd, so the restored ACP-SGD state is in its Q phase.
+  """
+  reference, _ = acp_run
+  workdir = str(tmp_path)
+  train.train_and_evaluate(small_config(steps=3), workdir)
+  assert os.listdir(os.path.join(workdir, "checkpoints")) == ["3"]
+  summary = train.train_and_evaluate(small_config(steps=6), workdir)
+  assert losses(workdir) == losses(reference)  # floats compared exactly
+  assert summary["params_sha256"] == acp_run[1]["params_sha256"]
+
+
+def test_crash_after_a_checkpoint_resumes_and_logs_each_step_once(tmp_path):
+  """A run that died after logging step 4 but before saving it."""
+  workdir = str(tmp_path)
+  config = small_config(steps=4, checkpoint_every_steps=2, keep_checkpoints=2)
+  train.train_and_evaluate(config, workdir)
+  before = losses(workdir)
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  assert sorted(os.listdir(ckpt_dir)) == ["2", "4"]
+  shutil.rmtree(os.path.join(ckpt_dir, "4"))
+  train.train_and_evaluate(config, workdir)
+  train_lines, _ = read_metrics(workdir)
+  assert [l["step"] for l in train_lines] == [1, 2, 3, 4]
+  assert losses(workdir) == before
+
+
+@pytest.mark.parametrize("compressor", COMPRESSORS)
+def test_each_compressor_learns_digits(compressor, tmp_path):
+  config = small_config(compressor, steps=60)
+  config.model.width = 16
+  # Decaying the rate lets BatchNorm's running statistics, which eval uses,
+  # catch up with the weights.
+  config.schedule = {"name": "cosine", "warmup_steps": 5, "end_factor": 0.0}
+  summary = train.train_and_evaluate(config, str(tmp_path))
+  # Chance is 0.1.
+  assert summary["eval_accuracy"] > 0.7, summary
+
+
+def _compiled_bytes(experiment, state, batch, train_fn):
+  """Collective bytes of the compiled train step, per phase of the cycle."""
+  cycle = train.state_cycle(train_fn, state, batch)
+  totals = []
+  for abstract_state in cycle:
+    text = train_fn.lower(abstract_state, batch).compile().as_text()
+    stats = acp_jax.collective_stats(text)
+    totals.append(sum(s.bytes for s in stats.values()))
+  return totals
+
+
+@pytest.mark.parametrize("mapper", ["shard_map", "pmap"])
+@pytest.mark.parametrize("compressor", COMPRESSORS)
+def test_train_step_sends_only_what_is_accounted(compressor, mapper):
+  """Compressor bytes + 16 metric bytes: no hidden dense all-reduce."""
+  experiment = train.build(small_config(compressor, mapper=mapper))
+  train_fn, _ = train.compile_steps(experiment)
+  state = jax.eval_shape(lambda: train.init_state(experiment))
+  state = _with_shardings(experiment, state)
+  batch = _abstract_batch(experiment)
+  assert (
+      _compiled_bytes(experiment, state, batch, train_fn)
+      == experiment.bytes_per_step()
+  )
+
+
+def test_sync_batch_norm_bytes_are_counted():
+  experiment = train.build(small_config("power_sgd", batch_norm="sync"))
+  local = train.build(small_config("power_sgd"))
+  # small_cnn has BN layers of 8, 8 and 16 channels: 4 floats each.
+  assert (
+      experiment.bytes_per_step()[0] - local.bytes_per_step()[0] == 4 * 4 * 32
+  )
+  train_fn, _ = train.compile_steps(experiment)
+  state = _with_shardings(
+      experiment, jax.eval_shape(lambda: train.init_state(experiment))
+  )
+  assert (
+      _compiled_bytes(experiment, state, _abstract_batch(experiment), train_fn)
+      == experiment.bytes_per_step()
+  )
+
+
+def _with_shardings(experiment, abstract_state):
+  layout = train.state_layout(experiment.config.batch_norm)
+  return jax.tree.map(
+      lambda spec, sub: jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(
+              x.shape, x.dtype, sharding=NamedSharding(experiment.mesh, spec)
+          ),
+          sub,
+      ),
+      layout,
+      abstract_state,
+      is_leaf=lambda x: isinstance(x, P),
+  )
+
+
+def _abstract_batch(experiment):
+  local = experiment.dataset.train.get(np.arange(experiment.global_batch))
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(
+          (NUM_DEVICES, experiment.global_batch // NUM_DEVICES) + x.shape[1:],
+          x.dtype,
+          sharding=NamedSharding(experiment.mesh, train.DEVICE),
+      ),
+      local,
+  )
+
+
+def test_acp_step_compiles_once_per_phase(tmp_path):
+  experiment = train.build(small_config())
+  train_fn, _ = train.compile_steps(experiment)
+  state = train.init_state(experiment)
+  batch = train.put_batch(
+      experiment, experiment.dataset.train.get(np.arange(64))
+  )
+  for _ in range(4):
+    state, _ = train_fn(state, batch)
+    jax.block_until_ready(state)
+  assert train_fn._cache_size() == 2  # pylint: disable=protected-access
+
+
+def test_params_digest_catches_drifted_replicas():
+  mesh = jax.make_mesh((NUM_DEVICES,), ("data",))
+  sharding = NamedSharding(mesh, P())
+  same = jax.device_put(np.ones(3, np.float32), sharding)
+  assert len(train.params_digest({"w": same})) == 64
+  drifted = jax.make_array_from_single_device_arrays(
+      (3,),
+      sharding,
+      [
+          jax.device_put(np.full(3, float(i == 5), np.float32), d)
+          for i, d in enumerate(mesh.devices.flat)
+      ],
+  )
+  with pytest.raises(RuntimeError, match=r"params\['w'\]"):
+    train.params_digest({"w": drifted})
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ({"compressor.name": "qsgd"}, "config.compressor.name"),
+        ({"compressor.rnak": 4}, "config.compressor.rnak"),
+        ({"num_train_stepz": 4}, "config.num_train_stepz"),
+        ({"batch_size": 100}, "config.batch_size=100 is not divisible"),
+        ({"data.name": "mnist", "data.path": "/nonexistent"}, "/nonexistent"),
+        ({"mapper": "vmap"}, "config.mapper"),
+        ({"optimizer.momentun": 0.9}, "config.optimizer.momentun"),
+    ],
+)
+def test_bad_config_fails_before_compiling(override, match, monkeypatch):
+  config = small_config()
+  for key, value in override.items():
+    section, _, name = key.rpartition(".")
+    (config[section] if section else config)[name] = value
+
+  def compiled(*args, **kwargs):
+    raise AssertionError("compiled before checking the config")
+
+  monkeypatch.setattr(train, "compile_steps", compiled)
+  with pytest.raises((ValueError, FileNotFoundError), match=match):
+    train.train_and_evaluate(config, "/tmp/unused")

@@ -1,0 +1,73 @@
+"""Trains a model with a gradient compressor.
+
+  python -m train --config configs/default.py --workdir /tmp/digits \
+      --config.compressor.name=acp_sgd --config.compressor.rank=4 \
+      --num_cpu_devices 8
+
+Running the same command again resumes from the latest checkpoint in
+``--workdir``.
+"""
+
+import os
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from train import runtime
+from train import train
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Training config file.", lock_config=True
+)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Checkpoints and metrics.jsonl go here."
+)
+_NUM_CPU_DEVICES = flags.DEFINE_integer(
+    "num_cpu_devices", None, "Simulate this many CPU devices per process."
+)
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0 (multi-process)."
+)
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+_COMPARE = flags.DEFINE_list(
+    "compare",
+    None,
+    "Train once per compressor named here (e.g. ssgd,acp_sgd), each in"
+    " WORKDIR/NAME, and print them side by side.",
+)
+_AUTO_DISTRIBUTED = flags.DEFINE_bool(
+    "auto_distributed", False, "Let JAX detect the cluster (SLURM, ...)."
+)
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)  # orbax logs each file it writes
+  runtime.setup(
+      num_cpu_devices=_NUM_CPU_DEVICES.value,
+      coordinator_address=_COORDINATOR.value,
+      num_processes=_NUM_PROCESSES.value,
+      process_id=_PROCESS_ID.value,
+      auto_distributed=_AUTO_DISTRIBUTED.value,
+  )
+  config, workdir = _CONFIG.value, _WORKDIR.value
+  if not _COMPARE.value:
+    print(train.format_summary(train.train_and_evaluate(config, workdir)))
+    return
+  summaries = []
+  for name in _COMPARE.value:
+    with config.unlocked():
+      config.compressor.name = name
+    summaries.append(
+        train.train_and_evaluate(config, os.path.join(workdir, name))
+    )
+  print(train.format_comparison(summaries))
+
+
+if __name__ == "__main__":
+  app.run(main)
