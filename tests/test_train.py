@@ -4,9 +4,11 @@ import json
 import os
 import shutil
 
+import chex
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -249,3 +251,40 @@ def test_bad_config_fails_before_compiling(override, match, monkeypatch):
   monkeypatch.setattr(train, "compile_steps", compiled)
   with pytest.raises((ValueError, FileNotFoundError), match=match):
     train.train_and_evaluate(config, "/tmp/unused")
+
+
+def test_sync_batch_norm_step_is_the_full_batch_step():
+  """With S-SGD and synced BN, 8 devices take the one-device full-batch step.
+
+  The backward pass must all-reduce the statistics' cotangents for this to
+  hold; local BN (each device its own statistics) does not.
+  """
+  sgd = {"name": "sgd", "learning_rate": 1.0, "momentum": 0.0}
+  batch = train.build(small_config()).dataset.train.get(np.arange(64))
+
+  def one_step(batch_norm):
+    experiment = train.build(
+        small_config("ssgd", batch_norm=batch_norm, optimizer=sgd)
+    )
+    train_fn, _ = train.compile_steps(experiment)
+    state = train.init_state(experiment)
+    before = jax.device_get((state.params, state.batch_stats))
+    new_state, _ = train_fn(state, train.put_batch(experiment, batch))
+    return before, jax.device_get(new_state.params)
+
+  (params, batch_stats), synced = one_step("sync")
+  # The graph without an axis name: BN over the whole batch on one device.
+  graphdef = train.build(small_config("ssgd", optimizer=sgd)).graphdef
+
+  def full_batch_loss(params, batch_stats):
+    model = nnx.merge(graphdef, params, batch_stats)
+    logits = model(batch["inputs"], train=True)
+    loss_sum, _, weight = train._weighted_sums(logits, batch)
+    return loss_sum / weight
+
+  grads = jax.jit(jax.grad(full_batch_loss))(params, batch_stats)
+  expected = jax.tree.map(lambda p, g: p - g, params, grads)
+  chex.assert_trees_all_close(synced, expected, atol=2e-5)
+  _, local = one_step("local")
+  with pytest.raises(AssertionError):
+    chex.assert_trees_all_close(local, expected, atol=2e-5)
