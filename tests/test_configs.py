@@ -2,6 +2,8 @@
 
 import importlib
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -106,3 +108,23 @@ def test_nan_loss_stops_with_a_clear_error(tmp_path):
   config.compressor.name = "ssgd"
   with pytest.raises(FloatingPointError, match="loss is nan at step"):
     train.train_and_evaluate(config, str(tmp_path))
+
+
+def test_command_line_names_an_unknown_override(tmp_path):
+  result = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "train",
+          "--config=configs/default.py",
+          f"--workdir={tmp_path}",
+          "--config.compressor.rnk=8",
+      ],
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
+  assert result.returncode != 0
+  assert "unknown config key in --config.compressor.rnk=8" in result.stderr
+  assert 'Did you mean "rank"' in result.stderr

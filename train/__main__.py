@@ -44,6 +44,19 @@ _AUTO_DISTRIBUTED = flags.DEFINE_bool(
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+def _parse_flags(argv):
+  try:
+    return flags.FLAGS(argv)
+  except (AttributeError, KeyError) as e:  # ml_collections' unknown override
+    overrides = [a for a in argv if a.startswith("--config.")]
+    detail = e.args[0] if e.args else ""
+    while isinstance(detail, Exception):  # AttributeError(KeyError(text))
+      detail = detail.args[0] if detail.args else ""
+    raise SystemExit(
+        f"unknown config key in {' '.join(overrides)}: {detail}"
+    ) from None
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -70,4 +83,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)
