@@ -103,11 +103,11 @@ def test_resume_is_bitwise_identical(acp_run, tmp_path):
 def test_crash_after_a_checkpoint_resumes_and_logs_each_step_once(tmp_path):
   """A run that died after logging step 4 but before saving it."""
   workdir = str(tmp_path)
-  config = small_config(steps=4, checkpoint_every_steps=2, keep_checkpoints=2)
+  config = small_config(steps=4, checkpoint_every_steps=1, keep_checkpoints=2)
   train.train_and_evaluate(config, workdir)
   before = losses(workdir)
   ckpt_dir = os.path.join(workdir, "checkpoints")
-  assert sorted(os.listdir(ckpt_dir)) == ["2", "4"]
+  assert sorted(os.listdir(ckpt_dir)) == ["3", "4"]  # the last two kept
   shutil.rmtree(os.path.join(ckpt_dir, "4"))
   train.train_and_evaluate(config, workdir)
   train_lines, _ = read_metrics(workdir)
