@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import acp_jax
 from configs import default
 from tests.conftest import NUM_DEVICES
+from train import config as config_lib
 from train import train
 
 COMPRESSORS = ("ssgd", "sign_sgd", "topk_sgd", "power_sgd", "acp_sgd")
@@ -225,6 +226,11 @@ def test_params_digest_catches_drifted_replicas():
   )
   with pytest.raises(RuntimeError, match=r"params\['w'\]"):
     train.params_digest({"w": drifted})
+
+
+def test_pmap_across_processes_is_refused():
+  with pytest.raises(ValueError, match="config.mapper='pmap' runs in one"):
+    config_lib.validate(small_config(mapper="pmap"), 4, num_processes=2)
 
 
 @pytest.mark.parametrize(

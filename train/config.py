@@ -87,10 +87,19 @@ def _positive_int(key: str, value, *, zero_ok: bool = False) -> None:
     raise ValueError(f"{key} must be {kind} int, got {value!r}")
 
 
-def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
+def validate(
+    config: ml_collections.ConfigDict, num_devices: int, num_processes: int
+) -> None:
   """Raises ``ValueError`` naming the first bad key and its value."""
   _check_keys("config", config.keys(), KEYS)
   _check_choice("config.mapper", config.mapper, MAPPERS)
+  if config.mapper == "pmap" and num_processes > 1:
+    # pmap maps process-local arrays; the state and batches here are global
+    # arrays over every process's devices, which only shard_map takes.
+    raise ValueError(
+        f"config.mapper='pmap' runs in one process, not {num_processes};"
+        " use config.mapper='shard_map'"
+    )
   _check_choice("config.batch_norm", config.batch_norm, BATCH_NORM)
   for key in ("num_train_steps", "log_every_steps"):
     _positive_int(f"config.{key}", config[key])

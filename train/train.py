@@ -260,7 +260,7 @@ def _model_kwargs(config, dataset) -> dict[str, Any]:
 def build(config: ml_collections.ConfigDict) -> Experiment:
   """Checks ``config`` and builds everything but the compiled steps."""
   num_devices = jax.device_count()
-  config_lib.validate(config, num_devices)
+  config_lib.validate(config, num_devices, jax.process_count())
   global_batch = config_lib.global_batch_size(config, num_devices)
   dataset = data_lib.build(config.data)
   model_kwargs = _model_kwargs(config, dataset)
