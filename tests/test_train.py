@@ -147,7 +147,7 @@ def test_train_step_sends_only_what_is_accounted(compressor, mapper):
   train_fn, _ = train.compile_steps(experiment)
   state = jax.eval_shape(lambda: train.init_state(experiment))
   state = _with_shardings(experiment, state)
-  batch = _abstract_batch(experiment)
+  batch = train.abstract_batch(experiment)
   assert (
       _compiled_bytes(experiment, state, batch, train_fn)
       == experiment.bytes_per_step()
@@ -166,7 +166,9 @@ def test_sync_batch_norm_bytes_are_counted():
       experiment, jax.eval_shape(lambda: train.init_state(experiment))
   )
   assert (
-      _compiled_bytes(experiment, state, _abstract_batch(experiment), train_fn)
+      _compiled_bytes(
+          experiment, state, train.abstract_batch(experiment), train_fn
+      )
       == experiment.bytes_per_step()
   )
 
@@ -183,18 +185,6 @@ def _with_shardings(experiment, abstract_state):
       layout,
       abstract_state,
       is_leaf=lambda x: isinstance(x, P),
-  )
-
-
-def _abstract_batch(experiment):
-  local = experiment.dataset.train.get(np.arange(experiment.global_batch))
-  return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(
-          (NUM_DEVICES, experiment.global_batch // NUM_DEVICES) + x.shape[1:],
-          x.dtype,
-          sharding=NamedSharding(experiment.mesh, train.DEVICE),
-      ),
-      local,
   )
 
 

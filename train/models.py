@@ -78,69 +78,83 @@ def _batch_norm(num_features, axis_name, rngs):
 # ---------------------------------------------------------------- ResNet
 
 
-class BasicBlock(nnx.Module):
-  """Two 3x3 convs (ResNet-18/34), projection shortcut when shape changes."""
+class ConvBN(nnx.Module):
+  """A bias-free conv followed by BatchNorm."""
 
-  expansion = 1
-
-  def __init__(self, in_ch, ch, strides, *, batch_norm_axis, rngs):
-    out_ch = ch * self.expansion
-    self.conv1 = _conv(in_ch, ch, 3, strides=strides, rngs=rngs)
-    self.bn1 = _batch_norm(ch, batch_norm_axis, rngs)
-    self.conv2 = _conv(ch, out_ch, 3, rngs=rngs)
-    self.bn2 = _batch_norm(out_ch, batch_norm_axis, rngs)
-    self.proj_conv, self.proj_bn = _projection(
-        in_ch, out_ch, strides, batch_norm_axis, rngs
-    )
+  def __init__(
+      self, in_ch, out_ch, kernel, *, strides=1, batch_norm_axis, rngs
+  ):
+    self.conv = _conv(in_ch, out_ch, kernel, strides=strides, rngs=rngs)
+    self.bn = _batch_norm(out_ch, batch_norm_axis, rngs)
 
   def __call__(self, x, *, train):
-    ura = not train
-    y = jax.nn.relu(self.bn1(self.conv1(x), use_running_average=ura))
-    y = self.bn2(self.conv2(y), use_running_average=ura)
-    return jax.nn.relu(y + _shortcut(self, x, train))
+    return self.bn(self.conv(x), use_running_average=not train)
 
 
-class Bottleneck(nnx.Module):
-  """1x1-3x3-1x1 block (ResNet-50/101/152), torchvision v1.5.
+class _Residual(nnx.Module):
+  """ConvBN layers with ReLUs between, plus a shortcut, then ReLU.
 
-  The stride sits on the 3x3 conv, not the first 1x1 as in the original paper.
+  The stride sits on the first 3x3 conv (torchvision v1.5: in a Bottleneck,
+  the 3x3, not the first 1x1 as in the original paper); a 1x1 ConvBN
+  projects the shortcut when the shape changes.
   """
 
-  expansion = 4
+  kernels: tuple[int, ...]
+  expansion: int
 
   def __init__(self, in_ch, ch, strides, *, batch_norm_axis, rngs):
     out_ch = ch * self.expansion
-    self.conv1 = _conv(in_ch, ch, 1, rngs=rngs)
-    self.bn1 = _batch_norm(ch, batch_norm_axis, rngs)
-    self.conv2 = _conv(ch, ch, 3, strides=strides, rngs=rngs)
-    self.bn2 = _batch_norm(ch, batch_norm_axis, rngs)
-    self.conv3 = _conv(ch, out_ch, 1, rngs=rngs)
-    self.bn3 = _batch_norm(out_ch, batch_norm_axis, rngs)
-    self.proj_conv, self.proj_bn = _projection(
-        in_ch, out_ch, strides, batch_norm_axis, rngs
+    widths = [ch] * (len(self.kernels) - 1) + [out_ch]
+    first_3x3 = self.kernels.index(3)
+    layers, width_in = [], in_ch
+    for i, (kernel, width) in enumerate(zip(self.kernels, widths)):
+      layers.append(
+          ConvBN(
+              width_in,
+              width,
+              kernel,
+              strides=strides if i == first_3x3 else 1,
+              batch_norm_axis=batch_norm_axis,
+              rngs=rngs,
+          )
+      )
+      width_in = width
+    self.layers = nnx.List(layers)
+    # Assigned once: NNX makes an attribute that first holds None static.
+    self.projection = (
+        ConvBN(
+            in_ch,
+            out_ch,
+            1,
+            strides=strides,
+            batch_norm_axis=batch_norm_axis,
+            rngs=rngs,
+        )
+        if strides != 1 or in_ch != out_ch
+        else None
     )
 
   def __call__(self, x, *, train):
-    ura = not train
-    y = jax.nn.relu(self.bn1(self.conv1(x), use_running_average=ura))
-    y = jax.nn.relu(self.bn2(self.conv2(y), use_running_average=ura))
-    y = self.bn3(self.conv3(y), use_running_average=ura)
-    return jax.nn.relu(y + _shortcut(self, x, train))
+    y = x
+    for layer in self.layers[:-1]:
+      y = jax.nn.relu(layer(y, train=train))
+    y = self.layers[-1](y, train=train)
+    shortcut = x if self.projection is None else self.projection(x, train=train)
+    return jax.nn.relu(y + shortcut)
 
 
-def _projection(in_ch, out_ch, strides, batch_norm_axis, rngs):
-  if strides == 1 and in_ch == out_ch:
-    return None, None
-  return (
-      _conv(in_ch, out_ch, 1, strides=strides, rngs=rngs),
-      _batch_norm(out_ch, batch_norm_axis, rngs),
-  )
+class BasicBlock(_Residual):
+  """Two 3x3 convs (ResNet-18/34)."""
+
+  kernels = (3, 3)
+  expansion = 1
 
 
-def _shortcut(block, x, train):
-  if block.proj_conv is None:
-    return x
-  return block.proj_bn(block.proj_conv(x), use_running_average=not train)
+class Bottleneck(_Residual):
+  """1x1-3x3-1x1 convs (ResNet-50/101/152), torchvision v1.5."""
+
+  kernels = (1, 3, 1)
+  expansion = 4
 
 
 class ResNet(nnx.Module):
@@ -169,11 +183,14 @@ class ResNet(nnx.Module):
     if stem not in ("imagenet", "cifar"):
       raise ValueError(f'stem must be "imagenet" or "cifar", got {stem!r}')
     self.stem = stem
-    if stem == "imagenet":
-      self.conv1 = _conv(3, 64, 7, strides=2, rngs=rngs)
-    else:
-      self.conv1 = _conv(3, 64, 3, rngs=rngs)
-    self.bn1 = _batch_norm(64, batch_norm_axis, rngs)
+    self.stem_layer = ConvBN(
+        3,
+        64,
+        7 if stem == "imagenet" else 3,
+        strides=2 if stem == "imagenet" else 1,
+        batch_norm_axis=batch_norm_axis,
+        rngs=rngs,
+    )
     blocks = []
     in_ch = 64
     for i, num_blocks in enumerate(stage_sizes):
@@ -192,7 +209,7 @@ class ResNet(nnx.Module):
   def __call__(self, inputs, *, train: bool, rngs: nnx.Rngs | None = None):
     del rngs  # No dropout in ResNet.
     x = jnp.asarray(inputs, jnp.float32)
-    x = jax.nn.relu(self.bn1(self.conv1(x), use_running_average=not train))
+    x = jax.nn.relu(self.stem_layer(x, train=train))
     if self.stem == "imagenet":
       x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
     for block in self.blocks:
@@ -583,22 +600,21 @@ class SmallCNN(nnx.Module):
       num_classes: int = 10,
       width: int = 32,
   ):
-    self.conv1 = _conv(1, width, 3, rngs=rngs)
-    self.bn1 = _batch_norm(width, batch_norm_axis, rngs)
-    self.conv2 = _conv(width, width, 3, rngs=rngs)
-    self.bn2 = _batch_norm(width, batch_norm_axis, rngs)
-    self.conv3 = _conv(width, 2 * width, 3, rngs=rngs)
-    self.bn3 = _batch_norm(2 * width, batch_norm_axis, rngs)
+    self.layers = nnx.List(
+        [
+            ConvBN(c_in, c_out, 3, batch_norm_axis=batch_norm_axis, rngs=rngs)
+            for c_in, c_out in [(1, width), (width, width), (width, 2 * width)]
+        ]
+    )
     self.fc = nnx.Linear(2 * width, num_classes, rngs=rngs)
 
   def __call__(self, inputs, *, train: bool, rngs: nnx.Rngs | None = None):
     del rngs  # No dropout.
-    ura = not train
     x = jnp.asarray(inputs, jnp.float32)
-    x = jax.nn.relu(self.bn1(self.conv1(x), use_running_average=ura))
-    x = jax.nn.relu(self.bn2(self.conv2(x), use_running_average=ura))
+    first, second, third = self.layers
+    x = jax.nn.relu(second(jax.nn.relu(first(x, train=train)), train=train))
     x = nnx.avg_pool(x, (2, 2), strides=(2, 2))
-    x = jax.nn.relu(self.bn3(self.conv3(x), use_running_average=ura))
+    x = jax.nn.relu(third(x, train=train))
     return self.fc(jnp.mean(x, axis=(1, 2)))
 
 

@@ -378,6 +378,21 @@ def put_batch(experiment: Experiment, local: dict[str, np.ndarray]):
   return {k: put(v) for k, v in local.items()}
 
 
+def abstract_batch(experiment: Experiment):
+  """Shapes and shardings of a global batch, without moving one."""
+  example = experiment.dataset.train.get(np.arange(1))
+  per_device = experiment.global_batch // experiment.num_devices
+  sharding = NamedSharding(experiment.mesh, DEVICE)
+  return {
+      k: jax.ShapeDtypeStruct(
+          (experiment.num_devices, per_device) + v.shape[1:],
+          v.dtype,
+          sharding=sharding,
+      )
+      for k, v in example.items()
+  }
+
+
 def state_cycle(train_fn, state, batch) -> list[TrainState]:
   """Abstract states of consecutive steps until their structure repeats.
 
@@ -478,7 +493,7 @@ def train_and_evaluate(
   cycle = state_cycle(
       train_fn,
       state,
-      checkpoint.abstract(put_batch(experiment, loader.batch(0))),
+      abstract_batch(experiment),
   )
   ckpt = checkpoint.Checkpointer(
       os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints
