@@ -11,6 +11,7 @@ from acp_jax.acp import Phase
 from acp_jax.compressor import comm_bytes
 from acp_jax.compressor import CommVolume
 from acp_jax.compressor import Compressor
+from acp_jax.hlo import collective_rounds
 from acp_jax.hlo import collective_stats
 from acp_jax.powersgd import power_sgd
 from acp_jax.powersgd import PowerSgdState
@@ -31,6 +32,7 @@ __all__ = (
     "SignSgdState",
     "TopkSgdState",
     "acp_sgd",
+    "collective_rounds",
     "collective_stats",
     "comm_bytes",
     "power_sgd",

@@ -83,18 +83,18 @@ def test_acp_phases_add_up_to_one_power_sgd_step_plus_dense_leaves():
     reason="XLA:CPU before jax 0.10 does not combine independent all-reduces",
 )
 @pytest.mark.parametrize(
-    "name, all_reduces, all_gathers",
+    "name, all_reduces, all_gathers, rounds",
     [
         # XLA:CPU combines every all-reduce that does not wait on another:
-        ("acp_sgd", 1, 0),  # factors and dense leaves, together
-        ("power_sgd", 2, 0),  # P, then Q: the second needs the first
-        ("ssgd", 1, 0),
-        ("sign_sgd", 0, 2),  # packed signs, scales
-        ("sign_sgd_vote", 0, 1),
-        ("topk_sgd", 0, 2),  # values, indices
+        ("acp_sgd", 1, 0, 1),  # factors and dense leaves, together
+        ("power_sgd", 2, 0, 2),  # P, then Q: the second needs the first
+        ("ssgd", 1, 0, 1),
+        ("sign_sgd", 0, 2, 1),  # packed signs, scales
+        ("sign_sgd_vote", 0, 1, 1),
+        ("topk_sgd", 0, 2, 1),  # values, indices
     ],
 )
-def test_collectives_per_step(name, all_reduces, all_gathers):
+def test_collectives_per_step(name, all_reduces, all_gathers, rounds):
   tx = COMPRESSORS[name].make()
   for state in phase_states(tx, SMALL_RESNET).values():
     text = helpers.compiled_update(tx, SMALL_RESNET, state).as_text()
@@ -102,6 +102,7 @@ def test_collectives_per_step(name, all_reduces, all_gathers):
     none = acp_jax.hlo.CollectiveStats(0, 0)
     assert stats.get("all-reduce", none).count == all_reduces
     assert stats.get("all-gather", none).count == all_gathers
+    assert acp_jax.collective_rounds(text) == rounds
 
 
 @pytest.mark.parametrize(

@@ -33,3 +33,46 @@ def test_no_collectives():
 def test_unknown_element_type():
   with pytest.raises(ValueError, match="unknown HLO element type 'u4'"):
     hlo.collective_stats("  %a = u4[8]{0} all-reduce(%x)")
+
+
+# Power-SGD's shape: P all-reduced, orthogonalized in a fusion, Q computed
+# from it and all-reduced, while an independent dense leaf is all-reduced
+# beside them. Computation headers and a called computation holding a
+# collective are in the forms XLA prints.
+CHAIN = """
+HloModule jit_step, entry_computation_layout={(f32[8]{0})->f32[8]{0}}
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %add = f32[] add(%a, %b)
+}
+
+%inner (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %all-reduce.9 = f32[8]{0} all-reduce(%p), to_apply=%sum
+}
+
+ENTRY %main (x: f32[8], y: f32[4]) -> (f32[8], f32[4]) {
+  %x = f32[8]{0} parameter(0)
+  %y = f32[4]{0} parameter(1)
+  %all-reduce = f32[8]{0} all-reduce(%x), channel_id=1, to_apply=%sum
+  %orth = f32[8]{0} fusion(%all-reduce), kind=kLoop, calls=%sum
+  %all-reduce.1 = f32[8]{0} all-reduce(%orth), channel_id=2, to_apply=%sum
+  %dense = f32[4]{0} all-reduce(%y), channel_id=3, to_apply=%sum
+  ROOT %out = (f32[8]{0}, f32[4]{0}) tuple(%all-reduce.1, %dense)
+}
+"""
+
+
+def test_rounds_follow_dependencies():
+  assert hlo.collective_rounds(CHAIN) == 2
+  # Making the second all-reduce independent of the first leaves one round.
+  assert hlo.collective_rounds(CHAIN.replace("(%orth)", "(%x)")) == 1
+  # A call of a computation holding a collective adds its rounds.
+  assert hlo.collective_rounds(CHAIN.replace("calls=%sum", "calls=%inner")) == 3
+
+
+def test_rounds_without_collectives():
+  assert hlo.collective_rounds("  %x = f32[2]{0} add(%a, %b)") == 0
+  assert hlo.collective_rounds(MODULE) == 1
