@@ -104,22 +104,28 @@ def acp_sgd(
     del params
     n = compressor.begin_update(updates, axis_name, "acp_sgd")
     s = lowrank.split(lr, updates, state.error)
-    # A Q-step is a P-step on the transposed matrices.
+    # P-step: F = M B, approximation F B^T. Q-step: F^T = B^T M (kept
+    # transposed, see lowrank.project_transposed), approximation B F^T.
     p_step = state.phase is Phase.P
-    orient = (lambda x: x) if p_step else (lambda x: x.T)
-    matrices = [orient(m) for m in s.matrices]
+    if p_step:
+      project, expand = (lambda m, b: m @ b), (lambda f, b: f @ b.T)
+    else:
+      project, expand = lowrank.project_transposed, (lambda ft, b: b @ ft)
     previous = lowrank.leaves_of(s, state.q if p_step else state.p)
     bases = [lowrank.orthogonalize(f) for f in previous]
-    factors = [m @ b for m, b in zip(matrices, bases)]
-    errors = [
-        m - orient(f @ b.T) for m, f, b in zip(s.matrices, factors, bases)
-    ]
+    factors = [project(m, b) for m, b in zip(s.matrices, bases)]
+    errors = [m - expand(f, b) for m, f, b in zip(s.matrices, factors, bases)]
     # The one round: packed factors, and dense leaves that XLA fuses in.
     reduced = [f / n for f in collectives.packed_psum(factors, axis_name)]
     dense = [x / n for x in lax.psum(s.dense, axis_name)]
-    applied = [orient(f @ b.T) for f, b in zip(reduced, bases)]
+    applied = [expand(f, b) for f, b in zip(reduced, bases)]
     masked = [optax.MaskedNode()] * len(s.dense)
-    reduced_tree = lowrank.merge(s, reduced, masked, reshape=False)
+    reduced_tree = lowrank.merge(
+        s,
+        reduced if p_step else [ft.T for ft in reduced],
+        masked,
+        reshape=False,
+    )
     new_state = AcpSgdState(
         error=lowrank.merge(s, errors, masked, reshape=True),
         p=reduced_tree if p_step else state.p,

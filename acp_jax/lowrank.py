@@ -94,6 +94,18 @@ def orthogonalize(x: jax.Array) -> jax.Array:
   return q.astype(x.dtype)
 
 
+def project_transposed(m: jax.Array, b: jax.Array) -> jax.Array:
+  """B^T M for an n x m matrix M and an n x r basis B: the transpose of the
+  factor M^T B, r x m.
+
+  It stays transposed on purpose: XLA:CPU's dot runs about 8 times slower
+  when it has to lay out its result as m x r (4.5 ms against 0.57 ms for a
+  4608 x 512 M at rank 4, jax 0.10.2), and the consumers take it as it is
+  (a packed all-reduce, the product B F^T).
+  """
+  return b.T @ m
+
+
 def init_trees(lr: LowRank, params: Any) -> tuple[Any, Any, Any]:
   """Zero residuals E, zero P factors and random Q factors, like ``params``.
 

@@ -94,11 +94,12 @@ def power_sgd(
     ps = [lowrank.orthogonalize(p) for p in ps]
     # Q needs the reduced P: a second all-reduce that can neither fuse with
     # the first nor start before it ends.
-    qs = collectives.packed_psum(
-        [m.T @ p for m, p in zip(s.matrices, ps)], axis_name
+    qts = collectives.packed_psum(
+        [lowrank.project_transposed(m, p) for m, p in zip(s.matrices, ps)],
+        axis_name,
     )
-    qs = [q / n for q in qs]
-    approx = [p @ q.T for p, q in zip(ps, qs)]
+    qts = [qt / n for qt in qts]
+    approx = [p @ qt for p, qt in zip(ps, qts)]
     dense = [x / n for x in dense]
     masked = [optax.MaskedNode()] * len(dense)
     new_state = PowerSgdState(
@@ -108,7 +109,7 @@ def power_sgd(
             masked,
             reshape=True,
         ),
-        q=lowrank.merge(s, qs, masked, reshape=False),
+        q=lowrank.merge(s, [qt.T for qt in qts], masked, reshape=False),
     )
     return lowrank.merge(s, approx, dense, reshape=True), new_state
 
