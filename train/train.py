@@ -530,8 +530,13 @@ def train_and_evaluate(
     bar.update(1)
     bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
 
+  # disable=None: a bar on a terminal only, none in redirected logs.
   bar = tqdm.tqdm(
-      total=last, initial=start, disable=not is_main, desc="train", leave=False
+      total=last,
+      initial=start,
+      disable=None if is_main else True,
+      desc="train",
+      leave=False,
   )
   pending = None  # metrics are read one step late: the host never stalls
   tick = time.perf_counter()
