@@ -1,0 +1,145 @@
+"""Bytes and collectives per step, from the accounting and from compiled HLO.
+
+For each model and compressor the update is lowered on abstract shapes (no
+parameter is allocated, so BERT-Large costs no memory) under ``shard_map``
+over the simulated devices, compiled with XLA:CPU's all-reduce combiner off,
+and its collectives read back from the compiled text. They must equal what
+``acp_jax.comm_bytes`` says, phase by phase.
+"""
+
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+
+import acp_jax
+from benchmarks import workloads
+from train import train
+
+# Without it XLA:CPU merges every independent all-reduce into one, which
+# hides how many a method issues (DESIGN.md, trap 4).
+NO_COMBINER = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
+
+
+def _stacked(tree, mesh):
+  """Shapes of ``tree`` stacked on a leading device axis, one per device."""
+  sharding = NamedSharding(mesh, train.DEVICE)
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(
+          (mesh.size,) + x.shape, x.dtype, sharding=sharding
+      ),
+      tree,
+  )
+
+
+def compiled_phases(
+    tx: acp_jax.Compressor, params: Any, mesh: jax.sharding.Mesh
+) -> list[dict[str, int]]:
+  """Collectives of ``tx.update`` in each phase, read from compiled HLO.
+
+  Returns one dict per phase (ACP-SGD: P, then Q) with the bytes, the
+  all-reduce and all-gather op counts, and the dependent rounds.
+  """
+  num_phases = len(acp_jax.comm_bytes(tx, params, num_devices=mesh.size))
+  update = train.map_per_device(
+      tx.update,
+      mesh,
+      "shard_map",
+      (train.DEVICE, train.DEVICE),
+      (train.DEVICE, train.DEVICE),
+  )
+  grads = _stacked(params, mesh)
+  grads_sharding = NamedSharding(mesh, train.DEVICE)
+  state = _stacked(jax.eval_shape(tx.init, params), mesh)
+  phases = []
+  for _ in range(num_phases):
+    text = (
+        update.lower(grads, state)
+        .compile(compiler_options=NO_COMBINER)
+        .as_text()
+    )
+    stats = acp_jax.collective_stats(text)
+    none = acp_jax.hlo.CollectiveStats(0, 0)
+    phases.append(
+        {
+            "bytes": sum(s.bytes for s in stats.values()),
+            "all_reduce_ops": stats.get("all-reduce", none).count,
+            "all_gather_ops": stats.get("all-gather", none).count,
+            "other_ops": sum(
+                s.count
+                for k, s in stats.items()
+                if k not in ("all-reduce", "all-gather")
+            ),
+            "rounds": acp_jax.collective_rounds(text),
+        }
+    )
+    _, state = jax.eval_shape(update, grads, state)
+    state = jax.tree.map(lambda x: x.update(sharding=grads_sharding), state)
+  return phases
+
+
+def measure(models: list[str]) -> list[dict[str, Any]]:
+  """One record per model and compressor."""
+  records = []
+  for model in models:
+    exp = workloads.experiment(model)
+    params, mesh = exp.abstract_params, exp.mesh
+    about = workloads.describe(model)
+    rows = {}
+    for name in workloads.COMPRESSORS:
+      tx = workloads.compressor(model, name)
+      volumes = [
+          v.total
+          for v in acp_jax.comm_bytes(
+              tx, params, num_devices=mesh.size
+          ).values()
+      ]
+      hlo = compiled_phases(tx, params, mesh)
+      row = {
+          **about,
+          "compressor": name,
+          "num_devices": mesh.size,
+          "bytes_per_step": sum(volumes) / len(volumes),
+          "hlo_bytes_per_step": sum(h["bytes"] for h in hlo) / len(hlo),
+          "hlo_matches_accounting": [h["bytes"] for h in hlo] == volumes,
+          "all_reduce_ops": max(h["all_reduce_ops"] for h in hlo),
+          "all_gather_ops": max(h["all_gather_ops"] for h in hlo),
+          "other_collective_ops": max(h["other_ops"] for h in hlo),
+          "rounds": max(h["rounds"] for h in hlo),
+      }
+      if len(volumes) == 2:  # ACP-SGD's P-steps and Q-steps
+        row.update(
+            bytes_p=volumes[0],
+            bytes_q=volumes[1],
+            hlo_bytes_p=hlo[0]["bytes"],
+            hlo_bytes_q=hlo[1]["bytes"],
+        )
+      rows[name] = row
+    for row in rows.values():
+      row["ratio_vs_ssgd"] = (
+          rows["ssgd"]["bytes_per_step"] / row["bytes_per_step"]
+      )
+    acp, power = rows["acp_sgd"], rows["power_sgd"]
+    # The issue's target: ACP-SGD <= half of Power-SGD plus the dense leaves.
+    acp["target_bytes"] = 0.5 * power["bytes_per_step"] + about["dense_bytes"]
+    acp["meets_target"] = acp["bytes_per_step"] <= acp["target_bytes"]
+    acp["vs_power_sgd"] = acp["bytes_per_step"] / power["bytes_per_step"]
+    records.extend(rows.values())
+  return records
+
+
+COLUMNS = {
+    "model": "model",
+    "params": "params",
+    "compressed_matrices": "matrices",
+    "compressor": "compressor",
+    "bytes_per_step": "bytes/step",
+    "bytes_p": "P-step",
+    "bytes_q": "Q-step",
+    "hlo_bytes_per_step": "HLO bytes/step",
+    "hlo_matches_accounting": "HLO = accounting",
+    "ratio_vs_ssgd": "x fewer than S-SGD",
+    "all_reduce_ops": "all-reduces",
+    "all_gather_ops": "all-gathers",
+    "rounds": "rounds",
+}

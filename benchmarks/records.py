@@ -1,0 +1,114 @@
+"""Results as lists of flat records: where they live, what they carry, and
+how they print.
+
+Every record carries the machine, the date and the command that made it, so
+a table in the report can say where its numbers come from.
+"""
+
+import datetime
+import json
+import math
+import os
+import pathlib
+import platform
+import shlex
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+RESULTS_DIR = pathlib.Path(__file__).parent / "results"
+
+
+def _cpu_name() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  """The machine, date and command of this run, as record fields."""
+  argv = sys.argv[1:] if argv is None else argv
+  device = jax.devices()[0]
+  accelerator = "" if device.platform == "cpu" else f", {device.device_kind}"
+  return {
+      "machine": (
+          f"{_cpu_name()} ({os.cpu_count()} cores){accelerator},"
+          f" jax {jax.__version__}, {jax.device_count()} {device.platform}"
+          " devices"
+      ),
+      "date": (
+          datetime.datetime.now(datetime.timezone.utc).strftime(
+              "%Y-%m-%d %H:%M UTC"
+          )
+      ),
+      "command": shlex.join(["python", "-m", "benchmarks", *argv]),
+  }
+
+
+def write(
+    name: str, records: list[dict[str, Any]], results_dir: os.PathLike
+) -> pathlib.Path:
+  """Writes ``records`` to ``results_dir/name.json``, atomically."""
+  records = [
+      {k: v.item() if hasattr(v, "item") else v for k, v in r.items()}
+      for r in records
+  ]
+  for record in records:
+    for key, value in record.items():
+      if isinstance(value, (dict, list, tuple)):
+        raise TypeError(f"record field {key!r} is not flat: {value!r}")
+      if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"record field {key!r} is {value}: {record}")
+  path = pathlib.Path(results_dir) / f"{name}.json"
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(".json.tmp")
+  tmp.write_text(json.dumps(records, indent=1) + "\n")
+  tmp.replace(path)
+  return path
+
+
+def read(name: str, results_dir: os.PathLike) -> list[dict[str, Any]]:
+  """The records of ``results_dir/name.json``; [] if there is none."""
+  path = pathlib.Path(results_dir) / f"{name}.json"
+  if not path.exists():
+    return []
+  return json.loads(path.read_text())
+
+
+def _cell(value: Any) -> str:
+  if value is None:
+    return ""
+  if isinstance(value, bool):
+    return "yes" if value else "NO"
+  if isinstance(value, int) or (
+      isinstance(value, float) and value.is_integer() and abs(value) >= 1e3
+  ):
+    return f"{int(value):,}"
+  if isinstance(value, float):
+    return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+  return str(value)
+
+
+def table(rows: list[dict[str, Any]], columns: dict[str, str]) -> str:
+  """A Markdown table of ``rows``; ``columns`` maps field to header."""
+  cells = [[_cell(row.get(key)) for key in columns] for row in rows]
+  header = list(columns.values())
+  widths = [
+      max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
+      for i, h in enumerate(header)
+  ]
+  line = (
+      lambda xs: "| "
+      + " | ".join(x.ljust(w) for x, w in zip(xs, widths))
+      + " |"
+  )
+  return "\n".join(
+      [line(header), line(["-" * w for w in widths])] + [line(c) for c in cells]
+  )

@@ -1,0 +1,135 @@
+"""The models the benchmarks measure, each built from its training config.
+
+A workload is a config of ``configs/`` with the overrides that make it need
+no download (synthetic inputs of the same shapes), so the benchmarks measure
+exactly the parameter trees and compressor settings that training uses: the
+paper's ranks (4 for the ResNets, 32 for BERT) and Top-k's density come from
+the configs.
+"""
+
+import dataclasses
+import functools
+import importlib
+from typing import Any
+
+import jax
+import ml_collections
+
+import acp_jax
+from acp_jax import lowrank
+
+from train import config as config_lib
+from train import train
+
+COMPRESSORS = ("ssgd", "sign_sgd", "topk_sgd", "power_sgd", "acp_sgd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  config: str  # module under configs/
+  overrides: tuple[tuple[str, Any], ...] = ()
+  paper: bool = False  # one of the paper's four models
+
+
+_SYNTHETIC_IMAGES = (
+    ("data.name", "synthetic_images"),
+    ("data.num_examples", 8),
+)
+
+WORKLOADS = {
+    "resnet50": Workload("resnet50_imagenet", _SYNTHETIC_IMAGES, paper=True),
+    "resnet152": Workload("resnet152_imagenet", _SYNTHETIC_IMAGES, paper=True),
+    "bert_base": Workload("bert_base", (("data.num_examples", 8),), paper=True),
+    "bert_large": Workload(
+        "bert_large", (("data.num_examples", 8),), paper=True
+    ),
+    "resnet18_cifar": Workload("cifar10_resnet18", _SYNTHETIC_IMAGES),
+    "char_lm": Workload(
+        "tinyshakespeare",
+        (
+            (
+                "data",
+                {
+                    "name": "synthetic_tokens",
+                    "seq_len": 128,
+                    "vocab_size": 65,
+                    "task": "causal_lm",
+                    "num_examples": 8,
+                },
+            ),
+        ),
+    ),
+    "small_cnn": Workload("default"),
+}
+PAPER = tuple(name for name, w in WORKLOADS.items() if w.paper)
+SMALL = tuple(name for name, w in WORKLOADS.items() if not w.paper)
+
+
+def load_config(module: str) -> ml_collections.ConfigDict:
+  """``configs/<module>.py``'s config."""
+  return importlib.import_module(f"configs.{module}").get_config()
+
+
+def config(
+    name: str, compressor: str | None = None
+) -> ml_collections.ConfigDict:
+  """The training config of workload ``name``, with ``compressor`` if given."""
+  if name not in WORKLOADS:
+    raise ValueError(
+        f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}"
+    )
+  workload = WORKLOADS[name]
+  cfg = load_config(workload.config)
+  for key, value in workload.overrides:
+    if isinstance(value, dict):
+      setattr(cfg, key, ml_collections.ConfigDict(value))
+    else:
+      section, _, field = key.rpartition(".")
+      setattr(cfg[section] if section else cfg, field, value)
+  if compressor is not None:
+    cfg.compressor.name = compressor
+  return cfg
+
+
+@functools.cache
+def experiment(name: str) -> train.Experiment:
+  """The workload built abstractly (no parameter is allocated)."""
+  return train.build(config(name))
+
+
+def compressor(name: str, compressor_name: str) -> acp_jax.Compressor:
+  """``compressor_name`` with the arguments the workload's config gives it."""
+  if compressor_name not in COMPRESSORS:
+    raise ValueError(
+        f"unknown compressor {compressor_name!r}; choose from"
+        f" {', '.join(COMPRESSORS)}"
+    )
+  tx, _ = config_lib.compressor(config(name, compressor_name), train.AXIS)
+  return tx
+
+
+def describe(name: str) -> dict[str, Any]:
+  """Parameters, low-rank plan and settings of workload ``name``."""
+  cfg = config(name)
+  params = experiment(name).abstract_params
+  plan = lowrank.settings(
+      cfg.compressor.rank,
+      cfg.compressor.min_compression_rate,
+      None,
+      0,
+      "benchmarks",
+  ).plan(params)
+  leaves = jax.tree.leaves(params)
+  return {
+      "model": name,
+      "params": sum(x.size for x in leaves),
+      "leaves": len(leaves),
+      "compressed_matrices": sum(spec is not None for spec in plan),
+      "dense_bytes": sum(
+          x.size * x.dtype.itemsize
+          for x, spec in zip(leaves, plan)
+          if spec is None
+      ),
+      "rank": cfg.compressor.rank,
+      "density": cfg.compressor.density,
+  }

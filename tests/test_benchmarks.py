@@ -1,0 +1,211 @@
+"""``python -m benchmarks ... --quick``, end to end, and the JSON it writes.
+
+Each subcommand runs once, as a user would run it, in a process of its own;
+the tests read what it wrote. The convergence run reads small data files
+written here in the MNIST IDX and plain-text formats, so it needs nothing
+from ``../shared/data``.
+"""
+
+import gzip
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from benchmarks import records
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMPRESSORS = ("ssgd", "sign_sgd", "topk_sgd", "power_sgd", "acp_sgd")
+PROVENANCE = ("machine", "date", "command", "quick")
+
+
+def _run(*args, timeout=600):
+  return subprocess.run(
+      [sys.executable, "-m", "benchmarks", *args],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+  )
+
+
+def _write_idx(path, array):
+  header = struct.pack(">BBBB", 0, 0, 8, array.ndim)
+  header += struct.pack(f">{array.ndim}I", *array.shape)
+  with gzip.open(path, "wb") as f:
+    f.write(header + array.astype(np.uint8).tobytes())
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  """A 400-image MNIST look-alike and a 30,000-character text."""
+  root = tmp_path_factory.mktemp("data")
+  rng = np.random.default_rng(0)
+  labels = rng.integers(0, 10, 400)
+  # Each class a bright bar in its own rows, plus noise: learnable.
+  images = rng.integers(0, 64, (400, 28, 28))
+  for i, label in enumerate(labels):
+    images[i, 2 * label + 4 : 2 * label + 8] = 255
+  mnist = root / "mnist"
+  mnist.mkdir()
+  _write_idx(mnist / "t10k-images-idx3-ubyte.gz", images)
+  _write_idx(mnist / "t10k-labels-idx1-ubyte.gz", labels)
+  text = root / "text.txt"
+  words = ["to", "be", "or", "not", "that", "is", "the", "question"]
+  text.write_text(" ".join(rng.choice(words, 7000)))
+  return root
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, data_dir):
+  """Every subcommand's --quick run, into one results folder."""
+  out = tmp_path_factory.mktemp("results")
+  runs = {
+      "comm": ["comm", "--quick"],
+      "overhead": ["overhead", "--quick"],
+      "convergence": [
+          "convergence",
+          "--quick",
+          f"--mnist_path={data_dir / 'mnist'}",
+          f"--char_lm_path={data_dir / 'text.txt'}",
+      ],
+      "report": ["report"],
+  }
+  for name, args in runs.items():
+    result = _run(f"--results_dir={out}", *args)
+    assert result.returncode == 0, f"{name}:\n{result.stdout}\n{result.stderr}"
+  return out
+
+
+def _records(results, name):
+  rows = records.read(name, results)
+  assert rows, name
+  for row in rows:
+    for key in PROVENANCE:
+      assert key in row, (name, key)
+    assert row["quick"] is True
+    for key, value in row.items():
+      assert not isinstance(value, (dict, list)), (name, key)
+      if isinstance(value, float):
+        assert math.isfinite(value), (name, key, value)
+  return rows
+
+
+def test_comm_hlo_equals_accounting(results):
+  rows = _records(results, "comm")
+  models = {r["model"] for r in rows}
+  assert models == {"small_cnn", "char_lm", "resnet18_cifar"}
+  for model in models:
+    by_name = {r["compressor"]: r for r in rows if r["model"] == model}
+    assert set(by_name) == set(COMPRESSORS)
+    for row in by_name.values():
+      assert row["hlo_bytes_per_step"] == row["bytes_per_step"] > 0
+      assert row["hlo_matches_accounting"] is True
+    acp, power = by_name["acp_sgd"], by_name["power_sgd"]
+    assert acp["bytes_per_step"] == (acp["bytes_p"] + acp["bytes_q"]) / 2
+    assert acp["meets_target"] is True
+    assert (acp["rounds"], power["rounds"], by_name["ssgd"]["rounds"]) == (
+        1,
+        2,
+        1,
+    )
+    assert by_name["ssgd"]["ratio_vs_ssgd"] == 1
+    assert acp["ratio_vs_ssgd"] > power["ratio_vs_ssgd"] > 1
+
+
+def test_overhead_times_every_compressor(results):
+  rows = _records(results, "overhead")
+  for model in {r["model"] for r in rows}:
+    by_name = {r["compressor"]: r for r in rows if r["model"] == model}
+    assert set(by_name) == set(COMPRESSORS)
+    for row in by_name.values():
+      assert row["update_ms"] > 0 and row["repeats"] == 3
+    acp = by_name["acp_sgd"]
+    assert acp["update_ms"] == pytest.approx(
+        (acp["update_ms_p"] + acp["update_ms_q"]) / 2
+    )
+    assert acp["vs_power_sgd"] == pytest.approx(
+        acp["update_ms"] / by_name["power_sgd"]["update_ms"]
+    )
+
+
+def test_convergence_trains_every_compressor(results):
+  finals = _records(results, "convergence")
+  curves = _records(results, "convergence_curves")
+  assert {(r["task"], r["compressor"]) for r in finals} == {
+      (t, c) for t in ("mnist", "char_lm") for c in COMPRESSORS
+  }
+  for row in finals:
+    points = [
+        c
+        for c in curves
+        if (c["task"], c["compressor"]) == (row["task"], row["compressor"])
+    ]
+    assert [p["step"] for p in points] == sorted(p["step"] for p in points)
+    assert points[-1]["step"] == row["steps"]
+    assert points[-1]["eval_loss"] == pytest.approx(row["eval_loss"])
+    # Bytes sent grow by the method's bytes per step.
+    assert row["bytes_sent"] == pytest.approx(
+        row["bytes_per_step"] * row["steps"], rel=0.01
+    )
+    assert 0 <= row["eval_accuracy"] <= 1
+  ssgd = {r["task"]: r for r in finals if r["compressor"] == "ssgd"}
+  assert ssgd["mnist"]["accuracy_vs_ssgd_pts"] == 0
+  assert isinstance(
+      next(r for r in finals if r["compressor"] == "acp_sgd")["meets_target"],
+      bool,
+  )
+
+
+def test_report_has_targets_and_plots(results):
+  report = (results / "REPORT.md").read_text()
+  assert "## Targets" in report and "--quick" in report
+  for section in ("Communication", "overhead", "Convergence"):
+    assert section in report
+  for plot in ("comm_bytes.png", "overhead.png", "convergence.png"):
+    assert f"]({plot})" in report
+    assert (results / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_missing_data_file_is_a_clear_error(tmp_path):
+  result = _run(
+      f"--results_dir={tmp_path}",
+      "convergence",
+      "--quick",
+      f"--mnist_path={tmp_path / 'nowhere'}",
+      timeout=120,
+  )
+  assert result.returncode != 0
+  assert "--mnist_path" in result.stderr and "nowhere" in result.stderr
+  assert not list(tmp_path.glob("*.json"))
+
+
+def test_report_without_results_says_what_to_run(tmp_path):
+  result = _run(f"--results_dir={tmp_path}", "report", timeout=120)
+  assert result.returncode != 0
+  assert "python -m benchmarks comm" in result.stderr
+
+
+def test_unknown_model_is_refused(tmp_path):
+  result = _run(
+      f"--results_dir={tmp_path}", "comm", "--models=resnet51", timeout=120
+  )
+  assert result.returncode != 0
+  assert "resnet51" in result.stderr and "resnet50" in result.stderr
+
+
+def test_records_must_be_flat_and_finite(tmp_path):
+  with pytest.raises(TypeError, match="'curve' is not flat"):
+    records.write("x", [{"curve": [1, 2]}], tmp_path)
+  with pytest.raises(ValueError, match="'loss' is nan"):
+    records.write("x", [{"loss": float("nan")}], tmp_path)
+  path = records.write(
+      "x", [{"ok": np.float32(1.5), "n": np.int64(2)}], tmp_path
+  )
+  assert json.loads(path.read_text()) == [{"ok": 1.5, "n": 2}]
