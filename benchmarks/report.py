@@ -5,7 +5,6 @@ Everything in the report comes from the JSON files beside it; each section
 says the machine, date and command that made its numbers.
 """
 
-import collections
 import os
 import pathlib
 from typing import Any
@@ -46,26 +45,25 @@ def _provenance(rows: list[dict[str, Any]]) -> str:
   )
 
 
-def _by(rows, *keys):
-  out = collections.defaultdict(list)
-  for row in rows:
-    out[tuple(row[k] for k in keys)].append(row)
-  return out
-
-
-def _grouped_bars(ax, rows, value, models, log=True):
-  """Bars of ``value`` per model (groups) and compressor (colours)."""
+def _bar_plot(rows, value: str, ylabel: str, title: str, path) -> None:
+  """Log-scale bars of ``value``, grouped by model, coloured by compressor."""
+  models = _models(rows)
   cell = {(r["model"], r["compressor"]): r[value] for r in rows}
   width = 0.8 / len(workloads.COMPRESSORS)
+  fig, ax = plt.subplots(figsize=(8, 4))
   for i, name in enumerate(workloads.COMPRESSORS):
     xs = [m + (i - 2) * width for m in range(len(models))]
     ys = [cell.get((model, name), 0) for model in models]
     ax.bar(xs, ys, width, label=LABELS[name], color=COLORS[name])
   ax.set_xticks(range(len(models)), models, rotation=20)
-  if log:
-    ax.set_yscale("log")
+  ax.set_yscale("log")
   ax.grid(axis="y", alpha=0.3)
   ax.legend(fontsize=8)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
 
 
 def _models(rows):
@@ -73,14 +71,13 @@ def _models(rows):
 
 
 def _comm_section(rows, out: pathlib.Path) -> tuple[list[str], list[str]]:
-  models = _models(rows)
-  fig, ax = plt.subplots(figsize=(8, 4))
-  _grouped_bars(ax, rows, "bytes_per_step", models)
-  ax.set_ylabel("bytes per step per device")
-  ax.set_title("Bytes each device sends per step (ACP-SGD: mean of P and Q)")
-  fig.tight_layout()
-  fig.savefig(out / "comm_bytes.png", dpi=120)
-  plt.close(fig)
+  _bar_plot(
+      rows,
+      "bytes_per_step",
+      "bytes per step per device",
+      "Bytes each device sends per step (ACP-SGD: mean of P and Q)",
+      out / "comm_bytes.png",
+  )
 
   acp = [r for r in rows if r["compressor"] == "acp_sgd"]
   every_match = all(r["hlo_matches_accounting"] for r in rows)
@@ -113,7 +110,7 @@ def _comm_section(rows, out: pathlib.Path) -> tuple[list[str], list[str]]:
       "![bytes per step](comm_bytes.png)",
       "",
   ]
-  for model in models:
+  for model in _models(rows):
     model_rows = [r for r in rows if r["model"] == model]
     first = model_rows[0]
     lines += [
@@ -146,14 +143,13 @@ def _comm_section(rows, out: pathlib.Path) -> tuple[list[str], list[str]]:
 
 
 def _overhead_section(rows, out: pathlib.Path) -> tuple[list[str], list]:
-  models = _models(rows)
-  fig, ax = plt.subplots(figsize=(8, 4))
-  _grouped_bars(ax, rows, "update_ms", models)
-  ax.set_ylabel("update time, ms (median)")
-  ax.set_title("Compressor update on one device (no communication)")
-  fig.tight_layout()
-  fig.savefig(out / "overhead.png", dpi=120)
-  plt.close(fig)
+  _bar_plot(
+      rows,
+      "update_ms",
+      "update time, ms (median)",
+      "Compressor update on one device (no communication)",
+      out / "overhead.png",
+  )
 
   acp = {
       r["model"]: r
