@@ -19,12 +19,26 @@ import ml_collections
 from benchmarks import workloads
 from train import train
 
-# task -> (config, data path flag, step budget, eval every, log every);
-# quick runs shrink the budget and the models.
+# task -> (config, overrides). The char LM runs at half the config's batch
+# and sequence length: its 1,000 steps of 64 x 128 characters take 20
+# minutes per compressor on 2 cores, these 500 steps of 32 x 64 three.
 TASKS = {
-    "mnist": ("mnist", 500, 50, 10),
-    "char_lm": ("tinyshakespeare", 1000, 100, 10),
+    "mnist": (
+        "mnist",
+        (("num_train_steps", 500), ("eval_every_steps", 50)),
+    ),
+    "char_lm": (
+        "tinyshakespeare",
+        (
+            ("num_train_steps", 500),
+            ("eval_every_steps", 100),
+            ("batch_size", 32),
+            ("data.seq_len", 64),
+            ("model.max_len", 64),
+        ),
+    ),
 }
+# Quick runs shrink the budget and the models: a smoke test.
 QUICK_STEPS = 24
 
 
@@ -41,13 +55,10 @@ def config(
         f"{task}: data path {data_path!r} does not exist; pass it with"
         f" --{task}_path"
     )
-  name, steps, eval_every, log_every = TASKS[task]
-  cfg = workloads.load_config(name)
+  cfg = workloads.load_config(*TASKS[task])
   cfg.compressor.name = compressor
   cfg.data.path = data_path
-  cfg.log_every_steps = log_every
-  cfg.eval_every_steps = eval_every
-  cfg.num_train_steps = steps
+  cfg.log_every_steps = 10
   if quick:
     cfg.num_train_steps = QUICK_STEPS
     cfg.eval_every_steps = QUICK_STEPS // 2
@@ -99,7 +110,7 @@ def run(task: str, compressor: str, data_path: str, quick: bool):
       "compressor": compressor,
       "model": cfg.model.name,
       "steps": summary["step"],
-      "global_batch": summary.get("global_batch", cfg.batch_size),
+      "global_batch": cfg.batch_size,
       "num_devices": summary["num_devices"],
       "eval_loss": summary["eval_loss"],
       "eval_accuracy": summary["eval_accuracy"],
@@ -129,12 +140,12 @@ def measure(
       row["accuracy_vs_ssgd_pts"] = 100 * (
           row["eval_accuracy"] - base["eval_accuracy"]
       )
-      row["loss_vs_ssgd"] = row["eval_loss"] / base["eval_loss"] - 1
+      row["loss_vs_ssgd_pct"] = 100 * (row["eval_loss"] / base["eval_loss"] - 1)
     acp = rows["acp_sgd"]
     acp["meets_target"] = (
         acp["accuracy_vs_ssgd_pts"] >= -1.0
         if task == "mnist"
-        else acp["loss_vs_ssgd"] <= 0.03
+        else acp["loss_vs_ssgd_pct"] <= 3.0
     )
     finals.extend(rows.values())
   return finals, curves
@@ -144,10 +155,11 @@ COLUMNS = {
     "task": "task",
     "compressor": "compressor",
     "steps": "steps",
+    "global_batch": "batch",
     "eval_accuracy": "held-out accuracy",
     "eval_loss": "held-out loss",
     "accuracy_vs_ssgd_pts": "acc. vs S-SGD (pts)",
-    "loss_vs_ssgd": "loss vs S-SGD",
+    "loss_vs_ssgd_pct": "loss vs S-SGD (%)",
     "bytes_per_step": "bytes/step",
     "bytes_sent": "bytes sent",
     "wall_seconds": "seconds",

@@ -35,6 +35,12 @@ COLORS = {
     "acp_sgd": "#d55e00",
 }
 OVERHEAD_TARGET_MODELS = ("resnet50", "bert_base")
+# Each model's table has a heading that gives these.
+_PER_MODEL_COLUMNS = {
+    k: v
+    for k, v in comm.COLUMNS.items()
+    if k not in ("model", "params", "compressed_matrices")
+}
 
 
 def _provenance(rows: list[dict[str, Any]]) -> str:
@@ -120,7 +126,7 @@ def _comm_section(rows, out: pathlib.Path) -> tuple[list[str], list[str]]:
         f" sent dense); Top-k density {first['density']};"
         f" {first['num_devices']} devices.",
         "",
-        records.table(model_rows, comm.COLUMNS),
+        records.table(model_rows, _PER_MODEL_COLUMNS),
         "",
     ]
   lines += [
@@ -254,11 +260,12 @@ def _convergence_section(rows, curves, out: pathlib.Path):
             "ACP-SGD within 3 % of S-SGD's char-LM loss",
             f"{acp['eval_loss']:.4f} against"
             f" {by_task['char_lm']['ssgd']['eval_loss']:.4f}"
-            f" ({100 * acp['loss_vs_ssgd']:+.2f} %)",
+            f" ({acp['loss_vs_ssgd_pct']:+.2f} %)",
             acp["meets_target"],
         )
     )
   first = rows[0]
+  char_lm = dict(convergence.TASKS["char_lm"][1])
   lines = [
       "## 3. Convergence",
       "",
@@ -268,8 +275,10 @@ def _convergence_section(rows, curves, out: pathlib.Path):
       " the same seed, data order, schedule and step budget, on"
       f" {first['num_devices']} simulated devices: MNIST's 10,000-image"
       " test set split 8,000 / 2,000 on the small CNN (`configs/mnist.py`),"
-      " and tiny-shakespeare on the character LM (`configs/tinyshakespeare.py`,"
-      " held-out: the file's last 10 %). Held-out accuracy and loss at the"
+      " and tiny-shakespeare on the character LM (`configs/tinyshakespeare.py`"
+      f" at batch {char_lm['batch_size']} x {char_lm['data.seq_len']}"
+      " characters, half the config's batch and sequence length, to fit 2"
+      " cores; held-out: the file's last 10 %). Held-out accuracy and loss at the"
       " end; curves against steps and against the bytes each device sent.",
       "",
       "![convergence](convergence.png)",

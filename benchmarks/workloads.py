@@ -65,9 +65,18 @@ PAPER = tuple(name for name, w in WORKLOADS.items() if w.paper)
 SMALL = tuple(name for name, w in WORKLOADS.items() if not w.paper)
 
 
-def load_config(module: str) -> ml_collections.ConfigDict:
-  """``configs/<module>.py``'s config."""
-  return importlib.import_module(f"configs.{module}").get_config()
+def load_config(
+    module: str, overrides: tuple[tuple[str, Any], ...] = ()
+) -> ml_collections.ConfigDict:
+  """``configs/<module>.py``'s config with ``(dotted key, value)`` overrides;
+  a dict value replaces a whole section."""
+  cfg = importlib.import_module(f"configs.{module}").get_config()
+  for key, value in overrides:
+    section, _, field = key.rpartition(".")
+    if isinstance(value, dict):
+      value = ml_collections.ConfigDict(value)
+    setattr(cfg[section] if section else cfg, field, value)
+  return cfg
 
 
 def config(
@@ -79,13 +88,7 @@ def config(
         f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}"
     )
   workload = WORKLOADS[name]
-  cfg = load_config(workload.config)
-  for key, value in workload.overrides:
-    if isinstance(value, dict):
-      setattr(cfg, key, ml_collections.ConfigDict(value))
-    else:
-      section, _, field = key.rpartition(".")
-      setattr(cfg[section] if section else cfg, field, value)
+  cfg = load_config(workload.config, workload.overrides)
   if compressor is not None:
     cfg.compressor.name = compressor
   return cfg
