@@ -17,7 +17,6 @@ import ml_collections
 
 import acp_jax
 from acp_jax import lowrank
-
 from train import config as config_lib
 from train import train
 
