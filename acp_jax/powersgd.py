@@ -1,10 +1,8 @@
 """Power-SGD: rank-r gradient compression by one step of power iteration."""
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-import jax
 from jax import lax
-import jax.numpy as jnp
 import optax
 
 from acp_jax import collectives
