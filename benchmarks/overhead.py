@@ -21,7 +21,7 @@ from benchmarks import workloads
 from train import train
 
 
-def _interleaved(calls: dict[Any, Any], repeats: int, warmup: int = 2):
+def interleaved(calls: dict[Any, Any], repeats: int, warmup: int = 2):
   """Seconds of each zero-argument call, ``repeats`` times each.
 
   The calls take turns, so a slow spell of a shared machine hits all of
@@ -93,7 +93,7 @@ def measure(models: list[str], repeats: int) -> list[dict[str, Any]]:
             phase_calls(workloads.compressor(model, name), params)
         )
     }
-    times = _interleaved(calls, repeats)
+    times = interleaved(calls, repeats)
     del calls  # frees the gradients and states before the next model
     rows = {}
     for name in workloads.COMPRESSORS:

@@ -1,0 +1,114 @@
+"""The shaped-link cluster: links built and torn down, a 2-worker smoke run."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import __main__ as cli
+from benchmarks import links
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+needs_root = pytest.mark.skipif(
+    links.unavailable() is not None,
+    reason=f"cannot build links here: {links.unavailable()}",
+)
+
+
+def _namespaces() -> set[str]:
+  out = subprocess.run(
+      ["ip", "netns", "list"], capture_output=True, text=True, check=True
+  ).stdout
+  return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def test_tbf_arguments():
+  assert links.tbf(1000) == [
+      "tbf",
+      "rate",
+      "1000mbit",
+      "burst",
+      "500000",
+      "latency",
+      "100ms",
+  ]
+  # Slow links still take a full TSO segment in one burst.
+  assert links.tbf(10)[4] == str(64 * 1024)
+  with pytest.raises(ValueError, match="rate_mbit must be positive, got 0"):
+    links.tbf(0)
+
+
+def test_cluster_without_root_says_so_and_exits_cleanly(monkeypatch, capsys):
+  monkeypatch.setattr(links, "unavailable", lambda: "needs root")
+  cli.main(["cluster"])
+  assert "cluster: skipped, needs root" in capsys.readouterr().out
+
+
+@needs_root
+def test_links_are_shaped_and_torn_down_on_error():
+  before = _namespaces()
+  with pytest.raises(KeyError):
+    with links.switched(2, 1000, prefix="acptest") as network:
+      assert set(network.names) | {network.switch} <= _namespaces()
+      qdisc = subprocess.run(
+          ["tc", "-n", network.names[1], "qdisc", "show", "dev", "eth0"],
+          capture_output=True,
+          text=True,
+          check=True,
+      ).stdout
+      assert "tbf" in qdisc and "rate 1Gbit" in qdisc, qdisc
+      hosts = pathlib.Path(f"/etc/netns/{network.names[1]}/hosts")
+      assert network.address(1) in hosts.read_text()
+      raise KeyError("fail inside")
+  assert _namespaces() == before
+  assert not pathlib.Path("/etc/netns/acptest-w0").exists()
+
+
+@needs_root
+@pytest.mark.slow
+def test_two_workers_train_on_a_shaped_link(tmp_path):
+  before = _namespaces()
+  done = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "benchmarks",
+          f"--results_dir={tmp_path}",
+          "cluster",
+          "--quick",
+          "--model=tiny",
+          "--workers=2",
+          "--bandwidths=1gbit",
+          "--compressors=ssgd,acp_sgd",
+          "--no_torch",
+          "--timeout=240",
+      ],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=900,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert _namespaces() == before
+  runs = json.loads((tmp_path / "cluster.json").read_text())
+  assert [(r["system"], r["compressor"]) for r in runs] == [
+      ("acp_jax", "ssgd"),
+      ("acp_jax", "acp_sgd"),
+  ]
+  for run in runs:
+    assert run["bandwidth"] == "1gbit" and run["workers"] == 2
+    assert run["params_identical"] is True
+    assert run["examples_per_sec"] > 0
+    # The model cannot be faster than compute alone.
+    assert (
+        0
+        < run["predicted_examples_per_sec"]
+        < run["compute_only_examples_per_sec"]
+    )
+  calibration = json.loads((tmp_path / "cluster_links.json").read_text())
+  assert len(calibration) == 5
+  beta = calibration[0]["beta_s_per_byte"]
+  # A 1 Gb/s link moves at most 125 MB/s.
+  assert 1 / beta < 125e6 * 1.05, 1 / beta
