@@ -1,4 +1,4 @@
-"""``python -m benchmarks {comm,overhead,convergence,report} [--quick]``.
+"""``python -m benchmarks {comm,overhead,convergence,cluster,report} [--quick]``.
 
 Each measuring subcommand prints a table and writes
 ``benchmarks/results/SUBCOMMAND.json``, a list of flat records that carry
@@ -7,7 +7,9 @@ the machine, date and command; ``report`` turns them into
 """
 
 import argparse
+import importlib.util
 import pathlib
+import signal
 import sys
 
 from benchmarks import records
@@ -55,6 +57,41 @@ def _parser() -> argparse.ArgumentParser:
       default=str(_SHARED / "tinyshakespeare" / "input.txt"),
       help="plain-text file for the char LM (default: %(default)s)",
   )
+  cluster = sub.add_parser(
+      "cluster",
+      parents=[quick],
+      help="worker processes on shaped network links (needs root)",
+  )
+  cluster.add_argument("--workers", type=int, default=4)
+  cluster.add_argument(
+      "--model", default="bert_base_2l", help="a model of benchmarks/cluster.py"
+  )
+  cluster.add_argument(
+      "--bandwidths",
+      default="1gbit,10gbit,unshaped",
+      help="comma-separated, of 1gbit, 10gbit, unshaped",
+  )
+  cluster.add_argument("--steps", type=int, help="train steps per run")
+  cluster.add_argument(
+      "--compressors", help="comma-separated (default: all five)"
+  )
+  cluster.add_argument(
+      "--timeout", type=float, default=900, help="seconds per run"
+  )
+  cluster.add_argument(
+      "--no_torch", action="store_true", help="skip the PyTorch peer"
+  )
+  project = sub.add_parser(
+      "project",
+      parents=[quick],
+      help="the cost model at 8-64 workers and 1-100 Gb/s",
+  )
+  project.add_argument("--models", help="comma-separated workloads")
+  project.add_argument(
+      "--alpha_us",
+      type=float,
+      help="link latency (default: calibrated by cluster, unshaped link)",
+  )
   sub.add_parser("report", help="REPORT.md with tables and plots")
   return parser
 
@@ -77,6 +114,82 @@ def _models(
   return models
 
 
+def _cluster(args, cluster):
+  bandwidths = args.bandwidths.split(",")
+  for bandwidth in bandwidths:
+    if bandwidth not in cluster.BANDWIDTHS:
+      raise SystemExit(
+          f"--bandwidths: unknown {bandwidth!r}; choose from"
+          f" {', '.join(cluster.BANDWIDTHS)}"
+      )
+  if args.model not in cluster.MODELS:
+    raise SystemExit(
+        f"--model: unknown {args.model!r}; choose from"
+        f" {', '.join(cluster.MODELS)}"
+    )
+  from benchmarks import workloads
+
+  known = workloads.COMPRESSORS
+  compressors = args.compressors.split(",") if args.compressors else known
+  for name in compressors:
+    if name not in known:
+      raise SystemExit(
+          f"--compressors: unknown {name!r}; choose from {', '.join(known)}"
+      )
+  if args.workers < 2:
+    raise SystemExit(f"--workers must be at least 2, got {args.workers}")
+  steps = args.steps or (6 if args.quick else 10)
+  if steps < 4:
+    raise SystemExit(f"--steps must be at least 4, got {steps}")
+  torch = not args.no_torch and importlib.util.find_spec("torch") is not None
+  if not torch and not args.no_torch:
+    print("cluster: torch is not installed, the PyTorch peer is skipped")
+  # A SIGTERM unwinds like an error, so the links come down.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+  runs, calibration = cluster.measure(
+      args.model,
+      args.workers,
+      bandwidths,
+      steps,
+      args.timeout,
+      torch,
+      compressors,
+      # Asked for by name, they run on every link.
+      () if args.compressors else cluster.FASTEST_LINK_ONLY,
+  )
+  return {"cluster": runs, "cluster_links": calibration}, cluster.COLUMNS
+
+
+def _project(args, project):
+  from benchmarks import workloads
+
+  models = _models(args.models, False) if args.models else list(workloads.PAPER)
+  alpha = args.alpha_us
+  links = records.read("cluster_links", args.results_dir)
+  if alpha is None:
+    calibrated = [r for r in links if r["bandwidth"] == "unshaped"]
+    if not calibrated:
+      raise SystemExit(
+          "project: no unshaped link calibration in"
+          f" {args.results_dir}/cluster_links.json; run `python -m"
+          " benchmarks cluster` first or pass --alpha_us"
+      )
+    alpha = calibrated[0]["alpha_s"]
+  else:
+    if alpha < 0:
+      raise SystemExit(f"--alpha_us must be >= 0, got {alpha}")
+    alpha *= 1e-6
+  repeats = 2 if args.quick else 5
+  rows = project.measure(
+      models,
+      alpha,
+      (2, 4),
+      repeats,
+      records.read("overhead", args.results_dir),
+  )
+  return rows + project.validation(records.read("cluster", args.results_dir))
+
+
 def main(argv: list[str] | None = None) -> None:
   argv = sys.argv[1:] if argv is None else argv
   args = _parser().parse_args(argv)
@@ -86,13 +199,36 @@ def main(argv: list[str] | None = None) -> None:
     print(report.write(args.results_dir))
     return
 
+  if args.command == "cluster":
+    from benchmarks import links
+
+    reason = links.unavailable()
+    if reason:
+      print(f"cluster: skipped, {reason}")
+      return
   from train import runtime
 
-  runtime.setup(num_cpu_devices=args.num_cpu_devices)
-  from benchmarks import comm, convergence, overhead
+  # The cluster's orchestrator compiles the workers' step on as many
+  # simulated devices as there are workers, to read its collectives.
+  devices = {"cluster": getattr(args, "workers", None), "project": 1}.get(
+      args.command
+  )
+  runtime.setup(num_cpu_devices=devices or args.num_cpu_devices)
+  from benchmarks import cluster, comm, convergence, overhead, project
 
   meta = {**records.provenance(argv), "quick": args.quick}
-  if args.command == "comm":
+  if args.command == "cluster":
+    outputs, columns = _cluster(args, cluster)
+    rows = outputs["cluster"]
+  elif args.command == "project":
+    projected = _project(args, project)
+    outputs = {"projection": projected}
+    # Hundreds of projected rows: the averages and the checks print.
+    rows = project.averages(
+        [r for r in projected if r["kind"] == "projection"]
+    ) + [r for r in projected if r["kind"] == "cluster"]
+    columns = project.COLUMNS
+  elif args.command == "comm":
     rows = comm.measure(_models(args.models, args.quick))
     columns, outputs = comm.COLUMNS, {"comm": rows}
   elif args.command == "overhead":

@@ -75,6 +75,13 @@ def results(tmp_path_factory, data_dir):
           f"--mnist_path={data_dir / 'mnist'}",
           f"--char_lm_path={data_dir / 'text.txt'}",
       ],
+      # The link latency is given: no cluster ran here to calibrate it.
+      "project": [
+          "project",
+          "--quick",
+          "--models=small_cnn",
+          "--alpha_us=500",
+      ],
       "report": ["report"],
   }
   for name, args in runs.items():
@@ -171,6 +178,43 @@ def test_report_has_targets_and_plots(results):
   for plot in ("comm_bytes.png", "overhead.png", "convergence.png"):
     assert f"]({plot})" in report
     assert (results / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_projection_covers_the_paper_grid(results):
+  rows = _records(results, "projection")
+  assert {r["kind"] for r in rows} == {"projection"}  # no cluster ran
+  grid = {
+      (r["workers"], r["bandwidth"], r["compute_scale"], r["compressor"])
+      for r in rows
+  }
+  assert len(grid) == len(rows) == 4 * 3 * 3 * 5
+  for row in rows:
+    assert row["predicted_examples_per_sec"] > 0
+    assert row["alpha_s"] == pytest.approx(500e-6)
+    if row["compressor"] == "acp_sgd":
+      assert row["acp_speedup"] == pytest.approx(1.0)
+  # ACP-SGD sends less than S-SGD: faster links can only shrink its lead.
+  for p in (8, 64):
+    lead = [
+        next(
+            r["acp_speedup"]
+            for r in rows
+            if (r["workers"], r["bandwidth"], r["compute_scale"])
+            == (p, bandwidth, 100)
+            and r["compressor"] == "ssgd"
+        )
+        for bandwidth in ("1gbit", "10gbit", "100gbit")
+    ]
+    assert lead == sorted(lead, reverse=True), lead
+  report = (results / "REPORT.md").read_text()
+  assert "Projection to the paper's clusters" in report
+  assert (results / "projection.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_projection_without_a_latency_says_how_to_get_one(tmp_path):
+  result = _run(f"--results_dir={tmp_path}", "project", "--quick", timeout=120)
+  assert result.returncode != 0
+  assert "benchmarks cluster" in result.stderr and "--alpha_us" in result.stderr
 
 
 def test_missing_data_file_is_a_clear_error(tmp_path):
