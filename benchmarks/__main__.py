@@ -146,7 +146,7 @@ def _cluster(args, cluster):
     print("cluster: torch is not installed, the PyTorch peer is skipped")
   # A SIGTERM unwinds like an error, so the links come down.
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-  runs, calibration = cluster.measure(
+  runs, calibration, failures = cluster.measure(
       args.model,
       args.workers,
       bandwidths,
@@ -157,7 +157,11 @@ def _cluster(args, cluster):
       # Asked for by name, they run on every link.
       () if args.compressors else cluster.FASTEST_LINK_ONLY,
   )
-  return {"cluster": runs, "cluster_links": calibration}, cluster.COLUMNS
+  return (
+      {"cluster": runs, "cluster_links": calibration},
+      cluster.COLUMNS,
+      failures,
+  )
 
 
 def _project(args, project):
@@ -217,8 +221,9 @@ def main(argv: list[str] | None = None) -> None:
   from benchmarks import cluster, comm, convergence, overhead, project
 
   meta = {**records.provenance(argv), "quick": args.quick}
+  failures = []
   if args.command == "cluster":
-    outputs, columns = _cluster(args, cluster)
+    outputs, columns, failures = _cluster(args, cluster)
     rows = outputs["cluster"]
   elif args.command == "project":
     projected = _project(args, project)
@@ -252,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     path = records.write(name, [{**r, **meta} for r in out], args.results_dir)
     print(f"wrote {path}")
   print(records.table(rows, columns))
+  if failures:
+    raise SystemExit("runs that failed:\n" + "\n".join(failures))
 
 
 if __name__ == "__main__":

@@ -186,6 +186,17 @@ def _on_network(network, make_cmd, timeout):
   )
 
 
+def _attempt(failures: list[str], what: str, run):
+  """``run()``'s result, or None with the failure noted: one run that
+  fails or times out costs its own record, not the others'."""
+  try:
+    return run()
+  except (RuntimeError, TimeoutError) as e:
+    failures.append(f"{what}: {e}")
+    print(f"  FAILED {what}: {str(e).splitlines()[0]}", flush=True)
+    return None
+
+
 def compute_only(
     model: str, compressors, workers: int, steps: int, timeout: float
 ) -> dict[str, dict[str, Any]]:
@@ -267,15 +278,16 @@ def measure(
     with_torch: bool,
     compressors=workloads.COMPRESSORS,
     fastest_link_only=FASTEST_LINK_ONLY,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-  """Cluster records (one per system, compressor and bandwidth) and link
-  calibration records (one per bandwidth and psum size). The
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+  """Cluster records (one per system, compressor and bandwidth), link
+  calibration records (one per bandwidth and psum size) and the runs that
+  failed, each with its reason. The
   ``fastest_link_only`` compressors run on the last bandwidth only."""
   batch = MODELS[model]["batch_size"]
   print(f"{workers} processes, compute only:", flush=True)
   alone = compute_only(model, compressors, workers, steps, timeout)
   phases = {c: traffic(model, c) for c in compressors}
-  runs, calibration = [], []
+  runs, calibration, failures = [], [], []
   for bandwidth in bandwidths:
     with links.switched(workers, BANDWIDTHS[bandwidth]) as network:
       link, seconds = calibrate(network, timeout)
@@ -301,18 +313,24 @@ def measure(
         if name in fastest_link_only and not last:
           continue
         with tempfile.TemporaryDirectory() as workdir:
-          results = _on_network(
-              network,
-              lambda i: _jax_cmd(
-                  "train",
-                  f"--workload={model}",
-                  f"--compressor={name}",
-                  f"--steps={steps}",
-                  f"--workdir={workdir}",
-                  *_distributed(network, i),
+          results = _attempt(
+              failures,
+              f"{bandwidth} acp_jax {name}",
+              lambda: _on_network(
+                  network,
+                  lambda i: _jax_cmd(
+                      "train",
+                      f"--workload={model}",
+                      f"--compressor={name}",
+                      f"--steps={steps}",
+                      f"--workdir={workdir}",
+                      *_distributed(network, i),
+                  ),
+                  timeout,
               ),
-              timeout,
           )
+        if results is None:
+          continue
         step = alone[name]
         predicted = _predict(step, phases[name], workers, link, batch)
         runs.append(
@@ -333,21 +351,27 @@ def measure(
         )
         _show(runs[-1])
       for name in TORCH if with_torch else ():
-        results = _on_network(
-            network,
-            lambda i: [sys.executable]
-            + _torch_args(model, name, steps)
-            + [
-                f"--master_addr={network.address(0)}",
-                "--master_port=29500",
-                f"--world_size={workers}",
-                f"--process_id={i}",
-                # As torchrun: one thread per process when the cores are
-                # shared (torch's spinning threads oversubscribe them).
-                f"--threads={max(1, os.cpu_count() // workers)}",
-            ],
-            timeout,
+        results = _attempt(
+            failures,
+            f"{bandwidth} torch {name}",
+            lambda: _on_network(
+                network,
+                lambda i: [sys.executable]
+                + _torch_args(model, name, steps)
+                + [
+                    f"--master_addr={network.address(0)}",
+                    "--master_port=29500",
+                    f"--world_size={workers}",
+                    f"--process_id={i}",
+                    # As torchrun: one thread per process when the cores
+                    # are shared (torch's spinning threads oversubscribe).
+                    f"--threads={max(1, os.cpu_count() // workers)}",
+                ],
+                timeout,
+            ),
         )
+        if results is None:
+          continue
         runs.append(
             {
                 **base,
@@ -360,7 +384,7 @@ def measure(
             }
         )
         _show(runs[-1])
-  return runs, calibration
+  return runs, calibration, failures
 
 
 def _show(run: dict[str, Any]) -> None:
