@@ -1,4 +1,6 @@
-"""Running a compressor's update on the simulated devices."""
+"""Running a compressor's update on the simulated devices; a free port."""
+
+import socket
 
 import jax
 import jax.numpy as jnp
@@ -118,3 +120,10 @@ def compiled_update(tx, params, state=None):
       .lower(stacked_shapes(params), stacked_shapes(state))
       .compile()
   )
+
+
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 that nothing listens on now."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]

@@ -3,12 +3,13 @@
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 300
@@ -21,12 +22,6 @@ ARGS = [
     "--config.eval_every_steps=0",
     "--config.checkpoint_every_steps=3",
 ]
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _launch(workdir, *extra):
@@ -67,7 +62,7 @@ def _losses(workdir):
 @pytest.mark.slow
 def test_two_processes_end_with_identical_params(tmp_path):
   multi = str(tmp_path / "multi")
-  address = f"127.0.0.1:{_free_port()}"
+  address = f"127.0.0.1:{helpers.free_port()}"
   outputs = _finish(
       [
           _launch(

@@ -3,7 +3,6 @@
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 
@@ -11,6 +10,7 @@ import jax
 from flax import nnx
 import pytest
 
+from tests import helpers
 from train import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,16 +28,10 @@ TINY = [
 ]
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_power_sgd_workers_end_with_identical_params():
   pytest.importorskip("torch")
-  port = _free_port()
+  port = helpers.free_port()
   procs = [
       subprocess.Popen(
           [
