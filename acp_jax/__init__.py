@@ -11,6 +11,8 @@ from acp_jax.acp import Phase
 from acp_jax.compressor import comm_bytes
 from acp_jax.compressor import CommVolume
 from acp_jax.compressor import Compressor
+from acp_jax.data_parallel import DataParallel
+from acp_jax.data_parallel import DataParallelState
 from acp_jax.hlo import collective_rounds
 from acp_jax.hlo import collective_stats
 from acp_jax.powersgd import power_sgd
@@ -27,6 +29,8 @@ __all__ = (
     "AcpSgdState",
     "CommVolume",
     "Compressor",
+    "DataParallel",
+    "DataParallelState",
     "Phase",
     "PowerSgdState",
     "SignSgdState",

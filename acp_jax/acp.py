@@ -5,6 +5,7 @@ from typing import NamedTuple
 
 import jax
 from jax import lax
+import jax.numpy as jnp
 import optax
 
 from acp_jax import collectives
@@ -19,10 +20,29 @@ class Phase(enum.Enum):
   Q = "q"
 
 
-# A Phase carries no arrays: it is part of the state's tree structure, so jit
-# compiles one variant per phase, each holding only its own all-reduce, and
-# no collective ever sits inside a run-time conditional.
-jax.tree_util.register_static(Phase)
+# The phase is carried by the *shape* of a tiny array in the state. Its shape
+# is static to jit, which compiles one variant per phase, each holding only
+# its own all-reduce, so no collective sits inside a run-time conditional.
+# Being an array, it survives every path that keeps only array values
+# (nnx.Optimizer, orbax), and paths that need a fixed state type (lax.scan
+# carries, lax.cond) refuse it when tracing instead of training something
+# else. (Orbax cannot save zero-size arrays, hence sizes 1 and 2.)
+_PHASE_SIZE = {Phase.P: 1, Phase.Q: 2}
+
+
+def phase_marker(phase: Phase) -> jax.Array:
+  """The array whose shape records ``phase`` in an ``AcpSgdState``."""
+  return jnp.zeros((_PHASE_SIZE[phase],), jnp.uint8)
+
+
+def phase_of(marker) -> Phase:
+  """The phase that an ``AcpSgdState.phase`` (or its abstract shape) records."""
+  for phase, size in _PHASE_SIZE.items():
+    if tuple(marker.shape) == (size,):
+      return phase
+  raise ValueError(
+      f"an ACP-SGD phase marker has shape (1,) or (2,), got {marker.shape}"
+  )
 
 
 class AcpSgdState(NamedTuple):
@@ -34,13 +54,18 @@ class AcpSgdState(NamedTuple):
     p: (n, r) mean of the last P-step's all-reduced P, leaf dtype.
     q: (m, r) mean of the last Q-step's all-reduced Q, leaf dtype (before the
       first Q-step: random from the seed).
-    phase: the factor the next step computes; static, not an array.
+    phase: uint8 zeros whose shape says which factor the next step
+      computes: (1,) P, (2,) Q (see ``phase_of``).
   """
 
   error: optax.Updates
   p: optax.Updates
   q: optax.Updates
-  phase: Phase
+  phase: jax.Array
+
+  @property
+  def next_phase(self) -> Phase:
+    return phase_of(self.phase)
 
 
 def acp_sgd(
@@ -86,9 +111,10 @@ def acp_sgd(
     tx = optax.chain(acp_jax.acp_sgd(rank=4), optax.sgd(0.1, momentum=0.9))
 
   .. warning::
-    Put it first in the chain: it must see each device's own gradients. The
-    state's tree structure alternates between phases, so a ``lax.scan`` over
-    steps must take two steps per iteration.
+    Put it first in the chain: it must see each device's own gradients, or
+    use ``acp_jax.DataParallel``. The shape of the state's ``phase`` array
+    alternates, so a ``lax.scan`` over steps must take two steps per
+    iteration.
 
   References:
     Zhang et al., "Evaluation and Optimization of Gradient Compression for
@@ -98,7 +124,7 @@ def acp_sgd(
 
   def init_fn(params):
     error, p, q = lowrank.init_trees(lr, params)
-    return AcpSgdState(error=error, p=p, q=q, phase=Phase.P)
+    return AcpSgdState(error=error, p=p, q=q, phase=phase_marker(Phase.P))
 
   def update_fn(updates, state, params=None):
     del params
@@ -106,7 +132,7 @@ def acp_sgd(
     s = lowrank.split(lr, updates, state.error)
     # P-step: F = M B, approximation F B^T. Q-step: F^T = B^T M (kept
     # transposed, see lowrank.project_transposed), approximation B F^T.
-    p_step = state.phase is Phase.P
+    p_step = phase_of(state.phase) is Phase.P
     if p_step:
       project, expand = (lambda m, b: m @ b), (lambda f, b: f @ b.T)
     else:
@@ -130,7 +156,7 @@ def acp_sgd(
         error=lowrank.merge(s, errors, masked, reshape=True),
         p=reduced_tree if p_step else state.p,
         q=state.q if p_step else reduced_tree,
-        phase=Phase.Q if p_step else Phase.P,
+        phase=phase_marker(Phase.Q if p_step else Phase.P),
     )
     return lowrank.merge(s, applied, dense, reshape=True), new_state
 
@@ -144,4 +170,15 @@ def acp_sgd(
         "q": phase_volume(lambda spec: spec.m),
     }
 
-  return compressor.Compressor(init_fn, update_fn, volume)
+  def phases(state):
+    # Abstract markers, for lowering each phase's step.
+    marker = lambda phase: jax.ShapeDtypeStruct(
+        (_PHASE_SIZE[phase],),
+        jnp.uint8,
+        sharding=getattr(state.phase, "sharding", None),
+    )
+    return {phase.value: state._replace(phase=marker(phase)) for phase in Phase}
+
+  return compressor.Compressor(
+      init_fn, update_fn, volume, axis_name=axis_name, phases=phases
+  )

@@ -1,11 +1,14 @@
 """What every compressor shares: its type, its accounting and its checks."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+import os
+import sys
 from typing import Any, NamedTuple
 
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from acp_jax import collectives
@@ -31,18 +34,47 @@ class CommVolume(NamedTuple):
 
 # (params or their shapes, axis size) -> {phase name: CommVolume}.
 VolumeFn = Callable[[Any, int], dict[str, CommVolume]]
+# A compressor's state -> {phase name: the state before that phase's step}.
+PhasesFn = Callable[[Any], dict[str, Any]]
+
+
+def _one_phase(state: Any) -> dict[str, Any]:
+  return {"step": state}
 
 
 class Compressor(optax.GradientTransformation):
   """An ``optax.GradientTransformation`` that knows what it communicates.
 
   It is a plain ``GradientTransformation`` to optax (``optax.chain`` and
-  friends take it as is); ``comm_bytes`` reads the extra accounting.
+  friends take it as is). Beside ``init`` and ``update`` it carries what the
+  data-parallel layer and the accounting need to know about it:
+
+  Attributes:
+    axis_name: the mapped axis its update communicates over.
+    local_fields: names of the state's fields that differ across devices
+      (the residuals); every other field is identical on every replica, so
+      it is stored once.
+    phases: a state (or its abstract shapes) -> ``{phase name: the state
+      before that phase's step}``, with the names of ``comm_bytes`` (one
+      ``"step"``, or ACP-SGD's ``"p"`` and ``"q"``); for lowering each
+      phase's step, so its leaves may be abstract.
   """
 
-  def __new__(cls, init, update, volume: VolumeFn):
+  def __new__(
+      cls,
+      init,
+      update,
+      volume: VolumeFn,
+      *,
+      axis_name: str,
+      local_fields: Sequence[str] = ("error",),
+      phases: PhasesFn = _one_phase,
+  ):
     self = super().__new__(cls, init, update)
     self._volume = volume
+    self.axis_name = axis_name
+    self.local_fields = tuple(local_fields)
+    self.phases = phases
     return self
 
 
@@ -73,7 +105,17 @@ def comm_bytes(
 
 
 def check_float_leaves(params: Any, caller: str) -> None:
-  """Raises if a leaf is not a real floating-point array."""
+  """Raises if a leaf is not a real floating-point array, or if some leaves
+  were masked away from the compressor."""
+  if any(is_masked(x) for x in jax.tree.leaves(params, is_leaf=is_masked)):
+    raise ValueError(
+        f"{caller} was given params with masked-out leaves: it sits inside"
+        " optax.masked or optax.multi_transform. Their gradients would then"
+        " skip the compressor and never be averaged across devices, and the"
+        " replicas would drift apart. Give every gradient to the compressor"
+        " and mark the leaves to send uncompressed with its keep_dense"
+        " argument (power_sgd, acp_sgd), or mask the optimizer after it."
+    )
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):
     dtype = jnp.result_type(leaf)
     if not jnp.issubdtype(dtype, jnp.floating):
@@ -112,6 +154,25 @@ def check_tree_matches(grads: Any, state_tree: Any, caller: str) -> None:
           f"{caller}: gradient {jax.tree_util.keystr(path)} has shape"
           f" {g.shape}, but the state was initialized for {s.shape}."
       )
+
+
+def check_static(caller: str, **args: Any) -> None:
+  """Raises if a factory argument that fixes shapes arrived as an array.
+
+  ``optax.inject_hyperparams`` turns numeric arguments into arrays; these
+  ones decide what is sent (ranks, k), so they must stay Python numbers.
+  """
+  arrays = [k for k, v in args.items() if isinstance(v, (jax.Array, np.ndarray))]
+  if arrays:
+    names = ", ".join(repr(k) for k in args)
+    raise ValueError(
+        f"{caller}: {', '.join(arrays)} arrived as an array"
+        f" ({args[arrays[0]]!r}), as optax.inject_hyperparams makes it; it"
+        " fixes the shapes that are communicated, so it must be a Python"
+        f" number. Use optax.inject_hyperparams({caller},"
+        f" static_args=({names},)), or inject the hyperparameters of the"
+        " optimizer that follows the compressor."
+    )
 
 
 # A tree of bools like the params (True: keep that leaf dense), or a function
@@ -164,8 +225,42 @@ def check_local(grads: Any, axis_name: str, caller: str) -> None:
     )
 
 
+_CONDITIONALS = os.path.join("lax", "control_flow", "conditionals.py")
+
+
+def check_not_in_conditional(caller: str) -> None:
+  """Raises if the update is being traced inside a ``lax.cond`` branch.
+
+  A conditional is one HLO instruction: collectives inside it can neither
+  fuse with others nor overlap backprop, and on GPU it stalls the host once
+  per step. ``optax.MultiSteps`` is the usual way in: it runs its inner
+  update under ``lax.cond`` at every micro-step, so a compressor would send
+  its bytes k times per applied update (and ACP-SGD's phase, chosen there by
+  ``jnp.where``, would never advance). JAX offers no query for this, so the
+  Python stack is read; it runs only while tracing.
+  """
+  frame = sys._getframe(1)  # pylint: disable=protected-access
+  while frame is not None:
+    code = frame.f_code
+    if code.co_filename.endswith(_CONDITIONALS) and code.co_name in (
+        "cond",
+        "switch",
+    ):
+      raise ValueError(
+          f"{caller} is being traced inside a lax.cond branch (optax.MultiSteps"
+          " puts its inner update there). Collectives in a conditional cannot"
+          " fuse or overlap with backprop, and optax.MultiSteps would"
+          " communicate at every micro-step. To accumulate gradients, add up"
+          " the local gradients of k micro-batches from"
+          " acp_jax.DataParallel.value_and_grad and call the optimizer once:"
+          " one compressed send per k micro-steps."
+      )
+    frame = frame.f_back
+
+
 def begin_update(grads: Any, axis_name: str, caller: str) -> int:
   """Checks where an update runs and what it is given; returns the axis size."""
   n = collectives.axis_size(axis_name, caller)
   check_local(grads, axis_name, caller)
+  check_not_in_conditional(caller)
   return n

@@ -49,6 +49,9 @@ def settings(
     caller: str,
 ) -> LowRank:
   """Checks a low-rank factory's arguments."""
+  compressor.check_static(
+      caller, rank=rank, min_compression_rate=min_compression_rate, seed=seed
+  )
   if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
     raise ValueError(f"rank must be a positive int, got {rank!r}")
   if (

@@ -116,4 +116,6 @@ def power_sgd(
     step = lowrank.volume(lr, params, lambda spec: spec.n + spec.m)
     return {"step": compressor.CommVolume(all_reduce=step)}
 
-  return compressor.Compressor(init_fn, update_fn, volume)
+  return compressor.Compressor(
+      init_fn, update_fn, volume, axis_name=axis_name
+  )

@@ -133,4 +133,6 @@ def sign_sgd(
         "step": compressor.CommVolume(all_gather=num_devices * (bits + scales))
     }
 
-  return compressor.Compressor(init_fn, update_fn, volume)
+  return compressor.Compressor(
+      init_fn, update_fn, volume, axis_name=axis_name
+  )

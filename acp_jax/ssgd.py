@@ -64,4 +64,6 @@ def ssgd(
     )
     return {"step": compressor.CommVolume(all_reduce=step)}
 
-  return compressor.Compressor(init_fn, update_fn, volume)
+  return compressor.Compressor(
+      init_fn, update_fn, volume, axis_name=axis_name, local_fields=()
+  )

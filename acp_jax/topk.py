@@ -64,6 +64,7 @@ def topk_sgd(
     Stich et al., "Sparsified SGD with Memory", NeurIPS 2018.
     https://arxiv.org/abs/1809.07599
   """
+  compressor.check_static("topk_sgd", density=density)
   if (
       isinstance(density, bool)
       or not isinstance(density, (int, float))
@@ -109,4 +110,6 @@ def topk_sgd(
     )
     return {"step": compressor.CommVolume(all_gather=num_devices * received)}
 
-  return compressor.Compressor(init_fn, update_fn, volume)
+  return compressor.Compressor(
+      init_fn, update_fn, volume, axis_name=axis_name
+  )

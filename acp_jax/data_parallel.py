@@ -1,0 +1,322 @@
+"""Compressed data parallelism over a device mesh, beside the user's optimizer.
+
+The JAX counterpart of PyTorch DDP with a communication hook: the compressor
+and its state live beside whatever optimizer the user already has, not
+inside it. ``DataParallel`` owns the three things a compressed data-parallel
+step needs and a plain ``jit`` + ``NamedSharding`` loop does not have:
+
+- each device's own gradient: ``value_and_grad`` differentiates every
+  device's shard of the batch under ``jax.shard_map`` (``check_vma=False``,
+  so ``jax.grad`` inserts no dense all-reduce of its own) and returns the
+  local gradients stacked on a leading device axis, sharded, moved nowhere;
+- the state layout: the compressor's per-device fields (the residuals) are
+  stacked on that axis, everything else (its factors, the ACP-SGD phase, the
+  optimizer's state) is stored once, replicated;
+- the one compressed exchange: ``chain(tx)`` runs the compressor on the local
+  gradients under ``jax.shard_map`` and hands their mean to ``tx``.
+
+It works on any mesh that has the compressor's axis, across processes under
+``jax.distributed`` too, for pytrees of params and for Flax NNX modules.
+"""
+
+import sys
+from typing import Any, Callable, NamedTuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import optax
+
+from acp_jax import compressor as compressor_lib
+
+
+class DataParallelState(NamedTuple):
+  """State of ``DataParallel.chain(tx)``.
+
+  Attributes:
+    comm: the compressor's state. Its ``local_fields`` (the residuals) carry
+      a leading axis of one slice per device, sharded over the data axis;
+      its other fields are replicated.
+    inner: the state of the wrapped optimizer, replicated.
+  """
+
+  comm: Any
+  inner: Any
+
+
+def _nnx():
+  """``flax.nnx`` if the caller has imported it (we never import flax)."""
+  return sys.modules.get("flax.nnx")
+
+
+class DataParallel:
+  """A compressor applied across the data axis of a mesh.
+
+  Args:
+    compressor: made by an ``acp_jax`` factory; its ``axis_name`` must be an
+      axis of ``mesh``.
+    mesh: the device mesh; batches are split along ``compressor.axis_name``.
+
+  Example (pure params; ``loss_fn(params, batch)`` returns a scalar)::
+
+    dp = acp_jax.DataParallel(acp_jax.acp_sgd(rank=4), mesh)
+    tx = dp.chain(optax.adam(1e-3))
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def train_step(params, opt_state, batch):
+      loss, grads = dp.value_and_grad(loss_fn)(params, batch)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss
+
+  With Flax NNX, ``nnx.Optimizer(model, dp.chain(tx), wrt=nnx.Param)`` and
+  ``dp.value_and_grad(loss_fn)(model, batch)`` inside ``nnx.jit``.
+  """
+
+  def __init__(self, compressor: compressor_lib.Compressor, mesh: jax.sharding.Mesh):
+    if not isinstance(compressor, compressor_lib.Compressor):
+      raise TypeError(
+          "DataParallel needs a compressor made by an acp_jax factory (e.g."
+          f" acp_jax.acp_sgd(4)), got {type(compressor).__name__}"
+      )
+    if compressor.axis_name not in mesh.axis_names:
+      raise ValueError(
+          f"the compressor's axis_name={compressor.axis_name!r} is not an"
+          f" axis of the mesh, whose axes are {mesh.axis_names}"
+      )
+    self.compressor = compressor
+    self.mesh = mesh
+    self.axis_name = compressor.axis_name
+    self.num_devices = mesh.shape[self.axis_name]
+
+  # -- layout ---------------------------------------------------------------
+
+  def comm_specs(self, comm_state: Any) -> Any:
+    """A ``PartitionSpec`` prefix tree of the compressor's state."""
+    local = self.compressor.local_fields
+    return type(comm_state)(
+        *(P(self.axis_name) if f in local else P() for f in comm_state._fields)
+    )
+
+  def _sharding(self, spec: P) -> NamedSharding:
+    return NamedSharding(self.mesh, spec)
+
+  def init_comm(self, params: Any) -> Any:
+    """The compressor's state for ``params``, laid out on the mesh."""
+    abstract = jax.eval_shape(self.compressor.init, params)
+    specs = self.comm_specs(abstract)
+    n = self.num_devices
+
+    def make(params):
+      state = self.compressor.init(params)
+      return type(state)(
+          *(
+              jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), v)
+              if spec != P()
+              else v
+              for v, spec in zip(state, specs)
+          )
+      )
+
+    shardings = jax.tree.map(self._sharding, specs, is_leaf=_is_spec)
+    return jax.jit(make, out_shardings=shardings)(params)
+
+  def abstract_comm(self, params: Any) -> Any:
+    """Shapes and shardings of ``init_comm(params)``, allocating nothing."""
+    return jax.eval_shape(self.init_comm, params)
+
+  def abstract_local_grads(self, params: Any) -> Any:
+    """Shapes and shardings of the stacked local gradients of ``params``."""
+    sharding = self._sharding(P(self.axis_name))
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            (self.num_devices,) + tuple(x.shape), x.dtype, sharding=sharding
+        ),
+        params,
+    )
+
+  def phase_states(self, comm_state: Any) -> dict[str, Any]:
+    """The compressor's state before each phase's step (abstract where the
+    phase is recorded), by the phase names of ``acp_jax.comm_bytes``."""
+    return self.compressor.phases(comm_state)
+
+  # -- the exchange -----------------------------------------------------------
+
+  def _check_local_grads(self, grads: Any, params: Any) -> None:
+    n = self.num_devices
+    for (path, g), p in zip(
+        jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(params)
+    ):
+      if tuple(g.shape) != (n,) + tuple(p.shape):
+        raise ValueError(
+            f"gradient {jax.tree_util.keystr(path)} has shape {g.shape}, but"
+            f" a parameter of shape {p.shape} needs its {n} devices' local"
+            f" gradients stacked, shape {(n,) + tuple(p.shape)}. Take the"
+            " gradients from DataParallel.value_and_grad, not jax.grad or"
+            " nnx.grad (whose gradient of the global loss is already the"
+            " dense mean)."
+        )
+
+  def compress(self, local_grads: Any, comm_state: Any) -> tuple[Any, Any]:
+    """The compressed mean of the devices' gradients, and the new state.
+
+    Args:
+      local_grads: each device's gradient, stacked on a leading axis sharded
+        over the data axis (as ``value_and_grad`` returns them).
+      comm_state: the compressor's state, from ``init_comm``.
+
+    Returns:
+      ``(mean, comm_state)``: the (approximate) mean gradient, replicated, and
+      the compressor's next state.
+    """
+    specs = self.comm_specs(comm_state)
+    axis = self.axis_name
+
+    def body(grads, state):
+      squeeze = lambda spec, v: v if spec == P() else jax.tree.map(lambda x: x[0], v)
+      expand = lambda spec, v: v if spec == P() else jax.tree.map(lambda x: x[None], v)
+      grads = jax.tree.map(lambda x: x[0], grads)
+      state = type(state)(*map(squeeze, specs, state))
+      mean, state = self.compressor.update(grads, state)
+      return mean, type(state)(*map(expand, specs, state))
+
+    return jax.shard_map(
+        body,
+        mesh=self.mesh,
+        in_specs=(P(axis), specs),
+        out_specs=(P(), specs),
+        check_vma=False,
+    )(local_grads, comm_state)
+
+  def chain(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` fed with the compressed mean of the devices' gradients.
+
+    The returned transformation's ``update`` takes the stacked local
+    gradients of ``value_and_grad``; its state is a ``DataParallelState``.
+    Use it where ``tx`` was used: ``tx.update`` in a jitted step, or
+    ``nnx.Optimizer(model, dp.chain(tx), wrt=nnx.Param)``.
+    """
+
+    def init_fn(params):
+      replicated = self._sharding(P())
+      return DataParallelState(
+          comm=self.init_comm(params),
+          inner=jax.jit(tx.init, out_shardings=replicated)(params),
+      )
+
+    def update_fn(updates, state, params=None, **extra_args):
+      if params is not None:
+        self._check_local_grads(updates, params)
+      mean, comm = self.compress(updates, state.comm)
+      mean, inner = tx.update(mean, state.inner, params, **extra_args)
+      return mean, DataParallelState(comm=comm, inner=inner)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+  # -- gradients ----------------------------------------------------------------
+
+  def value_and_grad(
+      self, fun: Callable[..., Any], *, has_aux: bool = False
+  ) -> Callable[..., tuple[Any, Any]]:
+    """Like ``jax.value_and_grad(fun)``, each device on its own batch shard.
+
+    ``fun(params, *batch)`` is the loss of one device's shard: every
+    positional argument after the first is split along its leading axis
+    over the mesh's data axis. ``params`` is a pytree, or a Flax NNX module
+    (then ``fun(model, *batch)``; gradients are taken of its ``nnx.Param``
+    variables and its other state, e.g. BatchNorm statistics, is updated
+    with floating values averaged over the devices).
+
+    Returns:
+      A function returning ``(value, local_grads)``. ``value`` is the loss
+      averaged over devices (one scalar all-reduce), or ``(loss, aux)`` with
+      ``has_aux``, ``aux`` stacked per device on a leading axis (nothing
+      sent). ``local_grads`` are each device's gradients, stacked on a
+      leading axis, sharded, not communicated: hand them to ``chain(tx)``,
+      or add up several micro-batches' first (one compressed send for all).
+    """
+    axis, n = self.axis_name, self.num_devices
+
+    def check_batch(batch):
+      for i, arg in enumerate(batch):
+        for path, x in jax.tree_util.tree_leaves_with_path(arg):
+          if not x.shape or x.shape[0] % n:
+            raise ValueError(
+                f"batch argument {i + 1}{jax.tree_util.keystr(path)} has shape"
+                f" {x.shape}: its leading axis must split evenly over the"
+                f" {n} devices of mesh axis {axis!r}"
+            )
+
+    def split_value(value):
+      return value if has_aux else (value, ())
+
+    def pure_loss(params, rest, *batch):
+      loss, aux = split_value(fun(params, *batch))
+      return loss, (aux, rest)
+
+    def module_loss(graphdef):
+      nnx = _nnx()
+
+      def loss_fn(params, rest, *batch):
+        model = nnx.merge(graphdef, params, rest)
+        loss, aux = split_value(fun(model, *batch))
+        rest = nnx.as_pure(nnx.split(model, nnx.Param, ...)[2])
+        # Non-parameter state (BatchNorm statistics) is averaged so that the
+        # replicas stay identical; integers (RNG counters) agree already.
+        rest = jax.tree.map(
+            lambda x: lax.pmean(x, axis)
+            if jnp.issubdtype(x.dtype, jnp.inexact)
+            else x,
+            rest,
+        )
+        return loss, (aux, rest)
+
+      return loss_fn
+
+    def run(loss_fn, params, rest, batch):
+      check_batch(batch)
+
+      def local(params, rest, *batch):
+        (loss, (aux, rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, rest, *batch
+        )
+        stack = lambda t: jax.tree.map(lambda x: x[None], t)
+        return (lax.pmean(loss, axis), stack(aux)), stack(grads), rest
+
+      return jax.shard_map(
+          local,
+          mesh=self.mesh,
+          in_specs=(P(), P()) + (P(axis),) * len(batch),
+          out_specs=((P(), P(axis)), P(axis), P()),
+          check_vma=False,
+      )(params, rest, *batch)
+
+    def wrapped(params, *batch):
+      nnx = _nnx()
+      if nnx is not None and isinstance(params, nnx.Module):
+        model = params
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        # Only arrays cross into shard_map: NNX variables may not be mutated
+        # from another trace level. The gradients get their Param type back
+        # so that nnx.Optimizer's filter finds them.
+        value, grads, rest = run(
+            module_loss(graphdef), nnx.as_pure(params), nnx.as_pure(rest), batch
+        )
+        nnx.update(model, rest)
+        grads = jax.tree.map(
+            lambda v, g: v.replace(g),
+            params,
+            grads,
+            is_leaf=lambda x: isinstance(x, nnx.Variable),
+        )
+      else:
+        value, grads, _ = run(pure_loss, params, None, batch)
+      return (value if has_aux else value[0]), grads
+
+    return wrapped
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, P)
