@@ -207,6 +207,7 @@ class DataParallel:
       )
 
     def update_fn(updates, state, params=None, **extra_args):
+      compressor_lib.check_not_in_conditional("DataParallel.chain")
       if params is not None:
         self._check_local_grads(updates, params)
       mean, comm = self.compress(updates, state.comm)

@@ -8,6 +8,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import acp_jax
 from tests.conftest import NUM_DEVICES
 
 AXIS = "data"
@@ -65,6 +66,30 @@ def per_device(local):
   )
 
 
+def per_device_state(local):
+  """A user's own shard_map step ``local(params, state, *batch) -> (params,
+  state, loss)``: params replicated, the state stacked one slice per device,
+  the batch split along its leading axis, the loss replicated."""
+
+  def body(params, state, *batch):
+    params, state, loss = local(
+        params, jax.tree.map(lambda x: x[0], state), *batch
+    )
+    return params, jax.tree.map(lambda x: x[None], state), loss
+
+  return _blocking(
+      jax.jit(
+          jax.shard_map(
+              body,
+              mesh=mesh(),
+              in_specs=(P(), P(AXIS), P(AXIS), P(AXIS)),
+              out_specs=(P(), P(AXIS), P()),
+              check_vma=False,
+          )
+      )
+  )
+
+
 def mapped(update, mapper):
   """``update(grads, state)`` over stacked per-device inputs, by ``mapper``."""
   if mapper == "pmap":
@@ -100,26 +125,23 @@ MIXED = {
 }
 
 
-def stacked_shapes(tree, n=NUM_DEVICES):
-  """``jax.ShapeDtypeStruct`` of ``replicate(tree)``, allocating nothing."""
-  sharding = NamedSharding(mesh(), P(AXIS))
-  return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(
-          (n,) + x.shape, x.dtype, sharding=sharding
-      ),
-      tree,
-  )
-
-
 def compiled_update(tx, params, state=None):
-  """The compiled shard_map update of ``tx`` for ``params`` (shapes suffice)."""
+  """The compiled exchange of ``tx`` for ``params`` (shapes suffice), in the
+  layout of ``acp_jax.DataParallel``; ``state`` picks the phase."""
+  dp = acp_jax.DataParallel(tx, mesh())
   if state is None:
-    state = jax.eval_shape(tx.init, params)
+    state = dp.abstract_comm(params)
   return (
-      per_device(tx.update)
-      .lower(stacked_shapes(params), stacked_shapes(state))
+      jax.jit(dp.compress)
+      .lower(dp.abstract_local_grads(params), state)
       .compile()
   )
+
+
+def phase_states(tx, params):
+  """The abstract state before each phase's step, by phase name."""
+  dp = acp_jax.DataParallel(tx, mesh())
+  return dp.phase_states(dp.abstract_comm(params))
 
 
 def free_port() -> int:

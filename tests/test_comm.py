@@ -17,14 +17,6 @@ from tests.test_suite import COMPRESSORS
 SMALL_RESNET = shapes.resnet(blocks=(1, 1, 1, 1), width=8, num_classes=10)
 
 
-def phase_states(tx, params):
-  """The abstract state before each phase's step, with the phase's name."""
-  state = jax.eval_shape(tx.init, params)
-  if isinstance(state, acp_jax.AcpSgdState):
-    return {"p": state, "q": state._replace(phase=acp_jax.Phase.Q)}
-  return {"step": state}
-
-
 def hlo_volume(tx, params, state):
   text = helpers.compiled_update(tx, params, state).as_text()
   stats = acp_jax.collective_stats(text)
@@ -45,7 +37,7 @@ def assert_compiled_bytes_equal_accounting(name, params):
     expected = {
         k: v._replace(all_reduce=2 * v.all_reduce) for k, v in expected.items()
     }
-  states = phase_states(tx, params)
+  states = helpers.phase_states(tx, params)
   assert set(expected) == set(states)
   for phase, state in states.items():
     assert hlo_volume(tx, params, state) == expected[phase], phase
@@ -69,9 +61,9 @@ def test_acp_phases_add_up_to_one_power_sgd_step_plus_dense_leaves():
   acp, power = acp_jax.acp_sgd(4), acp_jax.power_sgd(4)
   a = {
       phase: hlo_volume(acp, SMALL_RESNET, state).all_reduce
-      for phase, state in phase_states(acp, SMALL_RESNET).items()
+      for phase, state in helpers.phase_states(acp, SMALL_RESNET).items()
   }
-  (p_state,) = phase_states(power, SMALL_RESNET).values()
+  (p_state,) = helpers.phase_states(power, SMALL_RESNET).values()
   p = hlo_volume(power, SMALL_RESNET, p_state).all_reduce
   dense = dense_bytes(SMALL_RESNET, 4)
   assert 0 < dense < a["p"] and 0 < dense < a["q"]
@@ -96,7 +88,7 @@ def test_acp_phases_add_up_to_one_power_sgd_step_plus_dense_leaves():
 )
 def test_collectives_per_step(name, all_reduces, all_gathers, rounds):
   tx = COMPRESSORS[name].make()
-  for state in phase_states(tx, SMALL_RESNET).values():
+  for state in helpers.phase_states(tx, SMALL_RESNET).values():
     text = helpers.compiled_update(tx, SMALL_RESNET, state).as_text()
     stats = acp_jax.collective_stats(text)
     none = acp_jax.hlo.CollectiveStats(0, 0)
