@@ -104,13 +104,17 @@ class DataParallel:
     return NamedSharding(self.mesh, spec)
 
   def init_comm(self, params: Any) -> Any:
-    """The compressor's state for ``params``, laid out on the mesh."""
-    abstract = jax.eval_shape(self.compressor.init, params)
-    specs = self.comm_specs(abstract)
+    """The compressor's state for ``params`` (or their shapes), on the mesh.
+
+    A compressor's initial state depends on the params' shapes only, so it
+    is made on the devices directly, in its layout.
+    """
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    specs = self.comm_specs(jax.eval_shape(self.compressor.init, shapes))
     n = self.num_devices
 
-    def make(params):
-      state = self.compressor.init(params)
+    def make():
+      state = self.compressor.init(shapes)
       return type(state)(
           *(
               jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), v)
@@ -121,7 +125,7 @@ class DataParallel:
       )
 
     shardings = jax.tree.map(self._sharding, specs, is_leaf=_is_spec)
-    return jax.jit(make, out_shardings=shardings)(params)
+    return jax.jit(make, out_shardings=shardings)()
 
   def abstract_comm(self, params: Any) -> Any:
     """Shapes and shardings of ``init_comm(params)``, allocating nothing."""
@@ -219,7 +223,11 @@ class DataParallel:
   # -- gradients ----------------------------------------------------------------
 
   def value_and_grad(
-      self, fun: Callable[..., Any], *, has_aux: bool = False
+      self,
+      fun: Callable[..., Any],
+      *,
+      has_aux: bool = False,
+      aux_specs: Any = None,
   ) -> Callable[..., tuple[Any, Any]]:
     """Like ``jax.value_and_grad(fun)``, each device on its own batch shard.
 
@@ -234,11 +242,15 @@ class DataParallel:
       A function returning ``(value, local_grads)``. ``value`` is the loss
       averaged over devices (one scalar all-reduce), or ``(loss, aux)`` with
       ``has_aux``, ``aux`` stacked per device on a leading axis (nothing
-      sent). ``local_grads`` are each device's gradients, stacked on a
+      sent), or laid out by ``aux_specs``, a prefix tree of ``P(axis)``
+      (stacked) and ``P()`` (a value identical on every device, e.g.
+      statistics synchronized by a collective inside ``fun``, returned once). ``local_grads`` are each device's gradients, stacked on a
       leading axis, sharded, not communicated: hand them to ``chain(tx)``,
       or add up several micro-batches' first (one compressed send for all).
     """
     axis, n = self.axis_name, self.num_devices
+    if aux_specs is None:
+      aux_specs = P(axis)
 
     def check_batch(batch):
       for i, arg in enumerate(batch):
@@ -284,13 +296,19 @@ class DataParallel:
             params, rest, *batch
         )
         stack = lambda t: jax.tree.map(lambda x: x[None], t)
-        return (lax.pmean(loss, axis), stack(aux)), stack(grads), rest
+        aux = jax.tree.map(
+            lambda spec, a: a if spec == P() else stack(a),
+            aux_specs,
+            aux,
+            is_leaf=_is_spec,
+        )
+        return (lax.pmean(loss, axis), aux), stack(grads), rest
 
       return jax.shard_map(
           local,
           mesh=self.mesh,
           in_specs=(P(), P()) + (P(axis),) * len(batch),
-          out_specs=((P(), P(axis)), P(axis), P()),
+          out_specs=((P(), aux_specs), P(axis), P()),
           check_vma=False,
       )(params, rest, *batch)
 
