@@ -88,7 +88,8 @@ def config(
           ),
           ("per_device_batch_size", m["batch_size"]),
           ("compressor.name", compressor),
-          ("compressor.rank", m["rank"]),
+          ("compressor.power_sgd.rank", m["rank"]),
+          ("compressor.acp_sgd.rank", m["rank"]),
           ("num_train_steps", steps),
           ("log_every_steps", steps),
           ("eval_every_steps", 0),
@@ -241,13 +242,14 @@ def traffic(model: str, compressor: str) -> list[costmodel.Traffic]:
   program is the same SPMD program the worker processes run.
   """
   import acp_jax
+  from train import experiment as experiment_lib
   from train import train
 
-  experiment = train.build(config(model, compressor, 1))
+  experiment = experiment_lib.build(config(model, compressor, 1))
   train_fn, _ = train.compile_steps(experiment)
-  batch = train.abstract_batch(experiment)
+  batch = experiment_lib.abstract_batch(experiment)
   phases = []
-  for state in train.state_cycle(train_fn, train.init_state(experiment), batch):
+  for state in experiment_lib.abstract_phase_states(experiment).values():
     stats = acp_jax.collective_stats(
         train_fn.lower(state, batch).compile().as_text()
     )

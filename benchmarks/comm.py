@@ -10,26 +10,13 @@ and its collectives read back from the compiled text. They must equal what
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
 
 import acp_jax
 from benchmarks import workloads
-from train import train
 
 # Without it XLA:CPU merges every independent all-reduce into one, which
-# hides how many a method issues (DESIGN.md, trap 4).
+# hides how many a method issues.
 NO_COMBINER = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
-
-
-def _stacked(tree, mesh):
-  """Shapes of ``tree`` stacked on a leading device axis, one per device."""
-  sharding = NamedSharding(mesh, train.DEVICE)
-  return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(
-          (mesh.size,) + x.shape, x.dtype, sharding=sharding
-      ),
-      tree,
-  )
 
 
 def compiled_phases(
@@ -40,21 +27,13 @@ def compiled_phases(
   Returns one dict per phase (ACP-SGD: P, then Q) with the bytes, the
   all-reduce and all-gather op counts, and the dependent rounds.
   """
-  num_phases = len(acp_jax.comm_bytes(tx, params, num_devices=mesh.size))
-  update = train.map_per_device(
-      tx.update,
-      mesh,
-      "shard_map",
-      (train.DEVICE, train.DEVICE),
-      (train.DEVICE, train.DEVICE),
-  )
-  grads = _stacked(params, mesh)
-  grads_sharding = NamedSharding(mesh, train.DEVICE)
-  state = _stacked(jax.eval_shape(tx.init, params), mesh)
+  dp = acp_jax.DataParallel(tx, mesh)
+  compress = jax.jit(dp.compress)
+  grads = dp.abstract_local_grads(params)
   phases = []
-  for _ in range(num_phases):
+  for state in dp.phase_states(dp.abstract_comm(params)).values():
     text = (
-        update.lower(grads, state)
+        compress.lower(grads, state)
         .compile(compiler_options=NO_COMBINER)
         .as_text()
     )
@@ -73,8 +52,6 @@ def compiled_phases(
             "rounds": acp_jax.collective_rounds(text),
         }
     )
-    _, state = jax.eval_shape(update, grads, state)
-    state = jax.tree.map(lambda x: x.update(sharding=grads_sharding), state)
   return phases
 
 

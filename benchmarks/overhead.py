@@ -13,12 +13,10 @@ import time
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
 import numpy as np
 
 import acp_jax
 from benchmarks import workloads
-from train import train
 
 
 def interleaved(calls: dict[Any, Any], repeats: int, warmup: int = 2):
@@ -48,33 +46,24 @@ def phase_calls(tx, params: Any, seed: int = 0) -> list[Any]:
   """
   mesh = jax.make_mesh(
       (1,),
-      (train.AXIS,),
+      (tx.axis_name,),
       devices=jax.devices()[:1],
       axis_types=(jax.sharding.AxisType.Auto,),
   )
-  sharding = NamedSharding(mesh, train.DEVICE)
+  dp = acp_jax.DataParallel(tx, mesh)
   rng = np.random.default_rng(seed)
   grads = jax.tree.map(
-      lambda x: jax.device_put(
-          rng.standard_normal((1,) + x.shape, np.float32).astype(x.dtype),
-          sharding,
+      lambda x, g: jax.device_put(
+          rng.standard_normal(g.shape, np.float32).astype(g.dtype), g.sharding
       ),
       params,
+      dp.abstract_local_grads(params),
   )
-  update = train.map_per_device(
-      tx.update,
-      mesh,
-      "shard_map",
-      (train.DEVICE, train.DEVICE),
-      (train.DEVICE, train.DEVICE),
-      donate_argnums=(1,),
-  )
-  state = [
-      jax.device_put(jax.tree.map(lambda x: x[None], tx.init(params)), sharding)
-  ]
+  compress = jax.jit(dp.compress, donate_argnums=(1,))
+  state = [dp.init_comm(params)]
 
   def call():
-    updates, state[0] = update(grads, state[0])
+    updates, state[0] = compress(grads, state[0])
     return updates
 
   return [call] * len(acp_jax.comm_bytes(tx, params, num_devices=1))

@@ -29,6 +29,7 @@ import acp_jax
 from benchmarks import costmodel
 from benchmarks import overhead
 from benchmarks import workloads
+from train import experiment as experiment_lib
 from train import train
 
 SIZES = (8, 16, 32, 64)
@@ -42,10 +43,10 @@ def _train_step_seconds(model: str, batch: int, repeats: int) -> float:
   """Median time of S-SGD's train step at per-device ``batch``."""
   cfg = workloads.config(model, "ssgd")
   cfg.batch_size, cfg.per_device_batch_size = 0, batch
-  experiment = train.build(cfg)
+  experiment = experiment_lib.build(cfg)
   train_fn, _ = train.compile_steps(experiment)
-  state = train.init_state(experiment)
-  data = train.put_batch(
+  state = experiment_lib.init_state(experiment)
+  data = experiment_lib.put_batch(
       experiment, experiment.dataset.train.get(np.arange(batch))
   )
   times = []

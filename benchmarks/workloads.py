@@ -18,7 +18,7 @@ import ml_collections
 import acp_jax
 from acp_jax import lowrank
 from train import config as config_lib
-from train import train
+from train import experiment as experiment_lib
 
 COMPRESSORS = ("ssgd", "sign_sgd", "topk_sgd", "power_sgd", "acp_sgd")
 
@@ -94,9 +94,9 @@ def config(
 
 
 @functools.cache
-def experiment(name: str) -> train.Experiment:
+def experiment(name: str) -> experiment_lib.Experiment:
   """The workload built abstractly (no parameter is allocated)."""
-  return train.build(config(name))
+  return experiment_lib.build(config(name))
 
 
 def compressor(name: str, compressor_name: str) -> acp_jax.Compressor:
@@ -106,17 +106,17 @@ def compressor(name: str, compressor_name: str) -> acp_jax.Compressor:
         f"unknown compressor {compressor_name!r}; choose from"
         f" {', '.join(COMPRESSORS)}"
     )
-  tx, _ = config_lib.compressor(config(name, compressor_name), train.AXIS)
-  return tx
+  return config_lib.compressor(config(name, compressor_name), experiment_lib.AXIS)
 
 
 def describe(name: str) -> dict[str, Any]:
   """Parameters, low-rank plan and settings of workload ``name``."""
   cfg = config(name)
   params = experiment(name).abstract_params
+  low_rank = cfg.compressor.acp_sgd
   plan = lowrank.settings(
-      cfg.compressor.rank,
-      cfg.compressor.min_compression_rate,
+      low_rank.rank,
+      low_rank.min_compression_rate,
       None,
       0,
       "benchmarks",
@@ -132,6 +132,6 @@ def describe(name: str) -> dict[str, Any]:
           for x, spec in zip(leaves, plan)
           if spec is None
       ),
-      "rank": cfg.compressor.rank,
-      "density": cfg.compressor.density,
+      "rank": low_rank.rank,
+      "density": cfg.compressor.topk_sgd.density,
   }

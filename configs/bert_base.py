@@ -23,7 +23,8 @@ def get_config():
   config.model = ml_collections.ConfigDict({"name": "bert", "size": "base"})
   config.batch_size = 0
   config.per_device_batch_size = 32
-  config.compressor.rank = 32
+  config.compressor.power_sgd.rank = 32
+  config.compressor.acp_sgd.rank = 32
   config.num_train_steps = 100_000
   config.log_every_steps = 100
   config.eval_every_steps = 5000

@@ -11,8 +11,6 @@ def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   # Seeds the params, the data order and dropout.
   config.seed = 0
-  # "shard_map" (jax.shard_map over the mesh) or "pmap" (jax.pmap).
-  config.mapper = "shard_map"
   config.num_train_steps = 300
   # Global batch, split evenly over all devices. Set this or
   # per_device_batch_size (which multiplies by the device count), not both.
@@ -38,16 +36,18 @@ def get_config() -> ml_collections.ConfigDict:
   # The loader by name (train/data.py) with its arguments beside it.
   config.data = ml_collections.ConfigDict({"name": "digits"})
 
-  # The compressor by name with its factory's keyword arguments beside it:
-  # ssgd, sign_sgd, topk_sgd (density), power_sgd (rank), acp_sgd (rank).
-  # Arguments that the named compressor does not take are ignored, so
-  # --config.compressor.name=ssgd works here as is.
+  # The compressor by name, and each compressor's factory arguments in a
+  # dict of its own (e.g. --config.compressor.acp_sgd.rank=8), so that
+  # --config.compressor.name=ssgd works here as is and no argument is ever
+  # silently ignored.
   config.compressor = ml_collections.ConfigDict(
       {
           "name": "acp_sgd",
-          "rank": 4,
-          "density": 0.01,
-          "min_compression_rate": 2.0,
+          "ssgd": {},
+          "sign_sgd": {"majority_vote": False},
+          "topk_sgd": {"density": 0.01},
+          "power_sgd": {"rank": 4, "min_compression_rate": 2.0},
+          "acp_sgd": {"rank": 4, "min_compression_rate": 2.0},
       }
   )
 

@@ -29,7 +29,8 @@ def get_config():
   )
   config.batch_size = 0
   config.per_device_batch_size = 64
-  config.compressor.rank = 4
+  config.compressor.power_sgd.rank = 4
+  config.compressor.acp_sgd.rank = 4
   config.num_train_steps = 450_000
   config.log_every_steps = 100
   config.eval_every_steps = 5000

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from train import models
+from train import experiment as experiment_lib
 from train import train
 
 SHARED = "../shared/data"
@@ -34,7 +35,7 @@ def test_paper_configs_build_on_synthetic_data(name):
   config = get_config(name)
   if synthetic:
     config.data.name = synthetic
-  experiment = train.build(config)
+  experiment = experiment_lib.build(config)
   assert models.num_params(experiment.abstract_params) == params
   assert experiment.global_batch == (
       config.per_device_batch_size * experiment.num_devices or config.batch_size
@@ -43,7 +44,7 @@ def test_paper_configs_build_on_synthetic_data(name):
 
 def test_real_data_configs_name_their_missing_data():
   with pytest.raises(FileNotFoundError, match="config.data.data_dir"):
-    train.build(get_config("cifar10_resnet18"))
+    experiment_lib.build(get_config("cifar10_resnet18"))
 
 
 @pytest.mark.parametrize(
@@ -75,7 +76,7 @@ def test_real_data_configs_name_their_missing_data():
                     },
                     "max_len": 16,
                 },
-                "compressor.rank": 4,
+                "compressor.acp_sgd.rank": 4,
                 "per_device_batch_size": 2,
             },
         ),
@@ -118,7 +119,7 @@ def test_command_line_names_an_unknown_override(tmp_path):
           "train",
           "--config=configs/default.py",
           f"--workdir={tmp_path}",
-          "--config.compressor.rnk=8",
+          "--config.compressor.acp_sgd.rnk=8",
       ],
       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
       capture_output=True,
@@ -126,5 +127,5 @@ def test_command_line_names_an_unknown_override(tmp_path):
       timeout=120,
   )
   assert result.returncode != 0
-  assert "unknown config key in --config.compressor.rnk=8" in result.stderr
+  assert "unknown config key in --config.compressor.acp_sgd.rnk=8" in result.stderr
   assert 'Did you mean "rank"' in result.stderr

@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 import acp_jax
 from configs import default
 from tests.conftest import NUM_DEVICES
-from train import config as config_lib
+from train import experiment as experiment_lib
+from train import metrics as metrics_lib
 from train import train
 
 COMPRESSORS = ("ssgd", "sign_sgd", "topk_sgd", "power_sgd", "acp_sgd")
@@ -24,7 +25,7 @@ COMPRESSORS = ("ssgd", "sign_sgd", "topk_sgd", "power_sgd", "acp_sgd")
 def small_config(compressor="acp_sgd", steps=6, **overrides):
   config = default.get_config()
   config.compressor.name = compressor
-  config.compressor.density = 0.1
+  config.compressor.topk_sgd.density = 0.1
   config.model.width = 8
   config.num_train_steps = steps
   config.batch_size = 64
@@ -61,7 +62,7 @@ def test_metrics_lines(acp_run):
   workdir, summary = acp_run
   train_lines, eval_lines = read_metrics(workdir)
   assert [l["step"] for l in train_lines] == list(range(1, 7))
-  experiment = train.build(small_config())
+  experiment = experiment_lib.build(small_config())
   phases = experiment.bytes_per_step()
   assert len(phases) == 2  # ACP-SGD alternates P and Q steps
   for line in train_lines:
@@ -75,16 +76,6 @@ def test_metrics_lines(acp_run):
   assert 0 <= eval_lines[0]["eval_accuracy"] <= 1
   assert summary["eval_accuracy"] == eval_lines[0]["eval_accuracy"]
   assert summary["bytes_per_step"] == sum(phases) / 2
-
-
-def test_pmap_logs_the_same_losses(acp_run, tmp_path):
-  workdir, _ = acp_run
-  train.train_and_evaluate(small_config(mapper="pmap"), str(tmp_path))
-  np.testing.assert_allclose(
-      list(losses(str(tmp_path)).values()),
-      list(losses(workdir).values()),
-      rtol=1e-6,
-  )
 
 
 def test_resume_is_bitwise_identical(acp_run, tmp_path):
@@ -128,71 +119,40 @@ def test_each_compressor_learns_digits(compressor, tmp_path):
   assert summary["eval_accuracy"] > 0.7, summary
 
 
-def _compiled_bytes(experiment, state, batch, train_fn):
-  """Collective bytes of the compiled train step, per phase of the cycle."""
-  cycle = train.state_cycle(train_fn, state, batch)
+def _compiled_bytes(experiment):
+  """Collective bytes of the compiled train step, per phase."""
+  train_fn, _ = train.compile_steps(experiment)
+  batch = experiment_lib.abstract_batch(experiment)
   totals = []
-  for abstract_state in cycle:
-    text = train_fn.lower(abstract_state, batch).compile().as_text()
+  for state in experiment_lib.abstract_phase_states(experiment).values():
+    text = train_fn.lower(state, batch).compile().as_text()
     stats = acp_jax.collective_stats(text)
     totals.append(sum(s.bytes for s in stats.values()))
   return totals
 
 
-@pytest.mark.parametrize("mapper", ["shard_map", "pmap"])
 @pytest.mark.parametrize("compressor", COMPRESSORS)
-def test_train_step_sends_only_what_is_accounted(compressor, mapper):
+def test_train_step_sends_only_what_is_accounted(compressor):
   """Compressor bytes + 16 metric bytes: no hidden dense all-reduce."""
-  experiment = train.build(small_config(compressor, mapper=mapper))
-  train_fn, _ = train.compile_steps(experiment)
-  state = jax.eval_shape(lambda: train.init_state(experiment))
-  state = _with_shardings(experiment, state)
-  batch = train.abstract_batch(experiment)
-  assert (
-      _compiled_bytes(experiment, state, batch, train_fn)
-      == experiment.bytes_per_step()
-  )
+  experiment = experiment_lib.build(small_config(compressor))
+  assert _compiled_bytes(experiment) == experiment.bytes_per_step()
 
 
 def test_sync_batch_norm_bytes_are_counted():
-  experiment = train.build(small_config("power_sgd", batch_norm="sync"))
-  local = train.build(small_config("power_sgd"))
+  experiment = experiment_lib.build(small_config("power_sgd", batch_norm="sync"))
+  local = experiment_lib.build(small_config("power_sgd"))
   # small_cnn has BN layers of 8, 8 and 16 channels: 4 floats each.
   assert (
       experiment.bytes_per_step()[0] - local.bytes_per_step()[0] == 4 * 4 * 32
   )
-  train_fn, _ = train.compile_steps(experiment)
-  state = _with_shardings(
-      experiment, jax.eval_shape(lambda: train.init_state(experiment))
-  )
-  assert (
-      _compiled_bytes(
-          experiment, state, train.abstract_batch(experiment), train_fn
-      )
-      == experiment.bytes_per_step()
-  )
-
-
-def _with_shardings(experiment, abstract_state):
-  layout = train.state_layout(experiment.config.batch_norm)
-  return jax.tree.map(
-      lambda spec, sub: jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(
-              x.shape, x.dtype, sharding=NamedSharding(experiment.mesh, spec)
-          ),
-          sub,
-      ),
-      layout,
-      abstract_state,
-      is_leaf=lambda x: isinstance(x, P),
-  )
+  assert _compiled_bytes(experiment) == experiment.bytes_per_step()
 
 
 def test_acp_step_compiles_once_per_phase(tmp_path):
-  experiment = train.build(small_config())
+  experiment = experiment_lib.build(small_config())
   train_fn, _ = train.compile_steps(experiment)
-  state = train.init_state(experiment)
-  batch = train.put_batch(
+  state = experiment_lib.init_state(experiment)
+  batch = experiment_lib.put_batch(
       experiment, experiment.dataset.train.get(np.arange(64))
   )
   for _ in range(4):
@@ -205,7 +165,7 @@ def test_params_digest_catches_drifted_replicas():
   mesh = jax.make_mesh((NUM_DEVICES,), ("data",))
   sharding = NamedSharding(mesh, P())
   same = jax.device_put(np.ones(3, np.float32), sharding)
-  assert len(train.params_digest({"w": same})) == 64
+  assert len(metrics_lib.params_digest({"w": same})) == 64
   drifted = jax.make_array_from_single_device_arrays(
       (3,),
       sharding,
@@ -215,12 +175,7 @@ def test_params_digest_catches_drifted_replicas():
       ],
   )
   with pytest.raises(RuntimeError, match=r"params\['w'\]"):
-    train.params_digest({"w": drifted})
-
-
-def test_pmap_across_processes_is_refused():
-  with pytest.raises(ValueError, match="config.mapper='pmap' runs in one"):
-    config_lib.validate(small_config(mapper="pmap"), 4, num_processes=2)
+    metrics_lib.params_digest({"w": drifted})
 
 
 @pytest.mark.parametrize(
@@ -228,10 +183,14 @@ def test_pmap_across_processes_is_refused():
     [
         ({"compressor.name": "qsgd"}, "config.compressor.name"),
         ({"compressor.rnak": 4}, "config.compressor.rnak"),
+        (
+            {"compressor.acp_sgd.rnak": 4},
+            "config.compressor.acp_sgd: .*unexpected keyword argument 'rnak'",
+        ),
+        ({"compressor.acp_sgd.rank": 0}, "config.compressor.acp_sgd: rank"),
         ({"num_train_stepz": 4}, "config.num_train_stepz"),
         ({"batch_size": 100}, "config.batch_size=100 is not divisible"),
         ({"data.name": "mnist", "data.path": "/nonexistent"}, "/nonexistent"),
-        ({"mapper": "vmap"}, "config.mapper"),
         ({"optimizer.momentun": 0.9}, "config.optimizer.momentun"),
     ],
 )
@@ -256,21 +215,21 @@ def test_sync_batch_norm_step_is_the_full_batch_step():
   hold; local BN (each device its own statistics) does not.
   """
   sgd = {"name": "sgd", "learning_rate": 1.0, "momentum": 0.0}
-  batch = train.build(small_config()).dataset.train.get(np.arange(64))
+  batch = experiment_lib.build(small_config()).dataset.train.get(np.arange(64))
 
   def one_step(batch_norm):
-    experiment = train.build(
+    experiment = experiment_lib.build(
         small_config("ssgd", batch_norm=batch_norm, optimizer=sgd)
     )
     train_fn, _ = train.compile_steps(experiment)
-    state = train.init_state(experiment)
+    state = experiment_lib.init_state(experiment)
     before = jax.device_get((state.params, state.batch_stats))
-    new_state, _ = train_fn(state, train.put_batch(experiment, batch))
+    new_state, _ = train_fn(state, experiment_lib.put_batch(experiment, batch))
     return before, jax.device_get(new_state.params)
 
   (params, batch_stats), synced = one_step("sync")
   # The graph without an axis name: BN over the whole batch on one device.
-  graphdef = train.build(small_config("ssgd", optimizer=sgd)).graphdef
+  graphdef = experiment_lib.build(small_config("ssgd", optimizer=sgd)).graphdef
 
   def full_batch_loss(params, batch_stats):
     model = nnx.merge(graphdef, params, batch_stats)
@@ -284,3 +243,12 @@ def test_sync_batch_norm_step_is_the_full_batch_step():
   _, local = one_step("local")
   with pytest.raises(AssertionError):
     chex.assert_trees_all_close(local, expected, atol=2e-5)
+
+
+def test_throughput_is_measured_on_eval_and_checkpoint_steps(tmp_path):
+  config = small_config(steps=8, eval_every_steps=3, checkpoint_every_steps=4)
+  train.train_and_evaluate(config, str(tmp_path))
+  speeds = {l["step"]: l["examples_per_sec"] for l in read_metrics(str(tmp_path))[0]}
+  steady = [v for k, v in speeds.items() if k > 2]  # two phases compile
+  # Eval (3, 6) and checkpoint (4, 8) steps once logged 100x the others.
+  assert max(steady) < 5 * np.median(steady), speeds

@@ -1,7 +1,7 @@
 """Trains a model with a gradient compressor.
 
   python -m train --config configs/default.py --workdir /tmp/digits \
-      --config.compressor.name=acp_sgd --config.compressor.rank=4 \
+      --config.compressor.name=acp_sgd --config.compressor.acp_sgd.rank=4 \
       --num_cpu_devices 8
 
 Running the same command again resumes from the latest checkpoint in
@@ -15,6 +15,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from train import metrics as metrics_lib
 from train import runtime
 from train import train
 
@@ -70,7 +71,7 @@ def main(argv):
   )
   config, workdir = _CONFIG.value, _WORKDIR.value
   if not _COMPARE.value:
-    print(train.format_summary(train.train_and_evaluate(config, workdir)))
+    print(metrics_lib.format_summary(train.train_and_evaluate(config, workdir)))
     return
   summaries = []
   for name in _COMPARE.value:
@@ -79,7 +80,7 @@ def main(argv):
     summaries.append(
         train.train_and_evaluate(config, os.path.join(workdir, name))
     )
-  print(train.format_comparison(summaries))
+  print(metrics_lib.format_comparison(summaries))
 
 
 if __name__ == "__main__":

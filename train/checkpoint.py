@@ -1,21 +1,20 @@
 """Orbax checkpoints of the whole training state.
 
-A checkpoint holds the train state (params, batch statistics, the optimizer
-state with every device's residuals and the P/Q factors, the step and the RNG
-key) and a JSON record (step, data position, the compressor's phase index).
-Orbax writes each to a temporary directory and renames it when complete, so
-a crash mid-save leaves the previous checkpoint as the latest.
-
-ACP-SGD's phase is static (part of the state's tree structure, not an array),
-so a restore needs the right structure as its target: the caller passes the
-abstract states of one phase cycle and the record says which one was saved.
+A checkpoint holds the train state (params, batch statistics, the
+compressor's state with every device's residuals but its factors once, the
+optimizer's state, the step and the RNG key) and a JSON record (step, data
+position). Orbax writes each to a temporary directory and renames it when
+complete, so a crash mid-save leaves the previous checkpoint as the latest.
+The restore target comes from ``acp_jax.checkpoint.target``: ACP-SGD's phase
+from the checkpoint, everything else checked against the live state.
 """
 
 import os
-from typing import Any, Sequence
+from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
+
+from acp_jax import checkpoint as acp_checkpoint
 
 
 class Checkpointer:
@@ -45,32 +44,22 @@ class Checkpointer:
     )
     self._manager.wait_until_finished()
 
-  def restore(self, step: int, cycle: Sequence[Any]) -> tuple[Any, dict]:
-    """The state saved at ``step`` and its record.
-
-    Args:
-      step: a saved step.
-      cycle: abstract states (``jax.ShapeDtypeStruct`` leaves with shardings)
-        of consecutive steps, one per structure the state cycles through; the
-        record's ``phase`` indexes it.
-    """
-    record = self._manager.restore(
-        step, args=ocp.args.Composite(record=ocp.args.JsonRestore())
-    ).record
-    target = cycle[record["phase"]]
-    state = self._manager.restore(
+  def restore(self, step: int, like: Any) -> tuple[Any, dict]:
+    """The state saved at ``step``, laid out like ``like``, and its record."""
+    restored = self._manager.restore(
         step,
-        args=ocp.args.Composite(state=ocp.args.StandardRestore(target)),
-    ).state
-    return state, record
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(
+                acp_checkpoint.target(
+                    os.path.join(self._manager.directory, str(step), "state"),
+                    like,
+                )
+            ),
+            record=ocp.args.JsonRestore(),
+        ),
+    )
+    return restored.state, restored.record
 
   def close(self) -> None:
     self._manager.close()
 
-
-def abstract(tree: Any) -> Any:
-  """``jax.ShapeDtypeStruct`` leaves with the arrays' shardings."""
-  return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-      tree,
-  )

@@ -4,7 +4,6 @@ Everything here runs before any compilation, so a bad config fails in
 milliseconds with the offending key and value in the message.
 """
 
-import inspect
 from typing import Any
 
 import ml_collections
@@ -19,15 +18,11 @@ COMPRESSORS = {
     "power_sgd": acp_jax.power_sgd,
     "acp_sgd": acp_jax.acp_sgd,
 }
-# The train loop owns the axis name; keep_dense takes a callable, which a
-# config file cannot hold.
-_NOT_CONFIGURABLE = frozenset({"axis_name", "keep_dense"})
 
 # Top-level keys the train loop reads; any other key is a typo.
 KEYS = frozenset(
     {
         "seed",
-        "mapper",
         "num_train_steps",
         "batch_size",
         "per_device_batch_size",
@@ -54,13 +49,7 @@ SCHEDULE_KEYS = {
     "cosine": {"warmup_steps", "end_factor"},
     "step": {"warmup_steps", "boundaries", "decay_factor"},
 }
-MAPPERS = ("shard_map", "pmap")
 BATCH_NORM = ("local", "sync")
-
-
-def _compressor_args(name: str) -> set[str]:
-  params = inspect.signature(COMPRESSORS[name]).parameters
-  return set(params) - _NOT_CONFIGURABLE
 
 
 def _check_keys(section: str, keys, allowed) -> None:
@@ -87,19 +76,9 @@ def _positive_int(key: str, value, *, zero_ok: bool = False) -> None:
     raise ValueError(f"{key} must be {kind} int, got {value!r}")
 
 
-def validate(
-    config: ml_collections.ConfigDict, num_devices: int, num_processes: int
-) -> None:
+def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   """Raises ``ValueError`` naming the first bad key and its value."""
   _check_keys("config", config.keys(), KEYS)
-  _check_choice("config.mapper", config.mapper, MAPPERS)
-  if config.mapper == "pmap" and num_processes > 1:
-    # pmap maps process-local arrays; the state and batches here are global
-    # arrays over every process's devices, which only shard_map takes.
-    raise ValueError(
-        f"config.mapper='pmap' runs in one process, not {num_processes};"
-        " use config.mapper='shard_map'"
-    )
   _check_choice("config.batch_norm", config.batch_norm, BATCH_NORM)
   for key in ("num_train_steps", "log_every_steps"):
     _positive_int(f"config.{key}", config[key])
@@ -114,8 +93,8 @@ def validate(
   global_batch_size(config, num_devices)
 
   _check_choice("config.compressor.name", config.compressor.name, COMPRESSORS)
-  every_arg = set().union(*map(_compressor_args, COMPRESSORS))
-  _check_keys("config.compressor", set(config.compressor) - {"name"}, every_arg)
+  _check_keys("config.compressor", set(config.compressor) - {"name"}, COMPRESSORS)
+  compressor(config, "data")  # the factory checks its own arguments
   _check_choice("config.optimizer.name", config.optimizer.name, OPTIMIZER_KEYS)
   _check_keys(
       "config.optimizer",
@@ -152,19 +131,20 @@ def global_batch_size(config: ml_collections.ConfigDict, num_devices: int):
   return total
 
 
-def compressor(config: ml_collections.ConfigDict, axis_name: str):
-  """The compressor ``config.compressor.name`` with the arguments it takes.
-
-  Arguments of other compressors are ignored (and listed in the second return
-  value), so ``--config.compressor.name=ssgd`` works on a config written for
-  ``acp_sgd`` with its ``rank`` beside the name.
-  """
-  args = dict(config.compressor)
-  name = args.pop("name")
-  accepted = _compressor_args(name)
-  ignored = sorted(set(args) - accepted)
-  kwargs = {k: v for k, v in args.items() if k in accepted}
-  return COMPRESSORS[name](axis_name=axis_name, **kwargs), ignored
+def compressor(
+    config: ml_collections.ConfigDict, axis_name: str
+) -> acp_jax.Compressor:
+  """The compressor ``config.compressor.name``, called with the arguments in
+  ``config.compressor[name]`` (each compressor has its own dict, so none is
+  ever ignored); a bad argument names its key."""
+  name = config.compressor.name
+  args = dict(config.compressor.get(name, {}))
+  try:
+    return COMPRESSORS[name](axis_name=axis_name, **args)
+  except TypeError as e:  # an argument the factory does not take
+    raise ValueError(f"config.compressor.{name}: {e}") from None
+  except ValueError as e:
+    raise ValueError(f"config.compressor.{name}: {e}") from None
 
 
 def schedule(config: ml_collections.ConfigDict) -> optax.Schedule:

@@ -1,0 +1,91 @@
+"""What a run reports: metrics.jsonl, the params' digest, summaries."""
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+def params_digest(params) -> str:
+  """SHA-256 of the params; raises if the replicas on this host differ."""
+  digest = hashlib.sha256()
+  for path, x in jax.tree_util.tree_leaves_with_path(params):
+    shards = [np.asarray(s.data) for s in x.addressable_shards]
+    if any(not np.array_equal(shards[0], s) for s in shards[1:]):
+      raise RuntimeError(
+          f"replicas of params{jax.tree_util.keystr(path)} differ across"
+          " devices"
+      )
+    digest.update(shards[0].tobytes())
+  return digest.hexdigest()
+
+
+class MetricsLog:
+  """``workdir/metrics.jsonl``, written by process 0 only."""
+
+  def __init__(self, workdir: str, resume_step: int):
+    self._path = os.path.join(workdir, "metrics.jsonl")
+    self._active = jax.process_index() == 0
+    if self._active and os.path.exists(self._path):
+      # Lines past the restored checkpoint come from an interrupted run and
+      # are about to be logged again.
+      with open(self._path) as f:
+        lines = [l for l in f if json.loads(l)["step"] <= resume_step]
+      with open(self._path, "w") as f:
+        f.writelines(lines)
+
+  def write(self, record: dict[str, Any]) -> None:
+    if self._active:
+      with open(self._path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+  """A one-screen report of a finished run."""
+  rows = [
+      ("compressor", summary["compressor"]),
+      ("devices", summary["num_devices"]),
+      ("steps", summary["step"]),
+  ]
+  for key in ("loss", "accuracy", "eval_loss", "eval_accuracy"):
+    if key in summary:
+      rows.append((key, f"{summary[key]:.4f}"))
+  phases = summary["bytes_per_phase"]
+  rows.append(
+      (
+          "bytes/step/device",
+          f"{summary['bytes_per_step']:,.0f}"
+          + (
+              f" (phases {', '.join(f'{b:,}' for b in phases)})"
+              if len(phases) > 1
+              else ""
+          ),
+      )
+  )
+  if summary["examples_per_sec"]:
+    rows.append(("examples/s", f"{summary['examples_per_sec']:,.0f}"))
+  rows.append(("params sha256", summary["params_sha256"]))
+  return "\n".join(f"{k:>18}  {v}" for k, v in rows)
+
+
+def format_comparison(summaries: list[dict[str, Any]]) -> str:
+  """Runs side by side: held-out accuracy and loss, bytes, throughput."""
+  lines = [
+      f"{'compressor':<12}{'eval acc':>10}{'eval loss':>11}"
+      f"{'bytes/step':>14}{'vs ssgd':>9}{'examples/s':>12}"
+  ]
+  dense = next(
+      (s["bytes_per_step"] for s in summaries if s["compressor"] == "ssgd"),
+      None,
+  )
+  for s in summaries:
+    ratio = f"{dense / s['bytes_per_step']:.1f}x" if dense else "-"
+    speed = s["examples_per_sec"]
+    lines.append(
+        f"{s['compressor']:<12}{s['eval_accuracy']:>10.4f}"
+        f"{s['eval_loss']:>11.4f}{s['bytes_per_step']:>14,.0f}{ratio:>9}"
+        f"{(f'{speed:,.0f}' if speed else '-'):>12}"
+    )
+  return "\n".join(lines)
