@@ -129,7 +129,9 @@ def acp_sgd(
   def update_fn(updates, state, params=None):
     del params
     n = compressor.begin_update(updates, axis_name, "acp_sgd")
+    compressor.check_state(state, AcpSgdState, "acp_sgd")
     s = lowrank.split(lr, updates, state.error)
+    lowrank.check_factors(lr, s, state.q, "m")
     # P-step: F = M B, approximation F B^T. Q-step: F^T = B^T M (kept
     # transposed, see lowrank.project_transposed), approximation B F^T.
     p_step = phase_of(state.phase) is Phase.P

@@ -156,6 +156,17 @@ def check_tree_matches(grads: Any, state_tree: Any, caller: str) -> None:
       )
 
 
+def check_state(state: Any, expected: type, caller: str) -> None:
+  """Raises unless ``state`` is of the type ``caller``'s init makes."""
+  if not isinstance(state, expected):
+    raise TypeError(
+        f"{caller} was given a {type(state).__name__}, not the"
+        f" {expected.__name__} its init makes: the state comes from another"
+        " compressor. Init and update must come from the same factory call"
+        " (after a change of compressor, start from a fresh init)."
+    )
+
+
 def check_static(caller: str, **args: Any) -> None:
   """Raises if a factory argument that fixes shapes arrived as an array.
 

@@ -194,6 +194,19 @@ def leaves_of(s: Split, tree: Any) -> list[jax.Array]:
   ]
 
 
+def check_factors(lr: LowRank, s: Split, factors: Any, rows: str) -> None:
+  """Raises unless the state's factors (``rows`` x r per compressed leaf, rows
+  "n" or "m") have this compressor's rank."""
+  for x, spec in zip(leaves_of(s, factors), (p for p in s.specs if p)):
+    expected = (getattr(spec, rows), spec.rank)
+    if tuple(x.shape) != expected:
+      raise ValueError(
+          f"{lr.caller}(rank={lr.rank}) was given a state whose factors are"
+          f" {tuple(x.shape)}, not {expected}: it was made with another rank."
+          " Init and update must come from the same factory call."
+      )
+
+
 def volume(
     lr: LowRank, params: Any, factor_rows: Callable[[MatrixSpec], int]
 ) -> int:

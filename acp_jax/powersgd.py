@@ -83,7 +83,9 @@ def power_sgd(
   def update_fn(updates, state, params=None):
     del params
     n = compressor.begin_update(updates, axis_name, "power_sgd")
+    compressor.check_state(state, PowerSgdState, "power_sgd")
     s = lowrank.split(lr, updates, state.error)
+    lowrank.check_factors(lr, s, state.q, "m")
     qs = lowrank.leaves_of(s, state.q)
     ps = collectives.packed_psum(
         [m @ q for m, q in zip(s.matrices, qs)], axis_name

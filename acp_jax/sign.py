@@ -118,6 +118,7 @@ def sign_sgd(
   def update_fn(updates, state, params=None):
     del params
     compressor.begin_update(updates, axis_name, "sign_sgd")
+    compressor.check_state(state, SignSgdState, "sign_sgd")
     if majority_vote:
       return vote(updates, state)
     mean, error = error_feedback.apply(

@@ -50,6 +50,7 @@ def ssgd(
   def update_fn(updates, state, params=None):
     del params
     n = compressor.begin_update(updates, axis_name, "ssgd")
+    compressor.check_state(state, optax.EmptyState, "ssgd")
     leaves, treedef = jax.tree.flatten(updates)
     sent = [(g / n).astype(comm_dtype or g.dtype) for g in leaves]
     summed = lax.psum(sent, axis_name)

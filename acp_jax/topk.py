@@ -98,6 +98,7 @@ def topk_sgd(
   def update_fn(updates, state, params=None):
     del params
     compressor.begin_update(updates, axis_name, "topk_sgd")
+    compressor.check_state(state, TopkSgdState, "topk_sgd")
     mean, error = error_feedback.apply(
         updates, state.error, compress, "topk_sgd"
     )

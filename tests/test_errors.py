@@ -155,6 +155,22 @@ def test_state_of_another_compressor():
     helpers.mapped(other.update, "pmap")(helpers.replicate(params), state)
 
 
+@pytest.mark.parametrize(
+    "saved, now, error, message",
+    [
+        (lambda: acp_jax.power_sgd(2), lambda: acp_jax.acp_sgd(2), TypeError, "acp_sgd was given a PowerSgdState"),
+        (lambda: acp_jax.topk_sgd(0.5), lambda: acp_jax.sign_sgd(), TypeError, "sign_sgd was given a TopkSgdState"),
+        (lambda: acp_jax.acp_sgd(2), lambda: acp_jax.acp_sgd(3), ValueError, r"acp_sgd\(rank=3\) .* \(12, 2\), not \(12, 3\)"),
+        (lambda: acp_jax.power_sgd(2), lambda: acp_jax.power_sgd(3), ValueError, "made with another rank"),
+    ],
+)
+def test_update_refuses_a_state_made_by_another_compressor(saved, now, error, message):
+  params = {"w": jnp.zeros((16, 12)), "b": jnp.zeros(12)}
+  state = helpers.replicate(saved().init(params))
+  with pytest.raises(error, match=message):
+    helpers.mapped(now().update, "pmap")(helpers.replicate(params), state)
+
+
 def test_keep_dense_of_another_tree():
   tx = acp_jax.acp_sgd(2, keep_dense={"w": True})
   with pytest.raises(
