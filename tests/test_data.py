@@ -232,6 +232,29 @@ def test_idx_reader_checks_the_header(tmp_path):
     data.read_idx(str(short), 1)
 
 
+def test_damaged_files_are_named(tmp_path):
+  truncated = tmp_path / "t10k-images-idx3-ubyte.gz"
+  with gzip.open(truncated, "wb") as f:
+    f.write(bytes([0, 0, 8, 3, 0, 0, 0, 2, 0, 0, 0, 2, 0, 0, 0, 2]) + bytes(8))
+  truncated.write_bytes(truncated.read_bytes()[:-12])
+  with pytest.raises(ValueError, match=f"{truncated} cannot be read"):
+    data.read_idx(str(truncated), 3)
+  latin1 = tmp_path / "latin1.txt"
+  latin1.write_bytes("caf\xe9 ".encode("latin-1") * 100)
+  with pytest.raises(ValueError, match=f"{latin1} is not UTF-8 text"):
+    _build(name="text", path=str(latin1))
+
+
+def test_mnist_labels_out_of_range_are_refused(tmp_path):
+  (tmp_path / "t10k-images-idx3-ubyte").write_bytes(
+      bytes([0, 0, 8, 3, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0])
+  )
+  labels = tmp_path / "t10k-labels-idx1-ubyte"
+  labels.write_bytes(bytes([0, 0, 8, 1, 0, 0, 0, 2, 3, 12]))
+  with pytest.raises(ValueError, match=f"{labels} holds label 12"):
+    _build(name="mnist", path=str(tmp_path), eval_examples=1)
+
+
 def test_mnist_needs_labels_for_each_images_file(tmp_path):
   (tmp_path / "t10k-images-idx3-ubyte").write_bytes(bytes([0, 0, 8, 3]))
   with pytest.raises(FileNotFoundError, match="t10k-labels-idx1-ubyte"):

@@ -18,6 +18,7 @@ import gzip
 import math
 import os
 from typing import Any, Callable, Iterator, Protocol
+import zlib
 
 import ml_collections
 import numpy as np
@@ -219,8 +220,11 @@ def read_idx(path: str, ndim: int) -> np.ndarray:
       dimensions, or the data has the wrong length.
   """
   opener = gzip.open if path.endswith(".gz") else open
-  with opener(path, "rb") as f:
-    data = f.read()
+  try:
+    with opener(path, "rb") as f:
+      data = f.read()
+  except (OSError, EOFError, zlib.error) as e:  # a damaged gzip stream
+    raise ValueError(f"{path} cannot be read: {e}") from None
   if len(data) < 4 or data[:2] != b"\0\0" or data[2] not in _IDX_DTYPES:
     raise ValueError(
         f"{path} is not a uint8 IDX file: magic bytes {data[:4].hex()},"
@@ -278,6 +282,12 @@ def _load_mnist(path: str, eval_examples: int) -> Dataset:
     images_file = _idx_file(path, prefix + _IMAGES_SUFFIX)
     images.append(read_idx(images_file, 3))
     labels.append(read_idx(labels_file, 1))
+    if labels[-1].size and labels[-1].max() >= 10:
+      # Out-of-range labels would make the loss NaN at the first step.
+      raise ValueError(
+          f"{labels_file} holds label {labels[-1].max()}; MNIST's classes"
+          " are 0-9"
+      )
     if len(images[-1]) != len(labels[-1]):
       raise ValueError(
           f"{images_file} has {len(images[-1])} images but {labels_file} has"
@@ -306,8 +316,13 @@ def _load_text(path: str, seq_len: int) -> Dataset:
   The vocabulary is the sorted set of the file's characters, so token ids
   depend on the file alone.
   """
-  with open(path, encoding="utf-8") as f:
-    text = f.read()
+  try:
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+  except UnicodeDecodeError as e:
+    raise ValueError(
+        f"{path} is not UTF-8 text (byte {e.start}: {e.reason})"
+    ) from None
   # Code points sort like Python's characters, so the unique code points are
   # the sorted character set.
   codes = np.frombuffer(text.encode("utf-32-le"), np.uint32)
