@@ -103,6 +103,16 @@ class DataParallel:
   def _sharding(self, spec: P) -> NamedSharding:
     return NamedSharding(self.mesh, spec)
 
+  def _map_local(self, f: Callable, comm_state: Any) -> Any:
+    """``f`` on every array of the state's per-device fields."""
+    local = self.compressor.local_fields
+    return type(comm_state)(
+        *(
+            jax.tree.map(f, value) if name in local else value
+            for name, value in zip(comm_state._fields, comm_state)
+        )
+    )
+
   def init_comm(self, params: Any) -> Any:
     """The compressor's state for ``params`` (or their shapes), on the mesh.
 
@@ -114,14 +124,9 @@ class DataParallel:
     n = self.num_devices
 
     def make():
-      state = self.compressor.init(shapes)
-      return type(state)(
-          *(
-              jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), v)
-              if spec != P()
-              else v
-              for v, spec in zip(state, specs)
-          )
+      return self._map_local(
+          lambda x: jnp.broadcast_to(x, (n,) + x.shape),
+          self.compressor.init(shapes),
       )
 
     shardings = jax.tree.map(self._sharding, specs, is_leaf=_is_spec)
@@ -179,12 +184,11 @@ class DataParallel:
     axis = self.axis_name
 
     def body(grads, state):
-      squeeze = lambda spec, v: v if spec == P() else jax.tree.map(lambda x: x[0], v)
-      expand = lambda spec, v: v if spec == P() else jax.tree.map(lambda x: x[None], v)
+      # Each device sees [1, ...] blocks of the stacked arrays.
       grads = jax.tree.map(lambda x: x[0], grads)
-      state = type(state)(*map(squeeze, specs, state))
+      state = self._map_local(lambda x: x[0], state)
       mean, state = self.compressor.update(grads, state)
-      return mean, type(state)(*map(expand, specs, state))
+      return mean, self._map_local(lambda x: x[None], state)
 
     return jax.shard_map(
         body,
