@@ -71,7 +71,7 @@ def sign_sgd(
   (0 where the vote ties); scale the step with the learning rate.
   Signs travel packed eight per byte by one all-gather, since an all-reduce
   cannot sum them without widening; the per-leaf scales c (float32) by a
-  second one. A zero element is sent as +1.
+  second one. A zero element is sent as +1; an empty leaf sends nothing.
 
   Args:
     axis_name: the mapped axis over which devices hold their data shards.
@@ -145,7 +145,9 @@ def sign_sgd(
   def volume(params, num_devices):
     leaves = jax.tree.leaves(params)
     bits = sum(math.ceil(math.prod(x.shape) / 8) for x in leaves)
-    scales = 0 if majority_vote else 4 * len(leaves)
+    # Error feedback sends a float32 scale per leaf that is not empty.
+    sized = sum(math.prod(x.shape) > 0 for x in leaves)
+    scales = 0 if majority_vote else 4 * sized
     return {
         "step": compressor.CommVolume(all_gather=num_devices * (bits + scales))
     }

@@ -116,6 +116,18 @@ def test_large_float16_gradients_stay_finite(name):
     assert np.all(np.isfinite(np.asarray(u["w"], np.float32)))
 
 
+@all_compressors
+def test_zero_size_leaves_pass_through(name):
+  """An empty leaf comes back empty and changes nothing for the others."""
+  tx = COMPRESSORS[name].make()
+  with_empty = {**helpers.MIXED, "empty": jnp.zeros((0, 4))}
+  _, updates, _ = run_steps(tx, "shard_map", 2, with_empty)
+  _, expected, _ = run_steps(tx, "shard_map", 2)
+  for u, e in zip(helpers.to_numpy(updates), helpers.to_numpy(expected)):
+    assert u.pop("empty").shape == (NUM_DEVICES, 0, 4)
+    chex.assert_trees_all_equal(u, e)
+
+
 @with_residual
 def test_error_feedback_loses_nothing(name):
   """sum of applied updates + mean residual = sum of mean gradients."""
