@@ -29,7 +29,13 @@ def apply(grads, errors, compress: CompressFn, caller: str):
   compressor.check_tree_matches(grads, errors, caller)
   leaves, treedef = jax.tree.flatten(grads)
   ps = [g + e for g, e in zip(leaves, jax.tree.leaves(errors))]
-  sent, mean = compress(ps)
+  # A zero-size leaf has nothing to send, so it passes through and
+  # ``compress`` never sees one (top_k cannot pick from it, and the mean
+  # magnitude of nothing is NaN).
+  sized = [i for i, p in enumerate(ps) if p.size]
+  sent, mean = list(ps), list(ps)
+  for i, s, m in zip(sized, *compress([ps[i] for i in sized])):
+    sent[i], mean[i] = s, m
   new_errors = [p - s for p, s in zip(ps, sent)]
   return (
       jax.tree.unflatten(treedef, mean),

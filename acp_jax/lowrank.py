@@ -3,6 +3,7 @@
 from collections.abc import Callable
 import math
 from typing import Any, NamedTuple
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -109,6 +110,39 @@ def project_transposed(m: jax.Array, b: jax.Array) -> jax.Array:
   return b.T @ m
 
 
+def _warn_if_nothing_compressed(
+    lr: LowRank,
+    leaves: list[Any],
+    specs: list[MatrixSpec | None],
+    params: Any,
+) -> None:
+  """Warns if no leaf is compressed although there are matrices.
+
+  Matrices in ``keep_dense`` do not count. A rank too large for every matrix
+  would otherwise turn the compressor into S-SGD silently; it only warns, as
+  a small model may have nothing worth compressing.
+  """
+  if any(spec is not None for spec in specs):
+    return
+  dense = compressor.keep_dense_leaves(lr.keep_dense, params)
+  shapes = [
+      tuple(x.shape)
+      for x, d in zip(leaves, dense)
+      if not d and len(x.shape) >= 2 and math.prod(x.shape)
+  ]
+  if shapes:
+    largest = max(shapes, key=math.prod)
+    warnings.warn(
+        f"{lr.caller}: no matrix leaf is compressed at rank={lr.rank} and"
+        f" min_compression_rate={lr.min_compression_rate} (the largest,"
+        f" {largest}, would not shrink by that rate), so every leaf is sent"
+        " dense, as by ssgd. Lower rank or min_compression_rate to compress"
+        " them.",
+        # Points at the caller of the compressor's init.
+        stacklevel=4,
+    )
+
+
 def init_trees(lr: LowRank, params: Any) -> tuple[Any, Any, Any]:
   """Zero residuals E, zero P factors and random Q factors, like ``params``.
 
@@ -120,6 +154,7 @@ def init_trees(lr: LowRank, params: Any) -> tuple[Any, Any, Any]:
   compressor.check_float_leaves(params, lr.caller)
   specs = lr.plan(params)
   leaves, treedef = jax.tree.flatten(params)
+  _warn_if_nothing_compressed(lr, leaves, specs, params)
   sizes = [spec.m * spec.rank for spec in specs if spec is not None]
   draw = iter(
       jnp.split(

@@ -38,7 +38,7 @@ def power_sgd(
   with G the local gradient, E the local residual and Q the warm-start factor::
 
     M = G + E
-    P = allreduce_sum(M Q);  P = orth(P)
+    P = allreduce_sum(M orth(Q));  P = orth(P)
     Q = allreduce_sum(M^T P) / N
     update = P Q^T;  E = M - update
 
@@ -86,7 +86,12 @@ def power_sgd(
     compressor.check_state(state, PowerSgdState, "power_sgd")
     s = lowrank.split(lr, updates, state.error)
     lowrank.check_factors(lr, s, state.q, "m")
-    qs = lowrank.leaves_of(s, state.q)
+    # The warm-start Q, a mean of M^T P, carries the gradient's scale, so
+    # M Q carries its square: in float16 that overflows (inf, then NaN) on a
+    # 512 x 512 leaf with entries near 3. Only the span of Q matters, since P
+    # is orthogonalized next; an orthonormal basis of it keeps M Q at the
+    # scale of M, as PyTorch's powerSGD_hook does.
+    qs = [lowrank.orthogonalize(q) for q in lowrank.leaves_of(s, state.q)]
     ps = collectives.packed_psum(
         [m @ q for m, q in zip(s.matrices, qs)], axis_name
     )

@@ -25,7 +25,7 @@ class TopkSgdState(NamedTuple):
 
 
 def _k(numel: int, density: float) -> int:
-  return max(1, math.ceil(density * numel))
+  return min(numel, max(1, math.ceil(density * numel)))  # 0 if numel = 0
 
 
 def topk_sgd(
@@ -33,7 +33,7 @@ def topk_sgd(
 ) -> compressor.Compressor:
   """Top-k sparsification with error feedback.
 
-  Per leaf with d elements, k = max(1, ceil(density d))::
+  Per leaf with d elements, k = max(1, ceil(density d)) (0 if d = 0)::
 
     p = g + e;  I = indices of the k largest |p|
     update = scatter_add over devices of (I, p[I]) / N;  e = p with p[I] = 0

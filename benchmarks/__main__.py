@@ -1,4 +1,5 @@
-"""``python -m benchmarks {comm,overhead,convergence,cluster,report} [--quick]``.
+"""``python -m benchmarks SUBCOMMAND [--quick]``: comm, overhead, convergence,
+cluster, project, sign_scaling, report.
 
 Each measuring subcommand prints a table and writes
 ``benchmarks/results/SUBCOMMAND.json``, a list of flat records that carry
@@ -91,6 +92,19 @@ def _parser() -> argparse.ArgumentParser:
       "--alpha_us",
       type=float,
       help="link latency (default: calibrated by cluster, unshaped link)",
+  )
+  sign_scaling = sub.add_parser(
+      "sign_scaling",
+      parents=[quick],
+      help="Sign-SGD's update time at 1 to 8 devices, against S-SGD",
+  )
+  sign_scaling.add_argument(
+      "--devices",
+      help="comma-separated device counts (default: 1,2,4,8; 1,2 if --quick)",
+  )
+  sign_scaling.add_argument("--repeats", type=int, help="timed calls per run")
+  sign_scaling.add_argument(
+      "--timeout", type=float, default=600, help="seconds per run"
   )
   sub.add_parser("report", help="REPORT.md with tables and plots")
   return parser
@@ -214,11 +228,15 @@ def main(argv: list[str] | None = None) -> None:
 
   # The cluster's orchestrator compiles the workers' step on as many
   # simulated devices as there are workers, to read its collectives.
-  devices = {"cluster": getattr(args, "workers", None), "project": 1}.get(
-      args.command
-  )
+  # sign_scaling's runs start processes of their own device counts.
+  devices = {
+      "cluster": getattr(args, "workers", None),
+      "project": 1,
+      "sign_scaling": 1,
+  }.get(args.command)
   runtime.setup(num_cpu_devices=devices or args.num_cpu_devices)
   from benchmarks import cluster, comm, convergence, overhead, project
+  from benchmarks import sign_scaling
 
   meta = {**records.provenance(argv), "quick": args.quick}
   failures = []
@@ -236,6 +254,21 @@ def main(argv: list[str] | None = None) -> None:
   elif args.command == "comm":
     rows = comm.measure(_models(args.models, args.quick))
     columns, outputs = comm.COLUMNS, {"comm": rows}
+  elif args.command == "sign_scaling":
+    counts = args.devices or ("1,2" if args.quick else "1,2,4,8")
+    try:
+      device_counts = [int(n) for n in counts.split(",")]
+    except ValueError:
+      raise SystemExit(
+          f"--devices must be comma-separated ints, got {counts!r}"
+      ) from None
+    if any(n < 1 for n in device_counts):
+      raise SystemExit(f"--devices must be positive, got {counts!r}")
+    repeats = args.repeats or (2 if args.quick else 5)
+    if repeats < 1:
+      raise SystemExit(f"--repeats must be positive, got {repeats}")
+    rows = sign_scaling.measure(device_counts, repeats, args.timeout)
+    columns, outputs = sign_scaling.COLUMNS, {"sign_scaling": rows}
   elif args.command == "overhead":
     repeats = args.repeats or (3 if args.quick else 10)
     if repeats < 1:

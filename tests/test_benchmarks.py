@@ -211,6 +211,35 @@ def test_projection_covers_the_paper_grid(results):
   assert (results / "projection.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_sign_sgd_scales_with_devices_like_ssgd(tmp_path):
+  result = _run(
+      f"--results_dir={tmp_path}", "sign_scaling", "--quick", timeout=300
+  )
+  assert result.returncode == 0, result.stderr
+  rows = _records(tmp_path, "sign_scaling")
+  assert {(r["num_devices"], r["compressor"]) for r in rows} == {
+      (n, c) for n in (1, 2) for c in ("sign_sgd", "sign_sgd_vote", "ssgd")
+  }
+  assert all(r["status"] == "ok" for r in rows), rows
+  seconds = {(r["num_devices"], r["compressor"]): r["update_s"] for r in rows}
+  # A second device doubles the work on shared cores; a reduce left to
+  # XLA:CPU's YNNPACK fusion made it hundreds of times slower.
+  for name in ("sign_sgd", "sign_sgd_vote"):
+    assert seconds[2, name] < 20 * seconds[1, name], seconds
+
+
+def test_bad_device_counts_are_refused(tmp_path):
+  for devices in ("1,two", "0,2"):
+    result = _run(
+        f"--results_dir={tmp_path}",
+        "sign_scaling",
+        f"--devices={devices}",
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "--devices" in result.stderr and devices in result.stderr
+
+
 def test_projection_without_a_latency_says_how_to_get_one(tmp_path):
   result = _run(f"--results_dir={tmp_path}", "project", "--quick", timeout=120)
   assert result.returncode != 0

@@ -48,6 +48,19 @@ def test_compiled_bytes_equal_accounting(name):
   assert_compiled_bytes_equal_accounting(name, SMALL_RESNET)
 
 
+@all_compressors
+@pytest.mark.parametrize(
+    "params",
+    [
+        {**helpers.MIXED, "empty": jnp.zeros((0, 4))},
+        {"empty": jnp.zeros((0, 4)), "none": jnp.zeros((0,))},
+    ],
+    ids=["with_an_empty_leaf", "all_empty"],
+)
+def test_compiled_bytes_equal_accounting_with_zero_size_leaves(name, params):
+  assert_compiled_bytes_equal_accounting(name, params)
+
+
 def dense_bytes(params, rank):
   specs = lowrank.settings(rank, 2.0, None, 0, "test").plan(params)
   return sum(

@@ -1,6 +1,7 @@
 """Misuse raises early, naming the argument and the value."""
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -187,3 +188,31 @@ def test_comm_bytes_needs_the_compressor_itself():
       ValueError, match="num_devices must be a positive int, got 0"
   ):
     acp_jax.comm_bytes(acp_jax.ssgd(), {"w": jnp.zeros((4, 4))}, num_devices=0)
+
+
+@pytest.mark.parametrize("factory", [acp_jax.power_sgd, acp_jax.acp_sgd])
+def test_rank_that_compresses_nothing_warns(factory):
+  params = {"w": jnp.zeros((64, 32)), "conv": jnp.zeros((3, 3, 4, 8))}
+  with pytest.warns(
+      UserWarning,
+      match=re.escape(
+          "no matrix leaf is compressed at rank=1000000 and"
+          " min_compression_rate=2.0 (the largest, (64, 32),"
+      ),
+  ):
+    factory(1_000_000).init(params)
+
+
+@pytest.mark.parametrize(
+    "params, keep_dense",
+    [
+        ({"w": jnp.zeros((64, 32)), "b": jnp.zeros(32)}, None),
+        # Nothing compressed, but only because the user asked for it.
+        ({"w": jnp.zeros((4, 4)), "b": jnp.zeros(4)}, {"w": True, "b": False}),
+        ({"b": jnp.zeros(32), "scale": jnp.zeros(())}, None),  # no matrix
+    ],
+)
+def test_rank_that_compresses_something_does_not_warn(params, keep_dense):
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    acp_jax.power_sgd(4, keep_dense=keep_dense).init(params)

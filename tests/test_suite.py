@@ -100,6 +100,33 @@ def test_updates_keep_low_precision_dtypes(name):
       assert np.all(np.isfinite(np.asarray(x, np.float32)))
 
 
+@all_compressors
+def test_large_float16_gradients_stay_finite(name):
+  """Entries near 3 on a 512 x 512 float16 leaf: any product that squares
+  the gradient's scale (M Q, with a warm-start Q that carries it) overflows."""
+  params = {"w": jnp.zeros((512, 512), jnp.float16)}
+  tx = COMPRESSORS[name].make()
+  update = helpers.mapped(tx.update, "shard_map")
+  state = helpers.replicate(tx.init(params))
+  rng = np.random.default_rng(0)
+  for _ in range(3):
+    g = 3 + 0.1 * rng.standard_normal((NUM_DEVICES, 512, 512))
+    u, state = update(helpers.shard({"w": g.astype(np.float16)}), state)
+    assert np.all(np.isfinite(np.asarray(u["w"], np.float32)))
+
+
+@all_compressors
+def test_zero_size_leaves_pass_through(name):
+  """An empty leaf comes back empty and changes nothing for the others."""
+  tx = COMPRESSORS[name].make()
+  with_empty = {**helpers.MIXED, "empty": jnp.zeros((0, 4))}
+  _, updates, _ = run_steps(tx, "shard_map", 2, with_empty)
+  _, expected, _ = run_steps(tx, "shard_map", 2)
+  for u, e in zip(helpers.to_numpy(updates), helpers.to_numpy(expected)):
+    assert u.pop("empty").shape == (NUM_DEVICES, 0, 4)
+    chex.assert_trees_all_equal(u, e)
+
+
 @with_residual
 def test_error_feedback_loses_nothing(name):
   """sum of applied updates + mean residual = sum of mean gradients."""
