@@ -158,7 +158,12 @@ def acp_sgd(
         error=lowrank.merge(s, errors, masked, reshape=True),
         p=reduced_tree if p_step else state.p,
         q=state.q if p_step else reduced_tree,
-        phase=phase_marker(Phase.Q if p_step else Phase.P),
+        # Made from the old marker, so that the step always reads one of its
+        # inputs (a shard_map whose inputs are all unused or empty fails to
+        # compile under Shardy, jax 0.10.2).
+        phase=jnp.broadcast_to(
+            state.phase[:1], phase_marker(Phase.Q if p_step else Phase.P).shape
+        ),
     )
     return lowrank.merge(s, applied, dense, reshape=True), new_state
 
