@@ -52,6 +52,8 @@ def _by_name(tree: Any) -> dict[str, tuple[Any, Any]]:
 
 def _saved_arrays(directory: str) -> dict[str, Any]:
   metadata = ocp.StandardCheckpointer().metadata(os.path.abspath(directory))
+  if metadata is None or metadata.item_metadata is None:
+    raise ValueError(f"{directory} holds no readable orbax checkpoint metadata")
   return {
       name: leaf for name, (_, leaf) in _by_name(metadata.item_metadata.tree).items()
   }

@@ -5,15 +5,21 @@ import json
 import os
 from typing import Any
 
+from absl import logging
 import jax
 import numpy as np
+
 
 def params_digest(params) -> str:
   """SHA-256 of the params; raises if the replicas on this host differ."""
   digest = hashlib.sha256()
   for path, x in jax.tree_util.tree_leaves_with_path(params):
     shards = [np.asarray(s.data) for s in x.addressable_shards]
-    if any(not np.array_equal(shards[0], s) for s in shards[1:]):
+    # NaN equals NaN here: identical non-finite replicas have not drifted.
+    nan_ok = np.issubdtype(shards[0].dtype, np.inexact)
+    if any(
+        not np.array_equal(shards[0], s, equal_nan=nan_ok) for s in shards[1:]
+    ):
       raise RuntimeError(
           f"replicas of params{jax.tree_util.keystr(path)} differ across"
           " devices"
@@ -31,10 +37,33 @@ class MetricsLog:
     if self._active and os.path.exists(self._path):
       # Lines past the restored checkpoint come from an interrupted run and
       # are about to be logged again.
-      with open(self._path) as f:
-        lines = [l for l in f if json.loads(l)["step"] <= resume_step]
+      records = [r for r in self._read() if r["step"] <= resume_step]
       with open(self._path, "w") as f:
-        f.writelines(lines)
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+  def _read(self) -> list[dict[str, Any]]:
+    """The records logged so far. A run killed mid-write leaves its last
+    line cut short: that line is dropped with a warning; damage anywhere
+    else is not ours to repair."""
+    with open(self._path) as f:
+      lines = f.readlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+      try:
+        records.append(json.loads(line))
+      except json.JSONDecodeError as e:
+        if number < len(lines):
+          raise ValueError(
+              f"{self._path}, line {number} is not JSON ({e}): {line!r}"
+          ) from e
+        logging.warning(
+            "%s, line %d is not JSON (%s); dropped as a write cut short: %r",
+            self._path,
+            number,
+            e,
+            line,
+        )
+    return records
 
   def write(self, record: dict[str, Any]) -> None:
     if self._active:
