@@ -26,6 +26,10 @@ def get_config() -> ml_collections.ConfigDict:
   # running statistics, sending nothing (PyTorch DDP's default). "sync":
   # statistics averaged over all devices each step (counted in bytes_sent).
   config.batch_norm = "local"
+  # A step with a non-finite loss, gradient, update or params: "stop" the
+  # run before anything of it is saved (the last checkpoint stays good), or
+  # "skip" it, keeping the state as it was (as loss scalers do).
+  config.nonfinite = "stop"
   # Random flips and 4-pixel pad-and-crop of training images.
   config.augment = False
 

@@ -9,6 +9,7 @@ Running the same command again resumes from the latest checkpoint in
 """
 
 import os
+import sys
 
 from absl import app
 from absl import flags
@@ -18,6 +19,10 @@ from ml_collections import config_flags
 from train import metrics as metrics_lib
 from train import runtime
 from train import train
+
+# Exit status after SIGTERM or SIGINT, once the checkpoint is saved: a
+# temporary failure (sysexits' EX_TEMPFAIL), retrying resumes.
+EXIT_INTERRUPTED = 75
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Training config file.", lock_config=True
@@ -41,6 +46,12 @@ _COMPARE = flags.DEFINE_list(
 )
 _AUTO_DISTRIBUTED = flags.DEFINE_bool(
     "auto_distributed", False, "Let JAX detect the cluster (SLURM, ...)."
+)
+_DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
+    "distributed_timeout_s",
+    300,
+    "Seconds to wait for all processes to join, or for a silent peer, before"
+    " the run fails.",
 )
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -68,19 +79,25 @@ def main(argv):
       num_processes=_NUM_PROCESSES.value,
       process_id=_PROCESS_ID.value,
       auto_distributed=_AUTO_DISTRIBUTED.value,
+      distributed_timeout_s=_DISTRIBUTED_TIMEOUT.value,
   )
   config, workdir = _CONFIG.value, _WORKDIR.value
-  if not _COMPARE.value:
-    print(metrics_lib.format_summary(train.train_and_evaluate(config, workdir)))
-    return
-  summaries = []
-  for name in _COMPARE.value:
-    with config.unlocked():
-      config.compressor.name = name
-    summaries.append(
-        train.train_and_evaluate(config, os.path.join(workdir, name))
-    )
-  print(metrics_lib.format_comparison(summaries))
+  try:
+    if not _COMPARE.value:
+      summary = train.train_and_evaluate(config, workdir)
+      print(metrics_lib.format_summary(summary))
+      return
+    summaries = []
+    for name in _COMPARE.value:
+      with config.unlocked():
+        config.compressor.name = name
+      summaries.append(
+          train.train_and_evaluate(config, os.path.join(workdir, name))
+      )
+    print(metrics_lib.format_comparison(summaries))
+  except runtime.Interrupted as e:
+    print(e, file=sys.stderr)
+    sys.exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":

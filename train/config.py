@@ -31,6 +31,7 @@ KEYS = frozenset(
         "checkpoint_every_steps",
         "keep_checkpoints",
         "batch_norm",
+        "nonfinite",
         "augment",
         "model",
         "data",
@@ -50,6 +51,7 @@ SCHEDULE_KEYS = {
     "step": {"warmup_steps", "boundaries", "decay_factor"},
 }
 BATCH_NORM = ("local", "sync")
+NONFINITE = ("stop", "skip")
 
 
 def _check_keys(section: str, keys, allowed) -> None:
@@ -80,6 +82,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   """Raises ``ValueError`` naming the first bad key and its value."""
   _check_keys("config", config.keys(), KEYS)
   _check_choice("config.batch_norm", config.batch_norm, BATCH_NORM)
+  _check_choice("config.nonfinite", config.nonfinite, NONFINITE)
   for key in ("num_train_steps", "log_every_steps"):
     _positive_int(f"config.{key}", config[key])
   for key in (

@@ -21,12 +21,14 @@ import ml_collections
 import numpy as np
 import optax
 import tqdm
+from absl import logging
 from flax import nnx
 
 import acp_jax
 from train import checkpoint
 from train import data as data_lib
 from train import metrics as metrics_lib
+from train import runtime
 from train.experiment import AXIS
 from train.experiment import batch_stats_spec
 from train.experiment import build
@@ -61,9 +63,18 @@ def train_step(
     dp: acp_jax.DataParallel,
     tx: optax.GradientTransformation,
     batch_norm: str,
+    skip_nonfinite: bool = False,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One step on the global state: local gradients, compressed mean, base
-  optimizer."""
+  optimizer.
+
+  The metrics carry the norms of the gradients, the update and the new
+  params, so that the loop can refuse a non-finite state before saving it.
+  With ``skip_nonfinite``, a step whose loss, gradients, update or params
+  are not finite leaves the state as it was (selected, not branched: no
+  collective runs under a conditional); the step counter still advances,
+  and so does ACP-SGD's phase (keeping the previous factors, a valid state).
+  """
 
   def loss_fn(params, batch, batch_stats):
     # Runs on each device's shard: [1, per_device, ...] blocks.
@@ -107,6 +118,7 @@ def train_step(
       # norm of their mean would need the dense all-reduce we avoid.
       "grad_norm": jnp.sqrt(grad_sq / dp.num_devices),
       "update_norm": optax.tree.norm(updates),
+      "param_norm": optax.tree.norm(params),
   }
   new_state = TrainState(
       step=state.step + 1,
@@ -115,7 +127,21 @@ def train_step(
       opt_state=opt_state,
       rng=state.rng,
   )
+  if skip_nonfinite:
+    finite = jnp.all(jnp.isfinite(jnp.stack([metrics[k] for k in NONFINITE])))
+    new_state = jax.tree.map(
+        lambda new, old: jnp.where(finite, new, old)
+        if new.shape == old.shape
+        else new,  # ACP-SGD's phase marker: its shape is the phase
+        new_state._replace(step=state.step),
+        state,
+    )._replace(step=state.step + 1)
+    metrics["skipped"] = 1 - finite.astype(jnp.float32)
   return new_state, metrics
+
+
+# The metrics checked before anything is saved, in the order they arise.
+NONFINITE = ("loss", "grad_norm", "update_norm", "param_norm")
 
 
 def eval_step(
@@ -141,6 +167,7 @@ def compile_steps(experiment: Experiment):
           dp=experiment.dp,
           tx=experiment.tx,
           batch_norm=config.batch_norm,
+          skip_nonfinite=config.nonfinite == "skip",
       ),
       donate_argnums=(0,),
   )
@@ -176,6 +203,33 @@ def evaluate(experiment, eval_fn, state) -> dict[str, float]:
   return {"eval_loss": loss / weight, "eval_accuracy": correct / weight}
 
 
+def run_identity(experiment: Experiment, state: TrainState) -> dict[str, Any]:
+  """What a checkpoint must share with this run to be resumed by it."""
+  config = experiment.config
+  name = config.compressor.name
+  args = config.compressor.get(name)
+  return {
+      "compressor": {
+          "name": name,
+          "args": args.to_dict() if args is not None else {},
+      },
+      "optimizer": config.optimizer.name,
+      "model": config.model.to_dict(),
+      "batch_norm": config.batch_norm,
+      "devices": experiment.num_devices,
+      "processes": jax.process_count(),
+      "params": {
+          jax.tree_util.keystr(path): list(x.shape)
+          for path, x in jax.tree_util.tree_leaves_with_path(state.params)
+      },
+  }
+
+
+def _first_nonfinite(metrics: dict[str, float]) -> str | None:
+  """The first of ``NONFINITE`` whose value is not finite, if any."""
+  return next((k for k in NONFINITE if not np.isfinite(metrics[k])), None)
+
+
 def _due(step: int, every: int, last: int) -> bool:
   return step == last or (every > 0 and step % every == 0)
 
@@ -191,6 +245,7 @@ def train_and_evaluate(
   """
   experiment = build(config)
   os.makedirs(workdir, exist_ok=True)
+  runtime.check_shared_workdir(workdir)
   is_main = jax.process_index() == 0
   loader = data_lib.Loader(
       experiment.dataset.train,
@@ -203,12 +258,14 @@ def train_and_evaluate(
   train_fn, eval_fn = compile_steps(experiment)
   state = init_state(experiment)
   ckpt = checkpoint.Checkpointer(
-      os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints
+      os.path.join(workdir, "checkpoints"),
+      keep=config.keep_checkpoints,
+      run=run_identity(experiment, state),
   )
-  start = ckpt.latest_step() or 0
-  if start:
-    state, record = ckpt.restore(start, like=state)
-    assert record["step"] == start == int(state.step), (record, start)
+  start = 0
+  if restored := ckpt.restore_latest(like=state):
+    state, record = restored
+    start = record["step"]
   log = metrics_lib.MetricsLog(workdir, start)
   bytes_per_step = experiment.bytes_per_step()
   last = config.num_train_steps
@@ -232,10 +289,14 @@ def train_and_evaluate(
     metrics = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
     completed(step)
     seconds = done.pop(step)
-    if not np.isfinite(metrics["loss"]):
+    if metrics.get("skipped"):
+      logging.warning("step %d skipped: a non-finite %s", step, _first_nonfinite(metrics))
+    elif _first_nonfinite(metrics):
       raise FloatingPointError(
-          f"loss is {metrics['loss']} at step {step}; lower"
-          " config.optimizer.learning_rate or check the data"
+          f"{_first_nonfinite(metrics)} is not finite at step {step}; nothing"
+          " from this step is saved, and the latest checkpoint holds the"
+          f" last good state. Lower config.optimizer.learning_rate, check"
+          " the data, or set config.nonfinite='skip' to skip such steps."
       )
     durations.append(seconds)
     if _due(step, config.log_every_steps, last):
@@ -260,37 +321,43 @@ def train_and_evaluate(
       leave=False,
   )
   pending = None  # metrics are read one step late: the host never stalls
-  for index in range(start, last):
-    step = index + 1
-    state, step_metrics = train_fn(
-        state, put_batch(experiment, loader.batch(index))
-    )
-    if on_cpu:
-      # XLA:CPU's simulated devices can deadlock in a collective's
-      # rendezvous with several steps in flight on few cores.
-      jax.block_until_ready(state)
-      completed(step)
-    if pending:
-      record_step(*pending)
-    pending = (step, step_metrics)
-    due_eval = _due(step, config.eval_every_steps, last)
-    due_save = _due(step, config.checkpoint_every_steps, last)
-    if due_eval or due_save:
-      record_step(*pending)
-      pending = None
-      if due_eval:
-        eval_metrics = evaluate(experiment, eval_fn, state)
-        log.write({"step": step, **eval_metrics})
-      if due_save:
-        ckpt.save(
-            step,
-            state,
-            {
-                "step": step,
-                "data": loader.position(step),
-            },
-        )
-      clock[0] = time.perf_counter()
+  with runtime.StopRequests() as stops:
+    for index in range(start, last):
+      step = index + 1
+      state, step_metrics = train_fn(
+          state, put_batch(experiment, loader.batch(index))
+      )
+      if on_cpu:
+        # XLA:CPU's simulated devices can deadlock in a collective's
+        # rendezvous with several steps in flight on few cores.
+        jax.block_until_ready(state)
+        completed(step)
+      if pending:
+        record_step(*pending)
+      pending = (step, step_metrics)
+      stop = stops.should_stop(step)
+      due_eval = _due(step, config.eval_every_steps, last)
+      due_save = _due(step, config.checkpoint_every_steps, last) or stop
+      if due_eval or due_save:
+        record_step(*pending)
+        pending = None
+        if due_eval:
+          eval_metrics = evaluate(experiment, eval_fn, state)
+          log.write({"step": step, **eval_metrics})
+        if due_save:
+          ckpt.save(
+              step,
+              state,
+              {
+                  "step": step,
+                  "data": loader.position(step),
+              },
+          )
+        clock[0] = time.perf_counter()
+      if stop:
+        bar.close()
+        ckpt.close()
+        raise runtime.Interrupted(stops.signal_name, step)
   if pending:
     record_step(*pending)
   bar.close()

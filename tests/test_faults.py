@@ -1,0 +1,228 @@
+"""Faults as a user meets them: divergence, signals, a missing peer."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tests import helpers
+from tests.test_train import losses
+from tests.test_train import small_config
+from train import checkpoint
+from train import experiment as experiment_lib
+from train import metrics as metrics_lib
+from train import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXIT_INTERRUPTED = 75
+
+
+def saved_steps(workdir):
+  return sorted(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints")))
+
+
+def restored_params(workdir, config):
+  experiment = experiment_lib.build(config)
+  like = experiment_lib.init_state(experiment)
+  ckpt = checkpoint.Checkpointer(
+      os.path.join(workdir, "checkpoints"),
+      keep=config.keep_checkpoints,
+      run=train.run_identity(experiment, like),
+  )
+  state, _ = ckpt.restore_latest(like=like)
+  ckpt.close()
+  return jax.device_get(state.params)
+
+
+def test_divergence_stops_before_saving_and_a_sane_rerun_resumes(tmp_path):
+  workdir = str(tmp_path)
+  train.train_and_evaluate(small_config(steps=4, checkpoint_every_steps=2), workdir)
+  assert saved_steps(workdir) == [2, 4]
+  # A checkpoint every step: the first non-finite step must not be saved.
+  diverging = small_config(steps=30, checkpoint_every_steps=1)
+  diverging.optimizer.learning_rate = 1e30
+  with pytest.raises(FloatingPointError, match="is not finite at step 5"):
+    train.train_and_evaluate(diverging, workdir)
+  assert saved_steps(workdir) == [2, 4]
+  params = restored_params(workdir, diverging)
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+  summary = train.train_and_evaluate(small_config(steps=8, checkpoint_every_steps=2), workdir)
+  assert summary["step"] == 8 and np.isfinite(summary["loss"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"compressor.name": "sign_sgd"}, "compressor.name='topk_sgd', this run has 'sign_sgd'"),
+        ({"compressor.topk_sgd.density": 0.5}, "compressor.args.density=0.1, this run has 0.5"),
+        ({"model.width": 16}, "model.width=8, this run has 16"),
+    ],
+)
+def test_resuming_another_run_is_refused_naming_saved_and_now(
+    override, message, tmp_path
+):
+  train.train_and_evaluate(small_config("topk_sgd", steps=2), str(tmp_path))
+  config = small_config("topk_sgd", steps=4)
+  for key, value in override.items():
+    section, _, name = key.rpartition(".")
+    config[section][name] = value
+  with pytest.raises(ValueError, match=re.escape(message)):
+    train.train_and_evaluate(config, str(tmp_path))
+
+
+def test_skip_mode_keeps_the_state_finite(tmp_path):
+  config = small_config(steps=6, nonfinite="skip")
+  config.optimizer.learning_rate = 1e30
+  summary = train.train_and_evaluate(config, str(tmp_path))
+  with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+    skipped = [l["skipped"] for l in map(json.loads, f) if "skipped" in l]
+  assert len(skipped) == 6 and sum(skipped) >= 1
+  assert np.isfinite(summary["eval_loss"])
+  params = restored_params(str(tmp_path), config)
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+
+
+def test_digest_takes_nan_replicas_as_equal():
+  sharding = NamedSharding(helpers.mesh(), P())
+  nan = jax.device_put(np.full(3, np.nan, np.float32), sharding)
+  assert len(metrics_lib.params_digest({"w": nan})) == 64
+
+
+def _launch(workdir, *extra, steps=400):
+  return subprocess.Popen(
+      [
+          sys.executable,
+          "-m",
+          "train",
+          "--config",
+          os.path.join(ROOT, "configs", "default.py"),
+          "--workdir",
+          workdir,
+          f"--config.num_train_steps={steps}",
+          "--config.batch_size=32",
+          "--config.model.width=8",
+          "--config.eval_every_steps=0",
+          "--config.checkpoint_every_steps=0",
+          "--config.schedule.name=constant",
+          *extra,
+      ],
+      cwd=ROOT,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+  )
+
+
+def _wait_for_step(workdir, step, procs, timeout=300):
+  path = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if os.path.exists(path):
+      with open(path) as f:
+        if sum(1 for _ in f) >= step:
+          return
+    for p in procs:
+      assert p.poll() is None, p.communicate()[1][-3000:]
+    time.sleep(0.05)
+  raise TimeoutError(f"no step {step} in {path}")
+
+
+def _finish(procs, timeout=300):
+  outs = []
+  try:
+    for p in procs:
+      outs.append(p.communicate(timeout=timeout))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.communicate()
+  return outs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_and_the_rerun_resumes_bitwise(signum, tmp_path):
+  workdir = str(tmp_path / "run")
+  proc = _launch(workdir)
+  _wait_for_step(workdir, 3, [proc])
+  sent = time.monotonic()
+  proc.send_signal(signum)
+  ((_, err),) = _finish([proc])
+  assert time.monotonic() - sent < 10
+  assert proc.returncode == EXIT_INTERRUPTED, err[-3000:]
+  name = signal.Signals(signum).name
+  stopped = int(err.split(f"stopped by {name} at step ")[1].split(";")[0])
+  assert saved_steps(workdir) == [stopped]
+  # The same command again, to a shorter end: the steps after the signal
+  # match a run that was never stopped.
+  end = stopped + 3
+  _finish([_launch(workdir, steps=end)])
+  reference = str(tmp_path / "reference")
+  _finish([_launch(reference, steps=end)])
+  assert losses(workdir) == losses(reference)
+
+
+def _multi(workdir, address, i, *extra, steps=400):
+  return _launch(
+      workdir,
+      "--num_cpu_devices=2",
+      f"--coordinator_address={address}",
+      "--num_processes=2",
+      f"--process_id={i}",
+      *extra,
+      steps=steps,
+  )
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_process_at_one_step_and_resumes(tmp_path):
+  workdir = str(tmp_path / "multi")
+  address = f"127.0.0.1:{helpers.free_port()}"
+  procs = [_multi(workdir, address, i) for i in range(2)]
+  _wait_for_step(workdir, 3, procs)
+  procs[1].send_signal(signal.SIGTERM)  # one process told; both must stop
+  outs = _finish(procs)
+  assert [p.returncode for p in procs] == [EXIT_INTERRUPTED] * 2, outs[0][1][-3000:]
+  steps = {int(err.split("at step ")[1].split(";")[0]) for _, err in outs}
+  assert len(steps) == 1, steps
+  (stopped,) = steps
+  assert saved_steps(workdir) == [stopped]
+  end = stopped + 2
+  address = f"127.0.0.1:{helpers.free_port()}"
+  outs = _finish([_multi(workdir, address, i, steps=end) for i in range(2)])
+  single = str(tmp_path / "single")
+  _finish([_launch(single, "--num_cpu_devices=4", steps=end)])
+  np.testing.assert_allclose(
+      list(losses(workdir).values()), list(losses(single).values()), rtol=1e-5
+  )
+
+
+@pytest.mark.slow
+def test_a_missing_peer_fails_within_the_timeout(tmp_path):
+  address = f"127.0.0.1:{helpers.free_port()}"
+  start = time.monotonic()
+  proc = _multi(str(tmp_path), address, 0, "--distributed_timeout_s=5")
+  ((_, err),) = _finish([proc], timeout=120)
+  assert proc.returncode != 0
+  assert time.monotonic() - start < 60
+  assert f"joining the coordinator at {address}" in err
+  assert "within 5 s" in err
+
+
+@pytest.mark.slow
+def test_a_workdir_per_process_is_refused_at_start(tmp_path):
+  address = f"127.0.0.1:{helpers.free_port()}"
+  procs = [_multi(str(tmp_path / f"p{i}"), address, i, steps=4) for i in range(2)]
+  outs = _finish(procs, timeout=120)
+  assert [p.returncode for p in procs] == [1, 1]
+  assert all("must be one directory shared by every process" in err for _, err in outs)
