@@ -15,6 +15,7 @@ from acp_jax.data_parallel import DataParallel
 from acp_jax.data_parallel import DataParallelState
 from acp_jax.hlo import collective_rounds
 from acp_jax.hlo import collective_stats
+from acp_jax.hlo import overlap_potential
 from acp_jax.powersgd import power_sgd
 from acp_jax.powersgd import PowerSgdState
 from acp_jax.sign import sign_sgd
@@ -39,6 +40,7 @@ __all__ = (
     "collective_rounds",
     "collective_stats",
     "comm_bytes",
+    "overlap_potential",
     "power_sgd",
     "sign_sgd",
     "ssgd",

@@ -1,14 +1,17 @@
-"""Collectives and their bytes, read from compiled HLO text.
+"""Collectives, their bytes and their place in the step, read from HLO text.
 
 The only way to know what a step really sends (a hidden dense all-reduce from
 ``jax.grad`` under ``shard_map``, a collective XLA added or merged) is the
-compiled module: ``jax.jit(step).lower(*args).compile().as_text()``.
+compiled module: ``jax.jit(step).lower(*args).compile().as_text()``. The same
+text holds the step's dependency graph, which says which collectives wait on
+each other (``collective_rounds``) and how much of the step's computation a
+collective could run beside (``overlap_potential``).
 """
 
 import collections
 import functools
 import re
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 _OPS = (
     "all-reduce",
@@ -17,16 +20,26 @@ _OPS = (
     "all-to-all",
     "collective-permute",
 )
+# The instructions a step's time goes into (XLA fuses elementwise work);
+# parameters, tuples, bitcasts, copies and collectives cost nothing here.
+_COMPUTE = frozenset((
+    "fusion",
+    "dot",
+    "convolution",
+    "custom-call",
+    "call",
+    "while",
+    "conditional",
+))
 _INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\s+"
-    rf"(?P<op>{'|'.join(_OPS)})(?P<start>-start)?\("
+    r"^\s*(?:ROOT\s+)?(?P<name>%?[\w.\-]+)\s*=\s*(?P<shape>.*?)\s+"
+    r"(?P<op>[a-z][\w\-]*)\((?P<operands>.*)$"
 )
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
-_DEFINITION = re.compile(
-    r"^\s*(?:ROOT\s+)?(?P<name>%[\w.\-]+)\s*=(?P<rest>.*)$"
-)
 _HEADER = re.compile(r"^\s*(?P<entry>ENTRY\s+)?(?P<name>%[\w.\-]+)\s.*\{\s*$")
 _REFERENCE = re.compile(r"%[\w.\-]+")
+# Scheduling constraints, not data: a collective may still overlap them.
+_CONTROL = re.compile(r"control-predecessors=\{[^}]*\}")
 
 
 class CollectiveStats(NamedTuple):
@@ -34,6 +47,43 @@ class CollectiveStats(NamedTuple):
 
   count: int
   bytes: int
+
+
+class CollectiveOverlap(NamedTuple):
+  """One collective of a step and the computation it could run beside.
+
+  The shares are of the step's compute cost (see ``overlap_potential``).
+  ``independent_share``, ``ancestor_share`` and ``descendant_share`` add up
+  to 1 when the step has any compute.
+  """
+
+  name: str  # the instruction, as printed: "%all-reduce.3"
+  kind: str  # "all-reduce", ...; an async "-start" goes by its kind
+  bytes: int  # its result bytes, as collective_stats counts them
+  round: int  # as in collective_rounds: 1 + collectives on a path into it
+  independent_share: float  # compute neither before nor after it
+  ancestor_share: float  # compute it waits for
+  descendant_share: float  # compute that waits for it
+  # The part of independent_share upstream of some collective (forward,
+  # backward, compression): the backprop it could hide behind, as opposed
+  # to work done after the exchanges (optimizer, error feedback).
+  upstream_share: float
+
+
+class OverlapReport(NamedTuple):
+  """What ``overlap_potential`` reads from a step."""
+
+  collectives: tuple[CollectiveOverlap, ...]  # in the order of the text
+  bytes_weighted_potential: float  # of independent_share
+  bytes_weighted_upstream_potential: float  # of upstream_share
+  compute_bytes: int  # the output bytes of all compute instructions
+
+
+class _Instruction(NamedTuple):
+  name: str
+  op: str  # the opcode: "fusion", "all-reduce-start", ...
+  shape: str  # the result's shape text
+  references: tuple[str, ...]  # operands and called computations
 
 
 def _itemsize(element_type: str) -> int:
@@ -46,14 +96,38 @@ def _itemsize(element_type: str) -> int:
   return int(bits.group()) // 8
 
 
-def _array_bytes(shape_text: str) -> list[int]:
-  sizes = []
-  for element_type, dims in _ARRAY.findall(shape_text):
+def _array_bytes(arrays: list[tuple[str, str]]) -> int:
+  """Bytes of ``(element type, dims)`` pairs, as ``_ARRAY`` finds them."""
+  total = 0
+  for element_type, dims in arrays:
     numel = 1
     for d in filter(None, dims.split(",")):
       numel *= int(d)
-    sizes.append(numel * _itemsize(element_type))
-  return sizes
+    total += numel * _itemsize(element_type)
+  return total
+
+
+def _shape_bytes(shape_text: str) -> int:
+  """Bytes of a shape, summed over the arrays of a tuple."""
+  return _array_bytes(_ARRAY.findall(shape_text))
+
+
+def _collective_kind(op: str) -> str | None:
+  """The collective an opcode runs (an async start is its collective), or
+  None; the matching "-done" is not one."""
+  kind = op.removesuffix("-start")
+  return kind if kind in _OPS else None
+
+
+def _collective_bytes(op: str, shape_text: str) -> int:
+  """Result bytes of a collective: what a device holds after it."""
+  arrays = _ARRAY.findall(shape_text)
+  if op == "collective-permute-start" and arrays[-2:] == [("u32", "")] * 2:
+    arrays = arrays[:-2]  # two u32[] context scalars
+  if op in ("all-gather-start", "collective-permute-start"):
+    # The async start returns (operands..., results...).
+    arrays = arrays[len(arrays) // 2 :]
+  return _array_bytes(arrays)
 
 
 def collective_stats(hlo_text: str) -> dict[str, CollectiveStats]:
@@ -73,15 +147,62 @@ def collective_stats(hlo_text: str) -> dict[str, CollectiveStats]:
   nbytes = collections.Counter()
   for line in hlo_text.splitlines():
     match = _INSTRUCTION.match(line)
-    if not match:
-      continue
-    sizes = _array_bytes(match["shape"])
-    if match["start"] and match["op"] in ("all-gather", "collective-permute"):
-      # The async start returns (operands..., results...).
-      sizes = sizes[len(sizes) // 2 :]
-    count[match["op"]] += 1
-    nbytes[match["op"]] += sum(sizes)
+    kind = match and _collective_kind(match["op"])
+    if kind:
+      count[kind] += 1
+      nbytes[kind] += _collective_bytes(match["op"], match["shape"])
   return {op: CollectiveStats(count[op], nbytes[op]) for op in count}
+
+
+def _computations(hlo_text: str) -> tuple[str, dict[str, list[_Instruction]]]:
+  """The module's computations, by name, and the name of its entry.
+
+  Lines before any computation header (a bare list of instructions) form a
+  computation of their own, named "", the entry unless the text names one.
+  """
+  computations: dict[str, list[_Instruction]] = {"": []}
+  entry, body = "", computations[""]
+  for line in hlo_text.splitlines():
+    header = _HEADER.match(line)
+    if header and "=" not in line.split("(")[0]:
+      body = computations.setdefault(header["name"], [])
+      entry = header["name"] if header["entry"] else entry
+      continue
+    match = _INSTRUCTION.match(line)
+    if match:
+      operands = _CONTROL.sub("", match["operands"])
+      body.append(
+          _Instruction(
+              match["name"],
+              match["op"],
+              match["shape"],
+              tuple(_REFERENCE.findall(operands)),
+          )
+      )
+  return entry, computations
+
+
+def _rounds(
+    computations: dict[str, list[_Instruction]],
+) -> Callable[[str], dict[str, int]]:
+  """For a computation's name, the round of each of its instructions: the
+  most collectives on a data path up to and including it. A call adds the
+  rounds of the computations it calls."""
+
+  @functools.cache
+  def rounds(computation: str) -> dict[str, int]:
+    depth: dict[str, int] = {}
+    for instruction in computations[computation]:
+      references = instruction.references
+      called = [r for r in references if r in computations]
+      depth[instruction.name] = (
+          max((depth.get(r, 0) for r in references), default=0)
+          + max((max(rounds(c).values(), default=0) for c in called), default=0)
+          + (_collective_kind(instruction.op) is not None)
+      )
+    return depth
+
+  return rounds
 
 
 def collective_rounds(hlo_text: str) -> int:
@@ -101,36 +222,112 @@ def collective_rounds(hlo_text: str) -> int:
   Returns:
     The number of rounds; 0 without collectives.
   """
-  # Lines before any computation header (a bare list of instructions) form
-  # a computation of their own, the entry unless the text names one.
-  computations: dict[str, list[tuple[str, bool, list[str]]]] = {"": []}
-  entry, body = "", computations[""]
-  for line in hlo_text.splitlines():
-    header = _HEADER.match(line)
-    if header and "=" not in line.split("(")[0]:
-      body = computations.setdefault(header["name"], [])
-      entry = header["name"] if header["entry"] else entry
-      continue
-    definition = _DEFINITION.match(line)
-    if definition:
-      body.append(
-          (
-              definition["name"],
-              _INSTRUCTION.match(line) is not None,
-              _REFERENCE.findall(definition["rest"]),
-          )
-      )
+  entry, computations = _computations(hlo_text)
+  return max(_rounds(computations)(entry).values(), default=0)
 
-  @functools.cache
-  def rounds(computation: str) -> int:
-    depth: dict[str, int] = {}
-    for name, is_collective, references in computations[computation]:
-      called = [r for r in references if r in computations]
-      depth[name] = (
-          max((depth.get(r, 0) for r in references), default=0)
-          + max(map(rounds, called), default=0)
-          + is_collective
-      )
-    return max(depth.values(), default=0)
 
-  return rounds(entry)
+def _closure(start: str, edges: dict[str, list[str]]) -> set[str]:
+  """Every instruction reachable from ``start`` along ``edges``."""
+  seen: set[str] = set()
+  stack = [start]
+  while stack:
+    for name in edges[stack.pop()]:
+      if name not in seen:
+        seen.add(name)
+        stack.append(name)
+  return seen
+
+
+def overlap_potential(hlo_text: str) -> OverlapReport:
+  """How much of a step's computation each of its collectives could run beside.
+
+  XLA:CPU runs a step's instructions one after another, a collective
+  included, so timing on a CPU cannot show communication hiding behind
+  backprop. The program's structure can: a collective can only run
+  concurrently with computation that is neither among its ancestors (it
+  needs their results) nor among its descendants (they need its result).
+  This is the independence that XLA:GPU's latency-hiding scheduler uses when
+  it issues an ``all-reduce-start`` early and waits for its ``-done`` late; a
+  packed buffer that depends on every gradient has none of it during
+  backprop.
+
+  For each collective of the entry computation (an async start and its done
+  are one), the compute instructions of the entry computation (fusions,
+  dots, convolutions, custom-calls, calls, whiles and conditionals) are
+  split into its ancestors, its descendants and the rest, along data
+  dependencies (an instruction that calls a computation depends on the
+  call's operands; control dependencies are left out). The rest is its
+  overlap potential; the part of it upstream of some collective (an
+  ancestor of one) is the backprop it could hide behind, the remainder work
+  after the exchanges, such as another leaf's optimizer update or an error
+  feedback residual that needs only local values.
+
+  Each instruction is weighed by its output bytes, read from its shape:
+  robust, where FLOPs would need each fusion's body, but blind to the work
+  inside a loop or a call. Collectives inside called computations are not
+  listed: they run within their caller.
+
+  Args:
+    hlo_text: ``compiled.as_text()`` of a jitted step. Compile with
+      ``compiler_options={"xla_disable_hlo_passes":
+      "cpu-all-reduce-combiner"}`` to see XLA:CPU's all-reduces one by one;
+      its combiner merges them all into one.
+
+  Returns:
+    An ``OverlapReport``: each collective's shares of the compute cost, and
+    their means weighted by the collectives' bytes (0 without collectives or
+    compute).
+
+  Example::
+
+    text = jax.jit(train_step).lower(*args).compile().as_text()
+    for c in acp_jax.overlap_potential(text).collectives:
+      print(c.name, c.bytes, f"{c.independent_share:.0%}")
+  """
+  entry, computations = _computations(hlo_text)
+  instructions = computations[entry]
+  names = {instruction.name for instruction in instructions}
+  operands = {
+      i.name: [r for r in i.references if r in names] for i in instructions
+  }
+  users: dict[str, list[str]] = {name: [] for name in names}
+  for name, inputs in operands.items():
+    for operand in inputs:
+      users[operand].append(name)
+  cost = {
+      i.name: _shape_bytes(i.shape) for i in instructions if i.op in _COMPUTE
+  }
+  total = sum(cost.values())
+  share = lambda subset: (
+      sum(cost.get(name, 0) for name in subset) / total if total else 0.0
+  )
+  rounds = _rounds(computations)(entry)
+
+  collectives = [i for i in instructions if _collective_kind(i.op)]
+  ancestors = {i.name: _closure(i.name, operands) for i in collectives}
+  upstream = set().union(*ancestors.values())
+  reports = []
+  for instruction in collectives:
+    before = ancestors[instruction.name]
+    after = _closure(instruction.name, users)
+    independent = names - before - after - {instruction.name}
+    reports.append(
+        CollectiveOverlap(
+            name=instruction.name,
+            kind=_collective_kind(instruction.op),
+            bytes=_collective_bytes(instruction.op, instruction.shape),
+            round=rounds[instruction.name],
+            independent_share=share(independent),
+            ancestor_share=share(before),
+            descendant_share=share(after),
+            upstream_share=share(independent & upstream),
+        )
+    )
+
+  sent = sum(r.bytes for r in reports)
+  mean = lambda field: (
+      sum(r.bytes * getattr(r, field) for r in reports) / sent if sent else 0.0
+  )
+  return OverlapReport(
+      tuple(reports), mean("independent_share"), mean("upstream_share"), total
+  )

@@ -26,6 +26,18 @@ def test_counts_and_bytes():
   }
 
 
+def test_async_collective_permute_counts_its_result():
+  # The start returns (operand, result, two u32[] contexts).
+  start = (
+      "  %cp-start = (f32[2,3]{1,0}, f32[2,3]{1,0}, u32[], u32[])"
+      " collective-permute-start(%x), source_target_pairs={{0,1}}\n"
+      "  %cp-done = f32[2,3]{1,0} collective-permute-done(%cp-start)"
+  )
+  assert hlo.collective_stats(start) == {
+      "collective-permute": hlo.CollectiveStats(1, 24)
+  }
+
+
 def test_no_collectives():
   assert not hlo.collective_stats("  %x = f32[2]{0} add(%a, %b)")
 
