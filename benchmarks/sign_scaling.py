@@ -51,41 +51,26 @@ def time_update(
 
   runtime.setup(num_cpu_devices=num_devices)
   import jax
-  from jax.sharding import NamedSharding
   import numpy as np
 
   import acp_jax
   from benchmarks import overhead
-  from train import train
 
   factory, kwargs = COMPRESSORS[compressor]
   tx = getattr(acp_jax, factory)(**kwargs)
   mesh = jax.make_mesh(
-      (num_devices,), (train.AXIS,), axis_types=(jax.sharding.AxisType.Auto,)
+      (num_devices,), (tx.axis_name,), axis_types=(jax.sharding.AxisType.Auto,)
   )
-  sharding = NamedSharding(mesh, train.DEVICE)
-  params = np.zeros(SHAPE, np.float32)
+  dp = acp_jax.DataParallel(tx, mesh)
+  params = jax.ShapeDtypeStruct(SHAPE, np.float32)
+  (abstract_grads,) = jax.tree.leaves(dp.abstract_local_grads(params))
   rng = np.random.default_rng(0)
   grads = jax.device_put(
-      rng.standard_normal((num_devices,) + SHAPE, np.float32), sharding
+      rng.standard_normal(abstract_grads.shape, np.float32),
+      abstract_grads.sharding,
   )
-  state = [
-      jax.device_put(
-          jax.tree.map(
-              lambda x: np.broadcast_to(x, (num_devices,) + x.shape),
-              tx.init(params),
-          ),
-          sharding,
-      )
-  ]
-  update = train.map_per_device(
-      tx.update,
-      mesh,
-      "shard_map",
-      (train.DEVICE, train.DEVICE),
-      (train.DEVICE, train.DEVICE),
-      donate_argnums=(1,),
-  )
+  state = [dp.init_comm(params)]
+  update = jax.jit(dp.compress, donate_argnums=(1,))
   start = time.perf_counter()
   compiled = update.lower(grads, state[0]).compile()
   compile_s = time.perf_counter() - start

@@ -97,14 +97,33 @@ def test_digest_takes_nan_replicas_as_equal():
   assert len(metrics_lib.params_digest({"w": nan})) == 64
 
 
+# The default config with a learning rate that does not depend on the
+# number of steps, so that runs of different lengths agree step by step.
+_CONSTANT_RATE = """
+import ml_collections
+from configs import default
+
+
+def get_config():
+  config = default.get_config()
+  config.schedule = ml_collections.ConfigDict(
+      {"name": "constant", "warmup_steps": 0}
+  )
+  return config
+"""
+
+
 def _launch(workdir, *extra, steps=400):
+  config = os.path.join(os.path.dirname(workdir), "constant_rate.py")
+  with open(config, "w") as f:
+    f.write(_CONSTANT_RATE)
   return subprocess.Popen(
       [
           sys.executable,
           "-m",
           "train",
           "--config",
-          os.path.join(ROOT, "configs", "default.py"),
+          config,
           "--workdir",
           workdir,
           f"--config.num_train_steps={steps}",
@@ -112,7 +131,6 @@ def _launch(workdir, *extra, steps=400):
           "--config.model.width=8",
           "--config.eval_every_steps=0",
           "--config.checkpoint_every_steps=0",
-          "--config.schedule.name=constant",
           *extra,
       ],
       cwd=ROOT,
