@@ -144,6 +144,21 @@ def phase_states(tx, params):
   return dp.phase_states(dp.abstract_comm(params))
 
 
+def finish(procs, timeout: float) -> list[tuple[str, str]]:
+  """Each process's (stdout, stderr); all are killed if time runs out or one
+  raises."""
+  outputs = []
+  try:
+    for proc in procs:
+      outputs.append(proc.communicate(timeout=timeout))
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+  return outputs
+
+
 def free_port() -> int:
   """A TCP port on 127.0.0.1 that nothing listens on now."""
   with socket.socket() as s:

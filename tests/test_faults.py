@@ -154,19 +154,6 @@ def _wait_for_step(workdir, step, procs, timeout=300):
   raise TimeoutError(f"no step {step} in {path}")
 
 
-def _finish(procs, timeout=300):
-  outs = []
-  try:
-    for p in procs:
-      outs.append(p.communicate(timeout=timeout))
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.communicate()
-  return outs
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_saves_and_the_rerun_resumes_bitwise(signum, tmp_path):
@@ -175,7 +162,7 @@ def test_a_signal_saves_and_the_rerun_resumes_bitwise(signum, tmp_path):
   _wait_for_step(workdir, 3, [proc])
   sent = time.monotonic()
   proc.send_signal(signum)
-  ((_, err),) = _finish([proc])
+  ((_, err),) = helpers.finish([proc], 300)
   assert time.monotonic() - sent < 10
   assert proc.returncode == EXIT_INTERRUPTED, err[-3000:]
   name = signal.Signals(signum).name
@@ -184,9 +171,9 @@ def test_a_signal_saves_and_the_rerun_resumes_bitwise(signum, tmp_path):
   # The same command again, to a shorter end: the steps after the signal
   # match a run that was never stopped.
   end = stopped + 3
-  _finish([_launch(workdir, steps=end)])
+  helpers.finish([_launch(workdir, steps=end)], 300)
   reference = str(tmp_path / "reference")
-  _finish([_launch(reference, steps=end)])
+  helpers.finish([_launch(reference, steps=end)], 300)
   assert losses(workdir) == losses(reference)
 
 
@@ -209,7 +196,7 @@ def test_sigterm_stops_every_process_at_one_step_and_resumes(tmp_path):
   procs = [_multi(workdir, address, i) for i in range(2)]
   _wait_for_step(workdir, 3, procs)
   procs[1].send_signal(signal.SIGTERM)  # one process told; both must stop
-  outs = _finish(procs)
+  outs = helpers.finish(procs, 300)
   assert [p.returncode for p in procs] == [EXIT_INTERRUPTED] * 2, outs[0][1][-3000:]
   steps = {int(err.split("at step ")[1].split(";")[0]) for _, err in outs}
   assert len(steps) == 1, steps
@@ -217,9 +204,9 @@ def test_sigterm_stops_every_process_at_one_step_and_resumes(tmp_path):
   assert saved_steps(workdir) == [stopped]
   end = stopped + 2
   address = f"127.0.0.1:{helpers.free_port()}"
-  outs = _finish([_multi(workdir, address, i, steps=end) for i in range(2)])
+  outs = helpers.finish([_multi(workdir, address, i, steps=end) for i in range(2)], 300)
   single = str(tmp_path / "single")
-  _finish([_launch(single, "--num_cpu_devices=4", steps=end)])
+  helpers.finish([_launch(single, "--num_cpu_devices=4", steps=end)], 300)
   np.testing.assert_allclose(
       list(losses(workdir).values()), list(losses(single).values()), rtol=1e-5
   )
@@ -230,7 +217,7 @@ def test_a_missing_peer_fails_within_the_timeout(tmp_path):
   address = f"127.0.0.1:{helpers.free_port()}"
   start = time.monotonic()
   proc = _multi(str(tmp_path), address, 0, "--distributed_timeout_s=5")
-  ((_, err),) = _finish([proc], timeout=120)
+  ((_, err),) = helpers.finish([proc], timeout=120)
   assert proc.returncode != 0
   assert time.monotonic() - start < 60
   assert f"joining the coordinator at {address}" in err
@@ -241,6 +228,6 @@ def test_a_missing_peer_fails_within_the_timeout(tmp_path):
 def test_a_workdir_per_process_is_refused_at_start(tmp_path):
   address = f"127.0.0.1:{helpers.free_port()}"
   procs = [_multi(str(tmp_path / f"p{i}"), address, i, steps=4) for i in range(2)]
-  outs = _finish(procs, timeout=120)
+  outs = helpers.finish(procs, timeout=120)
   assert [p.returncode for p in procs] == [1, 1]
   assert all("must be one directory shared by every process" in err for _, err in outs)

@@ -35,18 +35,10 @@ def _launch(workdir, *extra):
 
 
 def _finish(procs) -> list[str]:
-  """Each process's output; all are killed if one fails or time runs out."""
-  outputs = []
-  try:
-    for proc in procs:
-      out, _ = proc.communicate(timeout=TIMEOUT_S)
-      assert proc.returncode == 0, out[-3000:]
-      outputs.append(out)
-  finally:
-    for proc in procs:
-      if proc.poll() is None:
-        proc.kill()
-        proc.communicate()
+  """Each process's output, once all have succeeded."""
+  outputs = [out for out, _ in helpers.finish(procs, TIMEOUT_S)]
+  for proc, out in zip(procs, outputs):
+    assert proc.returncode == 0, out[-3000:]
   return outputs
 
 
