@@ -1,5 +1,5 @@
-"""``results/REPORT.md``: the measurements' tables and plots, with the
-issue's targets checked against them.
+"""``results/REPORT.md``: the measurements' tables and figures, with the
+targets of ``targets.py`` checked against them.
 
 Everything in the report comes from the JSON files beside it; each section
 says the machine, date and command that made its numbers.
@@ -9,35 +9,17 @@ import os
 import pathlib
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display
-from matplotlib import pyplot as plt
-
 from benchmarks import cluster
 from benchmarks import comm
 from benchmarks import convergence
 from benchmarks import overhead
+from benchmarks import plots
 from benchmarks import project
 from benchmarks import records
+from benchmarks import targets
 from benchmarks import workloads
 from train import models
 
-LABELS = {
-    "ssgd": "S-SGD",
-    "sign_sgd": "Sign-SGD",
-    "topk_sgd": "Top-k",
-    "power_sgd": "Power-SGD",
-    "acp_sgd": "ACP-SGD",
-}
-COLORS = {
-    "ssgd": "#4c4c4c",
-    "sign_sgd": "#e69f00",
-    "topk_sgd": "#56b4e9",
-    "power_sgd": "#009e73",
-    "acp_sgd": "#d55e00",
-}
-OVERHEAD_TARGET_MODELS = ("resnet50", "bert_base")
 # Each model's table has a heading that gives these.
 _PER_MODEL_COLUMNS = {
     k: v
@@ -54,33 +36,8 @@ def _provenance(rows: list[dict[str, Any]]) -> str:
   )
 
 
-def _bar_plot(rows, value: str, ylabel: str, title: str, path) -> None:
-  """Log-scale bars of ``value``, grouped by model, coloured by compressor."""
-  models = _models(rows)
-  cell = {(r["model"], r["compressor"]): r[value] for r in rows}
-  width = 0.8 / len(workloads.COMPRESSORS)
-  fig, ax = plt.subplots(figsize=(8, 4))
-  for i, name in enumerate(workloads.COMPRESSORS):
-    xs = [m + (i - 2) * width for m in range(len(models))]
-    ys = [cell.get((model, name), 0) for model in models]
-    ax.bar(xs, ys, width, label=LABELS[name], color=COLORS[name])
-  ax.set_xticks(range(len(models)), models, rotation=20)
-  ax.set_yscale("log")
-  ax.grid(axis="y", alpha=0.3)
-  ax.legend(fontsize=8)
-  ax.set_ylabel(ylabel)
-  ax.set_title(title)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-
-
-def _models(rows):
-  return list(dict.fromkeys(r["model"] for r in rows))
-
-
-def _comm_section(rows, out: pathlib.Path) -> tuple[list[str], list[str]]:
-  _bar_plot(
+def _comm_section(rows, out: pathlib.Path) -> list[str]:
+  plots.bars(
       rows,
       "bytes_per_step",
       "bytes per step per device",
@@ -89,18 +46,6 @@ def _comm_section(rows, out: pathlib.Path) -> tuple[list[str], list[str]]:
   )
 
   acp = [r for r in rows if r["compressor"] == "acp_sgd"]
-  every_match = all(r["hlo_matches_accounting"] for r in rows)
-  worst = max(acp, key=lambda r: r["bytes_per_step"] / r["target_bytes"])
-  target = (
-      "ACP-SGD bytes/step <= 0.5 x Power-SGD's + dense leaves, on every"
-      " model, HLO = accounting",
-      f"met on {sum(r['meets_target'] for r in acp)} of {len(acp)} models"
-      f" (tightest: {worst['model']}, {worst['bytes_per_step']:,.0f} <="
-      f" {worst['target_bytes']:,.0f}); HLO ="
-      f" accounting on {sum(r['hlo_matches_accounting'] for r in rows)} of"
-      f" {len(rows)} model x compressor pairs",
-      all(r["meets_target"] for r in acp) and every_match,
-  )
   lines = [
       "## 1. Communication per step",
       "",
@@ -119,7 +64,7 @@ def _comm_section(rows, out: pathlib.Path) -> tuple[list[str], list[str]]:
       "![bytes per step](comm_bytes.png)",
       "",
   ]
-  for model in _models(rows):
+  for model in plots.model_names(rows):
     model_rows = [r for r in rows if r["model"] == model]
     first = model_rows[0]
     lines += [
@@ -148,11 +93,11 @@ def _comm_section(rows, out: pathlib.Path) -> tuple[list[str], list[str]]:
       ),
       "",
   ]
-  return lines, [target]
+  return lines
 
 
-def _overhead_section(rows, out: pathlib.Path) -> tuple[list[str], list]:
-  _bar_plot(
+def _overhead_section(rows, out: pathlib.Path) -> list[str]:
+  plots.bars(
       rows,
       "update_ms",
       "update time, ms (median)",
@@ -160,20 +105,7 @@ def _overhead_section(rows, out: pathlib.Path) -> tuple[list[str], list]:
       out / "overhead.png",
   )
 
-  acp = {
-      r["model"]: r
-      for r in rows
-      if r["compressor"] == "acp_sgd" and r["model"] in OVERHEAD_TARGET_MODELS
-  }
-  targets = [
-      (
-          "ACP-SGD update time <= 0.6 x Power-SGD's on ResNet-50 and BERT-Base",
-          ", ".join(f"{m}: {r['vs_power_sgd']:.2f}x" for m, r in acp.items())
-          or "not measured: neither model was in this run",
-          all(r["meets_target"] for r in acp.values()) if acp else None,
-      )
-  ]
-  lines = [
+  return [
       "## 2. Compression overhead",
       "",
       _provenance(rows),
@@ -210,72 +142,13 @@ def _overhead_section(rows, out: pathlib.Path) -> tuple[list[str], list]:
       " section was written).",
       "",
   ]
-  return lines, targets
 
 
-def _convergence_section(rows, curves, out: pathlib.Path):
-  tasks = list(dict.fromkeys(r["task"] for r in rows))
-  metric = {"mnist": "eval_accuracy", "char_lm": "eval_loss"}
-  fig, axes = plt.subplots(
-      len(tasks), 2, figsize=(10, 3.6 * len(tasks)), squeeze=False
-  )
-  for row_axes, task in zip(axes, tasks):
-    key = metric.get(task, "eval_loss")
-    for name in workloads.COMPRESSORS:
-      points = [
-          c
-          for c in curves
-          if c["task"] == task
-          and c["compressor"] == name
-          and c.get(key) is not None
-      ]
-      for ax, x in zip(row_axes, ("step", "bytes_sent")):
-        ax.plot(
-            [p[x] for p in points],
-            [p[key] for p in points],
-            marker=".",
-            label=LABELS[name],
-            color=COLORS[name],
-        )
-    for ax, x in zip(row_axes, ("step", "bytes sent per device")):
-      ax.set_xlabel(x)
-      ax.set_ylabel(f"{task} held-out {key.split('_')[1]}")
-      ax.grid(alpha=0.3)
-      ax.legend(fontsize=8)
-    row_axes[1].set_xscale("log")
-  fig.tight_layout()
-  fig.savefig(out / "convergence.png", dpi=120)
-  plt.close(fig)
-
-  by_task = {
-      t: {r["compressor"]: r for r in rows if r["task"] == t} for t in tasks
-  }
-  targets = []
-  if "mnist" in by_task:
-    acp = by_task["mnist"]["acp_sgd"]
-    targets.append(
-        (
-            "ACP-SGD within 1 point of S-SGD's MNIST accuracy",
-            f"{acp['eval_accuracy']:.4f} against"
-            f" {by_task['mnist']['ssgd']['eval_accuracy']:.4f}"
-            f" ({acp['accuracy_vs_ssgd_pts']:+.2f} points)",
-            acp["meets_target"],
-        )
-    )
-  if "char_lm" in by_task:
-    acp = by_task["char_lm"]["acp_sgd"]
-    targets.append(
-        (
-            "ACP-SGD within 3 % of S-SGD's char-LM loss",
-            f"{acp['eval_loss']:.4f} against"
-            f" {by_task['char_lm']['ssgd']['eval_loss']:.4f}"
-            f" ({acp['loss_vs_ssgd_pct']:+.2f} %)",
-            acp["meets_target"],
-        )
-    )
+def _convergence_section(rows, curves, out: pathlib.Path) -> list[str]:
+  plots.convergence(rows, curves, out / "convergence.png")
   first = rows[0]
   char_lm = dict(convergence.TASKS["char_lm"][1])
-  lines = [
+  return [
       "## 3. Convergence",
       "",
       _provenance(rows),
@@ -313,53 +186,6 @@ def _convergence_section(rows, curves, out: pathlib.Path):
       "```",
       "",
   ]
-  return lines, targets
-
-
-def _ratio(rows, num: tuple[str, str], den: tuple[str, str], bandwidth):
-  """examples/s of (system, compressor) ``num`` over ``den`` on a link."""
-  speed = {
-      (r["system"], r["compressor"]): r["examples_per_sec"]
-      for r in rows
-      if r["bandwidth"] == bandwidth
-  }
-  if num in speed and den in speed:
-    return speed[num] / speed[den]
-  return None
-
-
-def _cluster_plot(rows, path) -> None:
-  bandwidths = list(dict.fromkeys(r["bandwidth"] for r in rows))
-  systems = list(dict.fromkeys((r["system"], r["compressor"]) for r in rows))
-  cell = {
-      (r["bandwidth"], r["system"], r["compressor"]): r["examples_per_sec"]
-      for r in rows
-  }
-  width = 0.8 / len(systems)
-  fig, ax = plt.subplots(figsize=(8, 4))
-  for i, (system, name) in enumerate(systems):
-    xs = [
-        b + (i - len(systems) / 2 + 0.5) * width for b in range(len(bandwidths))
-    ]
-    ys = [cell.get((b, system, name), 0) for b in bandwidths]
-    torch = system == "torch"
-    ax.bar(
-        xs,
-        ys,
-        width,
-        label=("PyTorch DDP " if torch else "") + LABELS[name],
-        color=COLORS[name],
-        hatch="//" if torch else None,
-        edgecolor="white" if torch else None,
-    )
-  ax.set_xticks(range(len(bandwidths)), bandwidths)
-  ax.grid(axis="y", alpha=0.3)
-  ax.legend(fontsize=8)
-  ax.set_ylabel("examples/s (all workers)")
-  ax.set_title(f"{rows[0]['workers']} workers on switched links")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
 
 
 def _workload_text(model: dict[str, Any]) -> str:
@@ -390,16 +216,16 @@ _SPEEDS = (
 )
 
 
-def _cluster_section(rows, calibration, out: pathlib.Path):
-  _cluster_plot(rows, out / "cluster.png")
+def _cluster_section(rows, calibration, out: pathlib.Path) -> list[str]:
+  plots.cluster(rows, out / "cluster.png")
   first = rows[0]
   model = cluster.MODELS[first["model"]]
   workers = first["workers"]
   examples = model["batch_size"] * workers  # per step, all workers
   for r in rows:
-    predicted = r.get("predicted_examples_per_sec")
-    if predicted:
-      r["error_pct"] = 100 * (predicted / r["examples_per_sec"] - 1)
+    error = targets.model_error(r)
+    if error is not None:
+      r["error_pct"] = 100 * error
       step = {k: examples / r[k] for k in _SPEEDS}
       r["step_ms"] = 1e3 * step["examples_per_sec"]
       r["compute_ms"] = 1e3 * step["compute_only_examples_per_sec"]
@@ -411,72 +237,11 @@ def _cluster_section(rows, calibration, out: pathlib.Path):
           step["examples_per_sec"] - step["predicted_examples_per_sec"]
       )
   mine = [r for r in rows if r["system"] == "acp_jax"]
-  errors = [abs(r["error_pct"]) / 100 for r in mine]
-  slow = "1gbit"
-  versus = {
-      "S-SGD": ("acp_jax", "ssgd"),
-      "Power-SGD": ("acp_jax", "power_sgd"),
-      "PyTorch DDP + PowerSGD hook": ("torch", "power_sgd"),
-  }
-  goals = {"S-SGD": 2.0, "Power-SGD": 1.3, "PyTorch DDP + PowerSGD hook": 1.3}
-  targets = []
-  for label, den in versus.items():
-    ratio = _ratio(rows, ("acp_jax", "acp_sgd"), den, slow)
-    targets.append(
-        (
-            f"At 1 Gb/s, ACP-SGD >= {goals[label]} x {label} examples/s",
-            "not measured" if ratio is None else f"{ratio:.2f}x",
-            None if ratio is None else ratio >= goals[label],
-        )
-    )
-  if errors:
-    within = sum(e <= 0.15 for e in errors)
-    targets.append(
-        (
-            "The cost model predicts each cluster figure within 15 %",
-            f"{within} of {len(errors)} within; largest error"
-            f" {max(errors):.0%}",
-            within == len(errors),
-        )
-    )
   bandwidths = list(dict.fromkeys(r["bandwidth"] for r in rows))
-  fast = bandwidths[-1]
-  versus_ssgd = {
-      c: _ratio(rows, ("acp_jax", c), ("acp_jax", "ssgd"), fast)
-      for c in ("sign_sgd", "topk_sgd", "power_sgd")
-  }
-  targets.append(
-      (
-          f"(a) Sign-SGD, Top-k and Power-SGD lose to S-SGD on the fastest"
-          f" link ({fast})",
-          "; ".join(
-              f"{LABELS[c]} " + ("not run" if r is None else f"{r:.2f}x S-SGD")
-              for c, r in versus_ssgd.items()
-          ),
-          all(r is not None and r < 1 for r in versus_ssgd.values()),
-      )
-  )
-  wins = [
-      b
-      for b in bandwidths
-      if all(
-          _ratio(
-              rows, ("acp_jax", "acp_sgd"), (r["system"], r["compressor"]), b
-          )
-          >= 1
-          for r in rows
-          if r["bandwidth"] == b
-      )
-  ]
-  targets.append(
-      (
-          "(b) ACP-SGD is the fastest on every link",
-          f"fastest on {', '.join(wins) or 'none'} of {', '.join(bandwidths)}",
-          len(wins) == len(bandwidths),
-      )
-  )
   ssgd_slow = [
-      r for r in mine if r["compressor"] == "ssgd" and r["bandwidth"] == slow
+      r
+      for r in mine
+      if r["compressor"] == "ssgd" and r["bandwidth"] == targets.SLOW_LINK
   ]
   share_text = ""
   if ssgd_slow:
@@ -493,7 +258,7 @@ def _cluster_section(rows, calibration, out: pathlib.Path):
         "alpha_us": r["alpha_s"] * 1e6,
         "mb_per_s": 1 / r["beta_s_per_byte"] / 1e6,
     }
-  lines = [
+  return [
       "## 4. A cluster on shaped links",
       "",
       _provenance(rows),
@@ -543,10 +308,12 @@ def _cluster_section(rows, calibration, out: pathlib.Path):
               {
                   "bandwidth": b,
                   **{
-                      label: _ratio(rows, ("acp_jax", "acp_sgd"), den, b)
-                      for label, den in versus.items()
+                      label: targets.ratio(
+                          rows, ("acp_jax", "acp_sgd"), (system, name), b
+                      )
+                      for label, system, name, _ in targets.CLUSTER_SPEEDUPS
                   },
-                  "PyTorch DDP": _ratio(
+                  "PyTorch DDP": targets.ratio(
                       rows, ("acp_jax", "acp_sgd"), ("torch", "ssgd"), b
                   ),
               }
@@ -554,7 +321,10 @@ def _cluster_section(rows, calibration, out: pathlib.Path):
           ],
           {
               "bandwidth": "link",
-              **{label: f"x {label}" for label in versus},
+              **{
+                  label: f"x {label}"
+                  for label, *_ in targets.CLUSTER_SPEEDUPS
+              },
               "PyTorch DDP": "x PyTorch DDP",
           },
       ),
@@ -573,54 +343,13 @@ def _cluster_section(rows, calibration, out: pathlib.Path):
       ),
       "",
   ]
-  return lines, targets
-
-
-def _projection_plot(rows, path) -> None:
-  models = _models(rows)
-  scales = sorted({r["compute_scale"] for r in rows})
-  fig, axes = plt.subplots(
-      2, len(models), figsize=(3.2 * len(models), 6), squeeze=False
-  )
-  styles = ["-", "--", ":"]
-  colors = {"1gbit": "#d55e00", "10gbit": "#0072b2", "100gbit": "#009e73"}
-  for j, model in enumerate(models):
-    for i, versus in enumerate(("ssgd", "power_sgd")):
-      ax = axes[i][j]
-      for bandwidth, color in colors.items():
-        for scale, style in zip(scales, styles):
-          points = sorted(
-              (r["workers"], r["acp_speedup"])
-              for r in rows
-              if r["model"] == model
-              and r["compressor"] == versus
-              and r["bandwidth"] == bandwidth
-              and r["compute_scale"] == scale
-          )
-          if points:
-            ax.plot(
-                *zip(*points),
-                style,
-                color=color,
-                marker="o",
-                markersize=3,
-                label=f"{bandwidth}, compute x{scale}",
-            )
-      ax.axhline(1, color="grey", linewidth=0.8)
-      ax.set_xscale("log", base=2)
-      ax.set_title(f"{model}: ACP-SGD / {LABELS[versus]}", fontsize=9)
-      ax.set_xlabel("workers")
-  axes[0][0].legend(fontsize=6)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
 
 
 def _projection_section(rows, out: pathlib.Path):
   projected = [r for r in rows if r["kind"] == "projection"]
   if not projected:
-    return [], []
-  _projection_plot(projected, out / "projection.png")
+    return []
+  plots.projection(projected, out / "projection.png")
   inputs = {}
   for r in projected:
     inputs.setdefault(
@@ -634,19 +363,8 @@ def _projection_section(rows, out: pathlib.Path):
         r["update_s"] * 1e3
     )
   averages = project.averages(projected)
-  targets = [
-      (
-          f"Projected average speedups of ACP-SGD (compute x{a['compute_scale']}"
-          " of this CPU) beside the paper's 4.06x over S-SGD and 1.43x over"
-          " Power-SGD",
-          f"{a['acp_vs_ssgd']:.2f}x over S-SGD, {a['acp_vs_power_sgd']:.2f}x"
-          " over Power-SGD",
-          None,
-      )
-      for a in averages
-  ]
   alpha = projected[0]["alpha_s"]
-  lines = [
+  return [
       "## 5. Projection to the paper's clusters",
       "",
       _provenance(projected),
@@ -678,7 +396,7 @@ def _projection_section(rows, out: pathlib.Path):
               "batch_per_worker": "batch/worker",
               "forward_backward_s": "fwd+bwd, s",
               **{
-                  f"update_ms_{c}": f"{LABELS[c]} update, ms"
+                  f"update_ms_{c}": f"{plots.LABELS[c]} update, ms"
                   for c in workloads.COMPRESSORS
               },
           },
@@ -698,68 +416,51 @@ def _projection_section(rows, out: pathlib.Path):
       ),
       "",
   ]
-  return lines, targets
 
 
 def write(results_dir: os.PathLike) -> str:
   """Writes ``REPORT.md`` and its plots into ``results_dir``; returns a line
   saying where."""
   out = pathlib.Path(results_dir)
-  comm_rows = records.read("comm", out)
-  overhead_rows = records.read("overhead", out)
-  convergence_rows = records.read("convergence", out)
-  curves = records.read("convergence_curves", out)
-  cluster_rows = records.read("cluster", out)
-  calibration = records.read("cluster_links", out)
-  projection_rows = records.read("projection", out)
-  if not (comm_rows or overhead_rows or convergence_rows or cluster_rows):
+  found = {
+      name: records.read(name, out)
+      for name in (
+          "comm",
+          "overhead",
+          "convergence",
+          "convergence_curves",
+          "cluster",
+          "cluster_links",
+          "projection",
+      )
+  }
+  if not any(found[k] for k in ("comm", "overhead", "convergence", "cluster")):
     raise SystemExit(
         f"no results in {out}: run python -m benchmarks comm, overhead and"
         " convergence first"
     )
-  body, targets = [], []
-  for name, rows, section in (
-      ("comm", comm_rows, lambda: _comm_section(comm_rows, out)),
-      (
-          "overhead",
-          overhead_rows,
-          lambda: _overhead_section(overhead_rows, out),
+  sections = {
+      "comm": lambda rows: _comm_section(rows, out),
+      "overhead": lambda rows: _overhead_section(rows, out),
+      "convergence": lambda rows: _convergence_section(
+          rows, found["convergence_curves"], out
       ),
-      (
-          "convergence",
-          convergence_rows,
-          lambda: _convergence_section(convergence_rows, curves, out),
+      "cluster": lambda rows: _cluster_section(
+          rows, found["cluster_links"], out
       ),
-      (
-          "cluster",
-          cluster_rows,
-          lambda: _cluster_section(cluster_rows, calibration, out),
-      ),
-      (
-          "project",
-          projection_rows,
-          lambda: _projection_section(projection_rows, out),
-      ),
-  ):
-    if not rows:
+      "projection": lambda rows: _projection_section(rows, out),
+  }
+  body = []
+  for name, section in sections.items():
+    if found[name]:
+      body += section(found[name])
+    else:
+      command = "project" if name == "projection" else name
       body += [
-          f"_`{name}` has not been run: `python -m benchmarks {name}`._",
+          f"_`{command}` has not been run: `python -m benchmarks {command}`._",
           "",
       ]
-      continue
-    lines, section_targets = section()
-    body += lines
-    targets += section_targets
-  quick = any(
-      r.get("quick")
-      for r in (
-          comm_rows
-          + overhead_rows
-          + convergence_rows
-          + cluster_rows
-          + projection_rows
-      )
-  )
+  quick = any(r.get("quick") for name in sections for r in found[name])
   head = [
       "# acp_jax benchmark report",
       "",
@@ -784,7 +485,10 @@ def write(results_dir: os.PathLike) -> str:
       "## Targets",
       "",
       records.table(
-          [{"target": t, "measured": m, "met": ok} for t, m, ok in targets],
+          [
+              {"target": t, "measured": m, "met": ok}
+              for t, m, ok in targets.check(found)
+          ],
           {"target": "target", "measured": "measured", "met": "met"},
       ),
       "",

@@ -1,0 +1,159 @@
+"""The report's figures, each drawn from the benchmark records into a PNG."""
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+
+from benchmarks import workloads
+
+LABELS = {
+    "ssgd": "S-SGD",
+    "sign_sgd": "Sign-SGD",
+    "topk_sgd": "Top-k",
+    "power_sgd": "Power-SGD",
+    "acp_sgd": "ACP-SGD",
+}
+COLORS = {
+    "ssgd": "#4c4c4c",
+    "sign_sgd": "#e69f00",
+    "topk_sgd": "#56b4e9",
+    "power_sgd": "#009e73",
+    "acp_sgd": "#d55e00",
+}
+
+def model_names(rows):
+  """The models of ``rows``, in order of first appearance."""
+  return list(dict.fromkeys(r["model"] for r in rows))
+
+
+def bars(rows, value: str, ylabel: str, title: str, path) -> None:
+  """Log-scale bars of ``value``, grouped by model, coloured by compressor."""
+  models = model_names(rows)
+  cell = {(r["model"], r["compressor"]): r[value] for r in rows}
+  width = 0.8 / len(workloads.COMPRESSORS)
+  fig, ax = plt.subplots(figsize=(8, 4))
+  for i, name in enumerate(workloads.COMPRESSORS):
+    xs = [m + (i - 2) * width for m in range(len(models))]
+    ys = [cell.get((model, name), 0) for model in models]
+    ax.bar(xs, ys, width, label=LABELS[name], color=COLORS[name])
+  ax.set_xticks(range(len(models)), models, rotation=20)
+  ax.set_yscale("log")
+  ax.grid(axis="y", alpha=0.3)
+  ax.legend(fontsize=8)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def convergence(rows, curves, path) -> None:
+  """Held-out metric against steps and against bytes sent, per task."""
+  tasks = list(dict.fromkeys(r["task"] for r in rows))
+  metric = {"mnist": "eval_accuracy", "char_lm": "eval_loss"}
+  fig, axes = plt.subplots(
+      len(tasks), 2, figsize=(10, 3.6 * len(tasks)), squeeze=False
+  )
+  for row_axes, task in zip(axes, tasks):
+    key = metric.get(task, "eval_loss")
+    for name in workloads.COMPRESSORS:
+      points = [
+          c
+          for c in curves
+          if c["task"] == task
+          and c["compressor"] == name
+          and c.get(key) is not None
+      ]
+      for ax, x in zip(row_axes, ("step", "bytes_sent")):
+        ax.plot(
+            [p[x] for p in points],
+            [p[key] for p in points],
+            marker=".",
+            label=LABELS[name],
+            color=COLORS[name],
+        )
+    for ax, x in zip(row_axes, ("step", "bytes sent per device")):
+      ax.set_xlabel(x)
+      ax.set_ylabel(f"{task} held-out {key.split('_')[1]}")
+      ax.grid(alpha=0.3)
+      ax.legend(fontsize=8)
+    row_axes[1].set_xscale("log")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+
+def cluster(rows, path) -> None:
+  bandwidths = list(dict.fromkeys(r["bandwidth"] for r in rows))
+  systems = list(dict.fromkeys((r["system"], r["compressor"]) for r in rows))
+  cell = {
+      (r["bandwidth"], r["system"], r["compressor"]): r["examples_per_sec"]
+      for r in rows
+  }
+  width = 0.8 / len(systems)
+  fig, ax = plt.subplots(figsize=(8, 4))
+  for i, (system, name) in enumerate(systems):
+    xs = [
+        b + (i - len(systems) / 2 + 0.5) * width for b in range(len(bandwidths))
+    ]
+    ys = [cell.get((b, system, name), 0) for b in bandwidths]
+    torch = system == "torch"
+    ax.bar(
+        xs,
+        ys,
+        width,
+        label=("PyTorch DDP " if torch else "") + LABELS[name],
+        color=COLORS[name],
+        hatch="//" if torch else None,
+        edgecolor="white" if torch else None,
+    )
+  ax.set_xticks(range(len(bandwidths)), bandwidths)
+  ax.grid(axis="y", alpha=0.3)
+  ax.legend(fontsize=8)
+  ax.set_ylabel("examples/s (all workers)")
+  ax.set_title(f"{rows[0]['workers']} workers on switched links")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def projection(rows, path) -> None:
+  models = model_names(rows)
+  scales = sorted({r["compute_scale"] for r in rows})
+  fig, axes = plt.subplots(
+      2, len(models), figsize=(3.2 * len(models), 6), squeeze=False
+  )
+  styles = ["-", "--", ":"]
+  colors = {"1gbit": "#d55e00", "10gbit": "#0072b2", "100gbit": "#009e73"}
+  for j, model in enumerate(models):
+    for i, versus in enumerate(("ssgd", "power_sgd")):
+      ax = axes[i][j]
+      for bandwidth, color in colors.items():
+        for scale, style in zip(scales, styles):
+          points = sorted(
+              (r["workers"], r["acp_speedup"])
+              for r in rows
+              if r["model"] == model
+              and r["compressor"] == versus
+              and r["bandwidth"] == bandwidth
+              and r["compute_scale"] == scale
+          )
+          if points:
+            ax.plot(
+                *zip(*points),
+                style,
+                color=color,
+                marker="o",
+                markersize=3,
+                label=f"{bandwidth}, compute x{scale}",
+            )
+      ax.axhline(1, color="grey", linewidth=0.8)
+      ax.set_xscale("log", base=2)
+      ax.set_title(f"{model}: ACP-SGD / {LABELS[versus]}", fontsize=9)
+      ax.set_xlabel("workers")
+  axes[0][0].legend(fontsize=6)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

@@ -1,0 +1,185 @@
+"""The targets the benchmark report is judged by, in one table.
+
+Each entry names the records it reads and checks them: a function of those
+records (a list per record file, by name) that returns rows of (target as
+stated, what was measured, met: True, False or None where a target states
+no threshold). A target whose records are missing is reported as not run.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks import plots
+from benchmarks import project
+
+Row = tuple[str, str, bool | None]
+Records = dict[str, list[dict[str, Any]]]
+
+OVERHEAD_TARGET_MODELS = ("resnet50", "bert_base")
+SLOW_LINK = "1gbit"
+# ACP-SGD's examples/s against these, at 1 Gb/s: (label, system, compressor,
+# goal).
+CLUSTER_SPEEDUPS = (
+    ("S-SGD", "acp_jax", "ssgd", 2.0),
+    ("Power-SGD", "acp_jax", "power_sgd", 1.3),
+    ("PyTorch DDP + PowerSGD hook", "torch", "power_sgd", 1.3),
+)
+MODEL_ERROR = 0.15  # largest relative error of the cost model
+
+
+def ratio(rows, num: tuple[str, str], den: tuple[str, str], bandwidth):
+  """examples/s of (system, compressor) ``num`` over ``den`` on a link."""
+  speed = {
+      (r["system"], r["compressor"]): r["examples_per_sec"]
+      for r in rows
+      if r["bandwidth"] == bandwidth
+  }
+  if num in speed and den in speed:
+    return speed[num] / speed[den]
+  return None
+
+
+def model_error(row: dict[str, Any]) -> float | None:
+  """The cost model's relative error on a cluster record, if it predicted."""
+  predicted = row.get("predicted_examples_per_sec")
+  return predicted / row["examples_per_sec"] - 1 if predicted else None
+
+
+def _bytes(records: Records) -> list[Row]:
+  rows = records["comm"]
+  acp = [r for r in rows if r["compressor"] == "acp_sgd"]
+  matches = sum(r["hlo_matches_accounting"] for r in rows)
+  worst = max(acp, key=lambda r: r["bytes_per_step"] / r["target_bytes"])
+  return [(
+      "ACP-SGD bytes/step <= 0.5 x Power-SGD's + dense leaves, on every"
+      " model, HLO = accounting",
+      f"met on {sum(r['meets_target'] for r in acp)} of {len(acp)} models"
+      f" (tightest: {worst['model']}, {worst['bytes_per_step']:,.0f} <="
+      f" {worst['target_bytes']:,.0f}); HLO = accounting on {matches} of"
+      f" {len(rows)} model x compressor pairs",
+      all(r["meets_target"] for r in acp) and matches == len(rows),
+  )]
+
+
+def _overhead(records: Records) -> list[Row]:
+  acp = {
+      r["model"]: r
+      for r in records["overhead"]
+      if r["compressor"] == "acp_sgd" and r["model"] in OVERHEAD_TARGET_MODELS
+  }
+  return [(
+      "ACP-SGD update time <= 0.6 x Power-SGD's on ResNet-50 and BERT-Base",
+      ", ".join(f"{m}: {r['vs_power_sgd']:.2f}x" for m, r in acp.items())
+      or "not measured: neither model was in this run",
+      all(r["meets_target"] for r in acp.values()) if acp else None,
+  )]
+
+
+def _accuracy(records: Records) -> list[Row]:
+  by_task = {}
+  for r in records["convergence"]:
+    by_task.setdefault(r["task"], {})[r["compressor"]] = r
+  out = []
+  if "mnist" in by_task:
+    acp, ssgd = by_task["mnist"]["acp_sgd"], by_task["mnist"]["ssgd"]
+    out.append((
+        "ACP-SGD within 1 point of S-SGD's MNIST accuracy",
+        f"{acp['eval_accuracy']:.4f} against {ssgd['eval_accuracy']:.4f}"
+        f" ({acp['accuracy_vs_ssgd_pts']:+.2f} points)",
+        acp["meets_target"],
+    ))
+  if "char_lm" in by_task:
+    acp, ssgd = by_task["char_lm"]["acp_sgd"], by_task["char_lm"]["ssgd"]
+    out.append((
+        "ACP-SGD within 3 % of S-SGD's char-LM loss",
+        f"{acp['eval_loss']:.4f} against {ssgd['eval_loss']:.4f}"
+        f" ({acp['loss_vs_ssgd_pct']:+.2f} %)",
+        acp["meets_target"],
+    ))
+  return out
+
+
+def _cluster(records: Records) -> list[Row]:
+  rows = records["cluster"]
+  out = []
+  for label, system, compressor, goal in CLUSTER_SPEEDUPS:
+    r = ratio(rows, ("acp_jax", "acp_sgd"), (system, compressor), SLOW_LINK)
+    out.append((
+        f"At 1 Gb/s, ACP-SGD >= {goal} x {label} examples/s",
+        "not measured" if r is None else f"{r:.2f}x",
+        None if r is None else r >= goal,
+    ))
+  errors = [
+      abs(e)
+      for e in (model_error(r) for r in rows if r["system"] == "acp_jax")
+      if e is not None
+  ]
+  if errors:
+    within = sum(e <= MODEL_ERROR for e in errors)
+    out.append((
+        f"The cost model predicts each cluster figure within"
+        f" {MODEL_ERROR:.0%}",
+        f"{within} of {len(errors)} within; largest error {max(errors):.0%}",
+        within == len(errors),
+    ))
+  bandwidths = list(dict.fromkeys(r["bandwidth"] for r in rows))
+  fast = bandwidths[-1]
+  versus_ssgd = {
+      c: ratio(rows, ("acp_jax", c), ("acp_jax", "ssgd"), fast)
+      for c in ("sign_sgd", "topk_sgd", "power_sgd")
+  }
+  out.append((
+      f"(a) Sign-SGD, Top-k and Power-SGD lose to S-SGD on the fastest"
+      f" link ({fast})",
+      "; ".join(
+          f"{plots.LABELS[c]} " + ("not run" if r is None else f"{r:.2f}x S-SGD")
+          for c, r in versus_ssgd.items()
+      ),
+      all(r is not None and r < 1 for r in versus_ssgd.values()),
+  ))
+  wins = [
+      b
+      for b in bandwidths
+      if all(
+          ratio(rows, ("acp_jax", "acp_sgd"), (r["system"], r["compressor"]), b)
+          >= 1
+          for r in rows
+          if r["bandwidth"] == b
+      )
+  ]
+  out.append((
+      "(b) ACP-SGD is the fastest on every link",
+      f"fastest on {', '.join(wins) or 'none'} of {', '.join(bandwidths)}",
+      len(wins) == len(bandwidths),
+  ))
+  return out
+
+
+def _projection(records: Records) -> list[Row]:
+  projected = [r for r in records["projection"] if r["kind"] == "projection"]
+  return [
+      (
+          f"Projected average speedups of ACP-SGD (compute x{a['compute_scale']}"
+          " of this CPU) beside the paper's 4.06x over S-SGD and 1.43x over"
+          " Power-SGD",
+          f"{a['acp_vs_ssgd']:.2f}x over S-SGD, {a['acp_vs_power_sgd']:.2f}x"
+          " over Power-SGD",
+          None,
+      )
+      for a in (project.averages(projected) if projected else [])
+  ]
+
+
+# (record file, check): the report's targets, in the order it lists them.
+TARGETS: tuple[tuple[str, Callable[[Records], list[Row]]], ...] = (
+    ("comm", _bytes),
+    ("overhead", _overhead),
+    ("convergence", _accuracy),
+    ("cluster", _cluster),
+    ("projection", _projection),
+)
+
+
+def check(records: Records) -> list[Row]:
+  """Every target's row, for the record files that are present."""
+  return [row for name, fn in TARGETS if records.get(name) for row in fn(records)]
