@@ -4,10 +4,12 @@ skip on a machine without a GPU, and the projection's use of its numbers."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 import acp_jax
+from benchmarks import gpu
 from benchmarks import project
 from benchmarks import records
 
@@ -122,3 +124,138 @@ def test_scheduled_overlap_refuses_a_start_without_done():
 def test_synchronous_collectives_are_not_listed():
   synchronous = SCHEDULED.replace("-start", "").replace("-done", "")
   assert acp_jax.scheduled_overlap(synchronous) == []
+
+
+def test_gpu_check_skips_without_a_gpu(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "-m", "benchmarks", f"--results_dir={tmp_path}", "gpu"],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
+  assert result.returncode == 0, result.stderr
+  assert result.stdout == "gpu: skipped, no GPU (jax backend: cpu)\n"
+  assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_compute_timings_run_on_any_backend():
+  # What the GPU check times, on this CPU and a small model: every call
+  # runs, in float32 and bfloat16; past the deadline nothing is timed.
+  rows = gpu.time_compute(
+      ["small_cnn"], gpu.DTYPES, 1, deadline=time.monotonic() + 600
+  )
+  assert [(r["dtype"], r["kind"], r.get("compressor")) for r in rows] == [
+      (dtype, kind, c)
+      for dtype in gpu.DTYPES
+      for kind, c in [("forward_backward", None)]
+      + [("update", c) for c in gpu.workloads.COMPRESSORS]
+  ]
+  assert all(r["status"] == "ok" and r["seconds"] > 0 for r in rows), rows
+  acp = rows[-1]
+  assert acp["seconds"] == pytest.approx(
+      (acp["seconds_p"] + acp["seconds_q"]) / 2
+  )
+  late = gpu.time_compute(["small_cnn"], ["float32"], 1, time.monotonic())
+  assert {r["status"] for r in late} == {"skipped: time limit"}
+
+
+def _gpu_records(model, batch, forward_backward_s, update_s):
+  """What a ``gpu`` run writes for ``model``, with the records the
+  projection must leave alone: bfloat16, a failure, the schedule."""
+  rows = []
+  for dtype, scale in (("float32", 1.0), ("bfloat16", 0.5)):
+    rows.append(
+        {
+            "kind": "forward_backward",
+            "model": model,
+            "dtype": dtype,
+            "batch_per_device": batch,
+            "seconds": forward_backward_s * scale,
+            "status": "ok",
+        }
+    )
+    for compressor, seconds in update_s.items():
+      rows.append(
+          {
+              "kind": "update",
+              "model": model,
+              "dtype": dtype,
+              "compressor": compressor,
+              "seconds": seconds * scale,
+              "status": "ok",
+          }
+      )
+  rows.append(
+      {
+          "kind": "update",
+          "model": "resnet50",
+          "dtype": "float32",
+          "compressor": "ssgd",
+          "status": "failed: XlaRuntimeError: out of memory",
+      }
+  )
+  rows.append(
+      {
+          "kind": "schedule",
+          "model": model,
+          "compressor": "acp_sgd",
+          "phase": "P",
+          "collective": "%all-reduce-start",
+          "bytes": 1024,
+          "compute_between": 12,
+          "status": "ok",
+      }
+  )
+  return rows
+
+
+def test_projection_takes_compute_times_from_gpu_json(tmp_path, monkeypatch):
+  updates = {
+      "ssgd": 1e-4,
+      "sign_sgd": 2e-3,
+      "topk_sgd": 9e-3,
+      "power_sgd": 4e-3,
+      "acp_sgd": 2e-3,
+  }
+  records.write("gpu", _gpu_records("small_cnn", 8, 0.02, updates), tmp_path)
+
+  def not_here(*args):
+    raise AssertionError(f"timed on this CPU: {args}")
+
+  monkeypatch.setattr(project, "forward_backward", not_here)
+  monkeypatch.setattr(project, "update_seconds", not_here)
+  rows = project.measure(
+      ["small_cnn"], 500e-6, (2, 4), 1, [], records.read("gpu", tmp_path)
+  )
+  # Measured compute is projected once, not scaled.
+  assert len(rows) == len(project.SIZES) * len(project.RATES) * 5
+  batch = 128 // 8  # small_cnn's per-device batch on the paper's clusters
+  for row in rows:
+    assert (row["compute_source"], row["compute_scale"]) == ("gpu", 1)
+    assert row["forward_backward_s"] == pytest.approx(0.02 / 8 * batch)
+    assert row["fixed_s"] == 0.0
+    assert row["update_s"] == updates[row["compressor"]]
+    assert row["update_source"] == "gpu.json"
+  (average,) = project.averages(rows)
+  assert (average["compute_source"], average["compute_scale"]) == ("gpu", 1)
+
+
+def test_projection_without_every_gpu_time_measures_here(monkeypatch):
+  incomplete = [
+      r
+      for r in _gpu_records("small_cnn", 8, 0.02, {"ssgd": 1e-4})
+      if r["kind"] != "update"
+  ]
+  monkeypatch.setattr(project, "forward_backward", lambda *_: (1e-3, 2e-3))
+  monkeypatch.setattr(
+      project,
+      "update_seconds",
+      lambda *_: dict.fromkeys(project.workloads.COMPRESSORS, 1e-3),
+  )
+  rows = project.measure(["small_cnn"], 500e-6, (2, 4), 1, [], incomplete)
+  assert {(r["compute_source"], r["compute_scale"]) for r in rows} == {
+      ("cpu", s) for s in project.SCALES
+  }
+  assert {r["update_source"] for r in rows} == {"measured"}
