@@ -36,6 +36,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -236,43 +237,51 @@ def schedule(model: str, compressors: Sequence[str]) -> None:
         print("RESULT " + json.dumps(result), flush=True)
 
 
-def _schedule_process(model: str, compressors: Sequence[str]):
+def _schedule_process(model: str, compressors: Sequence[str], log_dir: str):
+  """Starts ``schedule(model, compressors)`` in a process of its own, its
+  output in files of ``log_dir`` (a pipe nobody reads while the timings run
+  could fill and stall it)."""
   env = dict(os.environ)
   env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {SCHEDULER_FLAG}".strip()
   # It only compiles: the GPU's memory stays with the timings.
   env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-  return subprocess.Popen(
-      [
-          sys.executable,
-          "-m",
-          "benchmarks.gpu",
-          f"--schedule={model}",
-          f"--compressors={','.join(compressors)}",
-      ],
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
-  )
+  with open(os.path.join(log_dir, f"{model}.out"), "w") as out, open(
+      os.path.join(log_dir, f"{model}.err"), "w"
+  ) as err:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.gpu",
+            f"--schedule={model}",
+            f"--compressors={','.join(compressors)}",
+        ],
+        env=env,
+        stdout=out,
+        stderr=err,
+    )
 
 
-def _schedule_rows(model: str, process, deadline: float):
+def _schedule_rows(model: str, process, log_dir: str, deadline: float):
   """The records a ``_schedule_process`` printed by ``deadline``."""
   try:
-    out, err = process.communicate(timeout=max(deadline - time.monotonic(), 1))
-    status = None if process.returncode == 0 else (
-        f"failed ({process.returncode}): "
-        + (err.strip().splitlines()[-1:] or ["no message"])[0][:200]
-    )
+    process.wait(timeout=max(deadline - time.monotonic(), 1))
   except subprocess.TimeoutExpired:
     process.kill()
-    out, err = process.communicate()
+    process.wait()
     status = "stopped: time limit"
-  rows = [
-      {"kind": "schedule", "model": model, **json.loads(line[len("RESULT ") :])}
-      for line in out.splitlines()
-      if line.startswith("RESULT ")
-  ]
+  else:
+    status = None
+    if process.returncode:
+      with open(os.path.join(log_dir, f"{model}.err")) as f:
+        last = (f.read().strip().splitlines() or ["no message"])[-1]
+      status = f"failed ({process.returncode}): {last[:200]}"
+  with open(os.path.join(log_dir, f"{model}.out")) as f:
+    rows = [
+        {"kind": "schedule", "model": model, **json.loads(line[7:])}
+        for line in f
+        if line.startswith("RESULT ")
+    ]
   if status:
     rows.append({"kind": "schedule", "model": model, "status": status})
   return rows
@@ -284,17 +293,19 @@ def measure(
   """Every record of the GPU check, within ``time_limit`` seconds."""
   deadline = time.monotonic() + time_limit
   compressors = ("acp_sgd",) if quick else SCHEDULE_COMPRESSORS
-  processes = {m: _schedule_process(m, compressors) for m in models}
-  try:
-    rows = time_compute(
-        models, DTYPES[:1] if quick else DTYPES, 3 if quick else 10, deadline
-    )
-  finally:
-    for process in processes.values():
-      if process.poll() is None and time.monotonic() > deadline:
-        process.kill()
-  for model, process in processes.items():
-    rows += _schedule_rows(model, process, deadline)
+  with tempfile.TemporaryDirectory() as log_dir:
+    processes = {m: _schedule_process(m, compressors, log_dir) for m in models}
+    try:
+      rows = time_compute(
+          models, DTYPES[:1] if quick else DTYPES, 3 if quick else 10, deadline
+      )
+      for model, process in processes.items():
+        rows += _schedule_rows(model, process, log_dir, deadline)
+    finally:
+      for process in processes.values():
+        if process.poll() is None:
+          process.kill()
+          process.wait()
   return rows
 
 

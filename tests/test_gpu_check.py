@@ -259,3 +259,16 @@ def test_projection_without_every_gpu_time_measures_here(monkeypatch):
       ("cpu", s) for s in project.SCALES
   }
   assert {r["update_source"] for r in rows} == {"measured"}
+
+
+@pytest.mark.slow
+def test_a_failed_schedule_is_a_record_beside_the_timings():
+  # Here the mock topology has no GPU to mock: the compiling process fails
+  # and says why, the timings stand.
+  rows = gpu.measure(["small_cnn"], quick=True, time_limit=300)
+  timed = [r for r in rows if r["kind"] != "schedule"]
+  assert len(timed) == 1 + len(gpu.workloads.COMPRESSORS)
+  assert all(r["status"] == "ok" for r in timed), timed
+  (failed,) = [r for r in rows if r["kind"] == "schedule"]
+  assert failed["status"].startswith("failed (1): RuntimeError: the mock")
+  assert "1x1x8" in failed["status"]
