@@ -16,6 +16,7 @@ from acp_jax.data_parallel import DataParallelState
 from acp_jax.hlo import collective_rounds
 from acp_jax.hlo import collective_stats
 from acp_jax.hlo import overlap_potential
+from acp_jax.hlo import scheduled_overlap
 from acp_jax.powersgd import power_sgd
 from acp_jax.powersgd import PowerSgdState
 from acp_jax.sign import sign_sgd
@@ -42,6 +43,7 @@ __all__ = (
     "comm_bytes",
     "overlap_potential",
     "power_sgd",
+    "scheduled_overlap",
     "sign_sgd",
     "ssgd",
     "topk_sgd",

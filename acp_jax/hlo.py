@@ -4,8 +4,9 @@ The only way to know what a step really sends (a hidden dense all-reduce from
 ``jax.grad`` under ``shard_map``, a collective XLA added or merged) is the
 compiled module: ``jax.jit(step).lower(*args).compile().as_text()``. The same
 text holds the step's dependency graph, which says which collectives wait on
-each other (``collective_rounds``) and how much of the step's computation a
-collective could run beside (``overlap_potential``).
+each other (``collective_rounds``), how much of the step's computation a
+collective could run beside (``overlap_potential``) and, once XLA:GPU has
+scheduled it, what each collective does run beside (``scheduled_overlap``).
 """
 
 import collections
@@ -331,3 +332,82 @@ def overlap_potential(hlo_text: str) -> OverlapReport:
   return OverlapReport(
       tuple(reports), mean("independent_share"), mean("upstream_share"), total
   )
+
+
+class ScheduledCollective(NamedTuple):
+  """An async collective of a scheduled module and what runs while it flies."""
+
+  name: str  # its start, as printed: "%all-reduce-start.3"
+  kind: str  # "all-reduce", "all-gather" or "collective-permute"
+  bytes: int  # its result bytes, as collective_stats counts them
+  done: str  # the matching "-done" instruction
+  compute_between: int  # compute instructions scheduled between the two
+
+
+def scheduled_overlap(hlo_text: str) -> list[ScheduledCollective]:
+  """What each async collective of a scheduled module brackets.
+
+  ``overlap_potential`` reads what a collective *could* run beside; this
+  reads what the compiler scheduled beside it. XLA:GPU splits a collective
+  into a ``-start`` and a ``-done`` and its latency-hiding scheduler
+  (``--xla_gpu_enable_latency_hiding_scheduler=true``) moves independent
+  work between them; the printed order of the entry computation of
+  ``compiled.as_text()`` is the order it runs in. For each start of the
+  entry computation, this counts the compute instructions (fusions, dots,
+  convolutions, custom-calls such as cuBLAS gemms and cuDNN convolutions,
+  calls, whiles and conditionals) printed between it and its done: none
+  means the step waits for the whole transfer.
+
+  Synchronous collectives (XLA:CPU's, or a GPU collective the compiler kept
+  synchronous) and collectives wrapped in a generic ``async-start`` are not
+  listed.
+
+  Args:
+    hlo_text: ``compiled.as_text()`` of a step compiled for GPUs (a mock
+      topology on one GPU will do: ``jax.config.update(
+      "jax_mock_gpu_topology", "1x1x8")`` before the backend starts).
+
+  Returns:
+    One ``ScheduledCollective`` per start, in the order of the text.
+
+  Raises:
+    ValueError: a start has no done in the entry computation.
+
+  Example::
+
+    text = jax.jit(train_step).lower(*args).compile().as_text()
+    for c in acp_jax.scheduled_overlap(text):
+      print(c.name, c.bytes, c.compute_between)
+  """
+  entry, computations = _computations(hlo_text)
+  instructions = computations[entry]
+  done_at = {
+      i.references[0]: (position, i.name)
+      for position, i in enumerate(instructions)
+      if i.op.endswith("-done") and i.references
+  }
+  out = []
+  for position, instruction in enumerate(instructions):
+    if not instruction.op.endswith("-start"):
+      continue
+    kind = _collective_kind(instruction.op)
+    if kind is None:
+      continue
+    if instruction.name not in done_at:
+      raise ValueError(
+          f"{instruction.name} ({instruction.op}) has no matching done in"
+          " the entry computation"
+      )
+    end, done = done_at[instruction.name]
+    out.append(
+        ScheduledCollective(
+            name=instruction.name,
+            kind=kind,
+            bytes=_collective_bytes(instruction.op, instruction.shape),
+            done=done,
+            compute_between=sum(
+                i.op in _COMPUTE for i in instructions[position + 1 : end]
+            ),
+        )
+    )
+  return out

@@ -1,5 +1,5 @@
 """``python -m benchmarks SUBCOMMAND [--quick]``: comm, overhead, convergence,
-cluster, project, sign_scaling, report.
+cluster, project, sign_scaling, gpu, report.
 
 Each measuring subcommand prints a table and writes
 ``benchmarks/results/SUBCOMMAND.json``, a list of flat records that carry
@@ -106,6 +106,15 @@ def _parser() -> argparse.ArgumentParser:
   sign_scaling.add_argument(
       "--timeout", type=float, default=600, help="seconds per run"
   )
+  gpu = sub.add_parser(
+      "gpu",
+      parents=[quick],
+      help="compute times and the scheduled 8-GPU step, on a GPU (skips"
+      " without one)",
+  )
+  gpu.add_argument(
+      "--models", help="comma-separated workloads (default: resnet50,bert_base)"
+  )
   sub.add_parser("report", help="REPORT.md with tables and plots")
   return parser
 
@@ -204,6 +213,7 @@ def _project(args, project):
       (2, 4),
       repeats,
       records.read("overhead", args.results_dir),
+      records.read("gpu", args.results_dir),
   )
   return rows + project.validation(records.read("cluster", args.results_dir))
 
@@ -224,6 +234,13 @@ def main(argv: list[str] | None = None) -> None:
     if reason:
       print(f"cluster: skipped, {reason}")
       return
+  if args.command == "gpu":
+    from benchmarks import gpu
+
+    reason = gpu.unavailable()
+    if reason:
+      print(f"gpu: skipped, {reason}")
+      return
   from train import runtime
 
   # The cluster's orchestrator compiles the workers' step on as many
@@ -234,8 +251,9 @@ def main(argv: list[str] | None = None) -> None:
       "project": 1,
       "sign_scaling": 1,
   }.get(args.command)
-  runtime.setup(num_cpu_devices=devices or args.num_cpu_devices)
-  from benchmarks import cluster, comm, convergence, overhead, project
+  if args.command != "gpu":  # the GPU check runs on the GPU
+    runtime.setup(num_cpu_devices=devices or args.num_cpu_devices)
+  from benchmarks import cluster, comm, convergence, gpu, overhead, project
   from benchmarks import sign_scaling
 
   meta = {**records.provenance(argv), "quick": args.quick}
@@ -269,6 +287,10 @@ def main(argv: list[str] | None = None) -> None:
       raise SystemExit(f"--repeats must be positive, got {repeats}")
     rows = sign_scaling.measure(device_counts, repeats, args.timeout)
     columns, outputs = sign_scaling.COLUMNS, {"sign_scaling": rows}
+  elif args.command == "gpu":
+    models = _models(args.models or ",".join(gpu.MODELS), False)
+    outputs = {"gpu": gpu.measure(models, args.quick)}
+    rows, columns = gpu.summary(outputs["gpu"]), gpu.COLUMNS
   elif args.command == "overhead":
     repeats = args.repeats or (3 if args.quick else 10)
     if repeats < 1:

@@ -15,7 +15,10 @@ paper's and PyTorch DDP's runtimes.
 
 This CPU computes far slower than the paper's GPUs, so the projection is
 also given with all compute ``scale`` times faster: a sensitivity, not a
-measurement of any accelerator.
+measurement of any accelerator. Where a ``gpu`` run measured the model
+(``gpu.json``: float32 forward+backward at the paper's per-GPU batch and
+every compressor's update on one GPU), its times are used instead, once,
+unscaled; the base optimizer's step, not timed there, counts as nothing.
 """
 
 import statistics
@@ -103,15 +106,16 @@ def project(
     fixed: float,
     updates: dict[str, float],
     alpha: float,
+    scales: tuple[int, ...] = SCALES,
 ) -> list[dict[str, Any]]:
   """Predicted examples/s of each compressor on every cluster, and ACP-SGD's
-  speedups."""
+  speedups, with compute ``scales`` times faster than measured."""
   rows = []
   for p in SIZES:
     phases = {c: traffic(model, c, p) for c in workloads.COMPRESSORS}
     for rate_name, rate in RATES.items():
       link = costmodel.Link.ideal(rate, alpha)
-      for scale in SCALES:
+      for scale in scales:
         forward_backward = per_example * batch / scale
         backward = costmodel.BACKWARD_SHARE * forward_backward
         speed = {}
@@ -139,16 +143,39 @@ def project(
   return rows
 
 
+def gpu_times(
+    gpu_rows: list[dict[str, Any]], model: str
+) -> tuple[float, dict[str, float]] | None:
+  """Seconds per example of forward+backward and each compressor's update
+  seconds of ``model`` in float32, from a ``gpu`` run's records; None unless
+  it measured them all."""
+  ok = [
+      r
+      for r in gpu_rows
+      if r["model"] == model and r.get("dtype") == "float32"
+      and r["status"] == "ok"
+  ]
+  forward_backward = [r for r in ok if r["kind"] == "forward_backward"]
+  updates = {r["compressor"]: r["seconds"] for r in ok if r["kind"] == "update"}
+  if not forward_backward or set(updates) < set(workloads.COMPRESSORS):
+    return None
+  (fb,) = forward_backward
+  return fb["seconds"] / fb["batch_per_device"], updates
+
+
 def measure(
     models: list[str],
     alpha: float,
     batches: tuple[int, int],
     repeats: int,
     overhead_rows: list[dict[str, Any]] = (),
+    gpu_rows: list[dict[str, Any]] = (),
 ) -> list[dict[str, Any]]:
-  """Projected records of ``models``. Update times come from
-  ``overhead_rows`` (a full ``overhead`` run) where they have the model,
-  and are measured here otherwise."""
+  """Projected records of ``models``. Compute times come from ``gpu_rows``
+  (a ``gpu`` run) where they have the model, and are measured on this CPU
+  otherwise; then update times come from ``overhead_rows`` (a full
+  ``overhead`` run) where they have the model, and are measured here
+  otherwise."""
   known = {
       (r["model"], r["compressor"]): r["update_ms"] / 1e3
       for r in overhead_rows
@@ -158,21 +185,30 @@ def measure(
   for model in models:
     cfg = workloads.config(model)
     batch = cfg.per_device_batch_size or cfg.batch_size // 8
-    per_example, fixed = forward_backward(model, batches, repeats)
-    if all((model, c) in known for c in workloads.COMPRESSORS):
-      updates = {c: known[model, c] for c in workloads.COMPRESSORS}
-      source = "overhead.json"
+    on_gpu = gpu_times(gpu_rows, model)
+    if on_gpu:
+      (per_example, updates), fixed = on_gpu, 0.0
+      compute, source, scales = "gpu", "gpu.json", (1,)
     else:
-      updates, source = update_seconds(model, repeats), "measured"
+      per_example, fixed = forward_backward(model, batches, repeats)
+      compute, scales = "cpu", SCALES
+      if all((model, c) in known for c in workloads.COMPRESSORS):
+        updates = {c: known[model, c] for c in workloads.COMPRESSORS}
+        source = "overhead.json"
+      else:
+        updates, source = update_seconds(model, repeats), "measured"
     print(
-        f"{model}: forward+backward {per_example * batch:.2f} s at"
-        f" {batch}/device, fixed {fixed * 1e3:.0f} ms, updates ({source}) "
-        + ", ".join(f"{c} {u * 1e3:.0f} ms" for c, u in updates.items()),
+        f"{model}: forward+backward {per_example * batch:.3g} s at"
+        f" {batch}/device (on {compute}), fixed"
+        f" {fixed * 1e3:.0f} ms, updates ({source}) "
+        + ", ".join(f"{c} {u * 1e3:.3g} ms" for c, u in updates.items()),
         flush=True,
     )
-    for row in project(model, batch, per_example, fixed, updates, alpha):
+    rows = project(model, batch, per_example, fixed, updates, alpha, scales)
+    for row in rows:
       row.update(
           kind="projection",
+          compute_source=compute,
           batch_per_worker=batch,
           forward_backward_s=per_example * batch,
           fixed_s=fixed,
@@ -185,12 +221,14 @@ def measure(
 
 
 def averages(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-  """ACP-SGD's mean speedups over S-SGD and Power-SGD per compute scale,
-  over every model, cluster size and link, beside the paper's."""
+  """ACP-SGD's mean speedups over S-SGD and Power-SGD per compute source
+  ("cpu", "gpu") and scale, over every model, cluster size and link, beside
+  the paper's."""
+  key = lambda r: (r.get("compute_source", "cpu"), r["compute_scale"])
   out = []
-  for scale in sorted({r["compute_scale"] for r in rows}):
-    mine = [r for r in rows if r["compute_scale"] == scale]
-    row = {"compute_scale": scale}
+  for source, scale in sorted({key(r) for r in rows}):
+    mine = [r for r in rows if key(r) == (source, scale)]
+    row = {"compute_source": source, "compute_scale": scale}
     for c in ("ssgd", "power_sgd"):
       row[f"acp_vs_{c}"] = statistics.fmean(
           r["acp_speedup"] for r in mine if r["compressor"] == c
@@ -220,6 +258,7 @@ def validation(cluster_runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # For the printed summary: averages, then the cluster checks.
 COLUMNS = {
+    "compute_source": "compute on",
     "compute_scale": "compute x",
     "acp_vs_ssgd": "ACP / S-SGD",
     "paper_acp_vs_ssgd": "paper",

@@ -407,6 +407,7 @@ def _projection_section(rows, out: pathlib.Path):
       records.table(
           averages,
           {
+              "compute_source": "compute on",
               "compute_scale": "compute x",
               "acp_vs_ssgd": "x S-SGD",
               "paper_acp_vs_ssgd": "paper",

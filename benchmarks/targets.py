@@ -159,9 +159,13 @@ def _projection(records: Records) -> list[Row]:
   projected = [r for r in records["projection"] if r["kind"] == "projection"]
   return [
       (
-          f"Projected average speedups of ACP-SGD (compute x{a['compute_scale']}"
-          " of this CPU) beside the paper's 4.06x over S-SGD and 1.43x over"
-          " Power-SGD",
+          "Projected average speedups of ACP-SGD ("
+          + (
+              "compute measured on a GPU"
+              if a.get("compute_source") == "gpu"
+              else f"compute x{a['compute_scale']} of this CPU"
+          )
+          + ") beside the paper's 4.06x over S-SGD and 1.43x over Power-SGD",
           f"{a['acp_vs_ssgd']:.2f}x over S-SGD, {a['acp_vs_power_sgd']:.2f}x"
           " over Power-SGD",
           None,
