@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
   )
   cluster.add_argument("--workers", type=int, default=4)
   cluster.add_argument(
-      "--model", default="bert_base_2l", help="a model of benchmarks/cluster.py"
+      "--model", default="bert_base_2l", help="a cluster model of benchmarks/workloads.py"
   )
   cluster.add_argument(
       "--bandwidths",
@@ -129,6 +129,8 @@ def _models(
 
 
 def _cluster(args, cluster):
+  from benchmarks import workloads
+
   bandwidths = args.bandwidths.split(",")
   for bandwidth in bandwidths:
     if bandwidth not in cluster.BANDWIDTHS:
@@ -136,13 +138,11 @@ def _cluster(args, cluster):
           f"--bandwidths: unknown {bandwidth!r}; choose from"
           f" {', '.join(cluster.BANDWIDTHS)}"
       )
-  if args.model not in cluster.MODELS:
+  if args.model not in workloads.CLUSTER_MODELS:
     raise SystemExit(
         f"--model: unknown {args.model!r}; choose from"
-        f" {', '.join(cluster.MODELS)}"
+        f" {', '.join(workloads.CLUSTER_MODELS)}"
     )
-  from benchmarks import workloads
-
   known = workloads.COMPRESSORS
   compressors = args.compressors.split(",") if args.compressors else known
   for name in compressors:

@@ -23,35 +23,10 @@ import tempfile
 import time
 from typing import Any
 
-import ml_collections
-
 from benchmarks import costmodel
 from benchmarks import links
 from benchmarks import workloads
 
-# Cluster workloads: BERT's encoder as configs/bert_base.py trains it, made
-# small enough in compute that the links decide the step time here.
-MODELS = {
-    # BERT-Base's matrices (hidden 768, 12 heads, FFN 3072) in 2 of its 12
-    # layers, an 8,192-token vocabulary and 2 sequences of 16 tokens per
-    # worker: 21.3 M parameters, 85 MB of gradients per step, which a
-    # 1 Gb/s link takes about a second to all-reduce.
-    "bert_base_2l": {
-        "size": {"num_layers": 2, "hidden": 768, "heads": 12, "ffn": 3072},
-        "vocab_size": 8192,
-        "seq_len": 16,
-        "batch_size": 2,
-        "rank": 4,
-    },
-    # For the smoke test.
-    "tiny": {
-        "size": {"num_layers": 1, "hidden": 64, "heads": 4, "ffn": 128},
-        "vocab_size": 512,
-        "seq_len": 16,
-        "batch_size": 4,
-        "rank": 4,
-    },
-}
 BANDWIDTHS = {"1gbit": 1000.0, "10gbit": 10000.0, "unshaped": None}
 TORCH = ("ssgd", "power_sgd")
 # Their train step takes minutes to compile at 4 workers (Sign-SGD 212 s in
@@ -63,43 +38,8 @@ PSUM_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)
 _COORDINATOR_PORT = 8476
 
 
-def config(
-    model: str, compressor: str, steps: int
-) -> ml_collections.ConfigDict:
-  """The training config of cluster workload ``model``."""
-  if model not in MODELS:
-    raise ValueError(
-        f"unknown cluster model {model!r}; choose from {', '.join(MODELS)}"
-    )
-  m = MODELS[model]
-  return workloads.load_config(
-      "bert_base",
-      (
-          ("model", {"name": "bert", "size": m["size"]}),
-          (
-              "data",
-              {
-                  "name": "synthetic_tokens",
-                  "seq_len": m["seq_len"],
-                  "vocab_size": m["vocab_size"],
-                  "task": "masked_lm",
-                  "num_examples": 64,
-              },
-          ),
-          ("per_device_batch_size", m["batch_size"]),
-          ("compressor.name", compressor),
-          ("compressor.power_sgd.rank", m["rank"]),
-          ("compressor.acp_sgd.rank", m["rank"]),
-          ("num_train_steps", steps),
-          ("log_every_steps", steps),
-          ("eval_every_steps", 0),
-          ("checkpoint_every_steps", 0),
-      ),
-  )
-
-
 def _torch_args(model: str, compressor: str, steps: int) -> list[str]:
-  m = MODELS[model]
+  m = workloads.CLUSTER_MODELS[model]
   size = m["size"]
   return [
       "-m",
@@ -208,9 +148,8 @@ def compute_only(
     args = [f"--workload={model}", f"--compressor={name}", f"--steps={steps}"]
     results = _launch([_jax_cmd("train", *args)] * workers, timeout)
     # A synchronous step waits for the slowest worker.
-    seconds = max(
-        MODELS[model]["batch_size"] / r["examples_per_sec"] for r in results
-    )
+    batch = workloads.CLUSTER_MODELS[model]["batch_size"]
+    seconds = max(batch / r["examples_per_sec"] for r in results)
     out[name] = seconds
     print(f"  compute only, {name}: {seconds * 1e3:.0f} ms/step", flush=True)
   return out
@@ -245,7 +184,9 @@ def traffic(model: str, compressor: str) -> list[costmodel.Traffic]:
   from train import experiment as experiment_lib
   from train import train
 
-  experiment = experiment_lib.build(config(model, compressor, 1))
+  experiment = experiment_lib.build(
+      workloads.cluster_config(model, compressor, 1)
+  )
   train_fn, _ = train.compile_steps(experiment)
   batch = experiment_lib.abstract_batch(experiment)
   phases = []
@@ -285,7 +226,7 @@ def measure(
   calibration records (one per bandwidth and psum size) and the runs that
   failed, each with its reason. The
   ``fastest_link_only`` compressors run on the last bandwidth only."""
-  batch = MODELS[model]["batch_size"]
+  batch = workloads.CLUSTER_MODELS[model]["batch_size"]
   print(f"{workers} processes, compute only:", flush=True)
   alone = compute_only(model, compressors, workers, steps, timeout)
   phases = {c: traffic(model, c) for c in compressors}

@@ -44,10 +44,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(args) -> dict:
-  from benchmarks import cluster
+  from benchmarks import workloads
   from train import train
 
-  config = cluster.config(args.workload, args.compressor, args.steps)
+  config = workloads.cluster_config(args.workload, args.compressor, args.steps)
   if args.workdir:
     summary = train.train_and_evaluate(config, args.workdir)
   else:
