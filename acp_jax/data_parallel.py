@@ -205,7 +205,9 @@ class DataParallel:
     phase is recorded), by the phase names of ``acp_jax.comm_bytes``."""
     return self.compressor.phases(comm_state)
 
-  def comm_bytes(self, params: Any) -> dict[str, dict[str, compressor_lib.CommVolume]]:
+  def comm_bytes(
+      self, params: Any
+  ) -> dict[str, dict[str, compressor_lib.CommVolume]]:
     """Bytes one step sends per device on each mesh axis, by phase.
 
     Args:
@@ -320,10 +322,10 @@ class DataParallel:
 
     ``fun(params, *batch)`` is the loss of one device's shard: every
     positional argument after the first is split along its leading axis
-    over the mesh's device axes (``device_spec``). ``params`` is a pytree, or a Flax NNX module
-    (then ``fun(model, *batch)``; gradients are taken of its ``nnx.Param``
-    variables and its other state, e.g. BatchNorm statistics, is updated
-    with floating values averaged over the devices).
+    over the mesh's device axes (``device_spec``). ``params`` is a pytree,
+    or a Flax NNX module (then ``fun(model, *batch)``; gradients are taken
+    of its ``nnx.Param`` variables and its other state, e.g. BatchNorm
+    statistics, is updated with floating values averaged over the devices).
 
     Returns:
       A function returning ``(value, local_grads)``. ``value`` is the loss
