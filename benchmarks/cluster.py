@@ -10,6 +10,10 @@ built, every compressor also runs compute-only: N lone processes at once,
 one device each, so the collectives move nothing but the cores are shared as
 in the cluster run. Those times and the calibrated links predict each
 cluster figure (``predicted_examples_per_sec`` beside the measured one).
+
+``measure_hierarchical`` makes each process a node of several devices and
+compares hierarchical compression (a dense mean within the node, the
+compressor across nodes) with flat compression over all devices.
 """
 
 import contextlib
@@ -330,6 +334,84 @@ def measure(
   return runs, calibration, failures
 
 
+# (compressor, hierarchical): hierarchical ACP-SGD against flat ACP-SGD,
+# whose ring over all devices crosses the slow links, and flat S-SGD.
+HIERARCHICAL_RUNS = (("acp_sgd", True), ("acp_sgd", False), ("ssgd", False))
+
+
+def measure_hierarchical(
+    model: str,
+    nodes: int,
+    devices: int,
+    bandwidths: list[str],
+    steps: int,
+    timeout: float,
+) -> tuple[list[dict[str, Any]], list[str]]:
+  """Records of ``nodes`` processes of ``devices`` devices each, one node
+  per namespace, so that only traffic between nodes crosses the shaped
+  links; and the runs that failed. Each record has the examples/s (the
+  median step), the bytes each node sent on its link per step (counted on
+  the interface), and the accounting per device on each mesh axis."""
+  runs, failures = [], []
+  for bandwidth in bandwidths:
+    with links.switched(nodes, BANDWIDTHS[bandwidth]) as network:
+      for name, hierarchical in HIERARCHICAL_RUNS:
+        mode = "hierarchical" if hierarchical else "flat"
+        results = _attempt(
+            failures,
+            f"{bandwidth} {mode} {name}",
+            lambda: _on_network(
+                network,
+                lambda i: _jax_cmd(
+                    "nodes",
+                    f"--workload={model}",
+                    f"--compressor={name}",
+                    f"--steps={steps}",
+                    f"--devices={devices}",
+                    "--link=eth0",
+                    *(["--hierarchical"] if hierarchical else []),
+                    *_distributed(network, i),
+                ),
+                timeout,
+            ),
+        )
+        if results is None:
+          continue
+        runs.append(
+            {
+                "bandwidth": bandwidth,
+                "nodes": nodes,
+                "devices_per_node": devices,
+                "model": model,
+                "compressor": name,
+                "mode": mode,
+                "examples_per_sec": min(
+                    r["examples_per_sec"] for r in results
+                ),
+                "slow_link_bytes_per_step": statistics.mean(
+                    r["link_tx_bytes_per_step"] for r in results
+                ),
+                "node_axis_bytes_per_device": results[0][
+                    "node_axis_bytes_per_device"
+                ],
+                "local_axis_bytes_per_device": results[0][
+                    "local_axis_bytes_per_device"
+                ],
+                "params_identical": (
+                    len({r["params_sha256"] for r in results}) == 1
+                ),
+            }
+        )
+        print(
+            f"  {bandwidth} {mode} {name}:"
+            f" {runs[-1]['examples_per_sec']:.2f} examples/s,"
+            f" {runs[-1]['slow_link_bytes_per_step'] / 1e6:.3f} MB/step on"
+            " each node's link",
+            flush=True,
+        )
+  return runs, failures
+
+
 def _show(run: dict[str, Any]) -> None:
   predicted = run.get("predicted_examples_per_sec")
   extra = f" (model: {predicted:.2f})" if predicted else ""
@@ -347,5 +429,16 @@ COLUMNS = {
     "examples_per_sec": "examples/s",
     "predicted_examples_per_sec": "model",
     "compute_only_examples_per_sec": "compute only",
+    "params_identical": "same params",
+}
+
+HIERARCHICAL_COLUMNS = {
+    "bandwidth": "link",
+    "mode": "mode",
+    "compressor": "compressor",
+    "examples_per_sec": "examples/s",
+    "slow_link_bytes_per_step": "bytes/step on a node's link",
+    "node_axis_bytes_per_device": "accounted, node axis",
+    "local_axis_bytes_per_device": "accounted, local axis",
     "params_identical": "same params",
 }
