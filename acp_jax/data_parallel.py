@@ -17,6 +17,14 @@ step needs and a plain ``jit`` + ``NamedSharding`` loop does not have:
 
 It works on any mesh that has the compressor's axis, across processes under
 ``jax.distributed`` too, for pytrees of params and for Flax NNX modules.
+
+Hierarchical: with ``local_axis``, the mesh is nodes x devices per node, as
+in a cluster of multi-GPU hosts on a slow network. The batch is split over
+both axes; the exchange first averages the gradients densely within each
+node (``lax.pmean`` over ``local_axis``: NVLink or PCIe, cheap), then runs
+the compressor across nodes over its ``axis_name`` (the slow network). The
+residuals are then identical within a node, so they are stored once per
+node: sharded over the node axis, replicated over the local one.
 """
 
 import sys
@@ -37,8 +45,8 @@ class DataParallelState(NamedTuple):
 
   Attributes:
     comm: the compressor's state. Its ``local_fields`` (the residuals) carry
-      a leading axis of one slice per device, sharded over the data axis;
-      its other fields are replicated.
+      a leading axis of one slice per device (per node, when hierarchical),
+      sharded over the compressor's axis; its other fields are replicated.
     inner: the state of the wrapped optimizer, replicated.
   """
 
@@ -57,7 +65,12 @@ class DataParallel:
   Args:
     compressor: made by an ``acp_jax`` factory; its ``axis_name`` must be an
       axis of ``mesh``.
-    mesh: the device mesh; batches are split along ``compressor.axis_name``.
+    mesh: the device mesh; batches are split along ``compressor.axis_name``
+      (and ``local_axis``).
+    local_axis: None, or an axis of ``mesh`` over which gradients are first
+      averaged densely, before the compressor runs over its ``axis_name``
+      (then the node axis): hierarchical compression, dense within a host
+      and compressed across hosts.
 
   Example (pure params; ``loss_fn(params, batch)`` returns a scalar)::
 
@@ -73,9 +86,20 @@ class DataParallel:
 
   With Flax NNX, ``nnx.Optimizer(model, dp.chain(tx), wrt=nnx.Param)`` and
   ``dp.value_and_grad(loss_fn)(model, batch)`` inside ``nnx.jit``.
+
+  Hierarchical, 2 hosts of 4 devices::
+
+    mesh = jax.make_mesh((2, 4), ("data", "local"))
+    dp = acp_jax.DataParallel(acp_jax.acp_sgd(rank=4), mesh, local_axis="local")
   """
 
-  def __init__(self, compressor: compressor_lib.Compressor, mesh: jax.sharding.Mesh):
+  def __init__(
+      self,
+      compressor: compressor_lib.Compressor,
+      mesh: jax.sharding.Mesh,
+      *,
+      local_axis: str | None = None,
+  ):
     if not isinstance(compressor, compressor_lib.Compressor):
       raise TypeError(
           "DataParallel needs a compressor made by an acp_jax factory (e.g."
@@ -86,15 +110,45 @@ class DataParallel:
           f"the compressor's axis_name={compressor.axis_name!r} is not an"
           f" axis of the mesh, whose axes are {mesh.axis_names}"
       )
+    if local_axis is not None and local_axis not in mesh.axis_names:
+      raise ValueError(
+          f"local_axis={local_axis!r} is not an axis of the mesh, whose axes"
+          f" are {mesh.axis_names}"
+      )
+    if local_axis == compressor.axis_name:
+      raise ValueError(
+          f"local_axis={local_axis!r} is the compressor's own axis: the"
+          " dense mean runs within a node and the compressor across nodes,"
+          " over two different axes of the mesh"
+      )
     self.compressor = compressor
     self.mesh = mesh
     self.axis_name = compressor.axis_name
-    self.num_devices = mesh.shape[self.axis_name]
+    self.local_axis = local_axis
+    # The axes a batch is split over, the compressor's (slow) one first.
+    self.device_axes = (self.axis_name,) + (
+        () if local_axis is None else (local_axis,)
+    )
+    # Compressed exchange participants: one per node when hierarchical.
+    self.num_nodes = mesh.shape[self.axis_name]
+    self.num_devices = self.num_nodes * (
+        1 if local_axis is None else mesh.shape[local_axis]
+    )
+
+  @property
+  def device_spec(self) -> P:
+    """The spec of arrays stacked one slice per device: the layout of the
+    local gradients, of split batches, and of per-device ``aux``."""
+    if self.local_axis is None:
+      return P(self.axis_name)
+    return P(self.device_axes)
 
   # -- layout ---------------------------------------------------------------
 
   def comm_specs(self, comm_state: Any) -> Any:
-    """A ``PartitionSpec`` prefix tree of the compressor's state."""
+    """A ``PartitionSpec`` prefix tree of the compressor's state: its
+    per-device fields sharded over the compressor's axis (replicated over
+    ``local_axis``, where the residuals of a node's devices agree)."""
     local = self.compressor.local_fields
     return type(comm_state)(
         *(P(self.axis_name) if f in local else P() for f in comm_state._fields)
@@ -121,7 +175,7 @@ class DataParallel:
     """
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     specs = self.comm_specs(jax.eval_shape(self.compressor.init, shapes))
-    n = self.num_devices
+    n = self.num_nodes
 
     def make():
       return self._map_local(
@@ -138,7 +192,7 @@ class DataParallel:
 
   def abstract_local_grads(self, params: Any) -> Any:
     """Shapes and shardings of the stacked local gradients of ``params``."""
-    sharding = self._sharding(P(self.axis_name))
+    sharding = self._sharding(self.device_spec)
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(
             (self.num_devices,) + tuple(x.shape), x.dtype, sharding=sharding
@@ -150,6 +204,34 @@ class DataParallel:
     """The compressor's state before each phase's step (abstract where the
     phase is recorded), by the phase names of ``acp_jax.comm_bytes``."""
     return self.compressor.phases(comm_state)
+
+  def comm_bytes(
+      self, params: Any
+  ) -> dict[str, dict[str, compressor_lib.CommVolume]]:
+    """Bytes one step sends per device on each mesh axis, by phase.
+
+    Args:
+      params: the parameters, or a tree of ``jax.ShapeDtypeStruct`` like them.
+
+    Returns:
+      ``{axis name: {phase: CommVolume}}`` with the phase names of
+      ``acp_jax.comm_bytes``: on the compressor's axis, what the compressor
+      sends among ``num_nodes`` participants; with ``local_axis``, on that
+      axis the dense all-reduce of every gradient. The loss that
+      ``value_and_grad`` averages (4 bytes, over all axes) is not counted.
+    """
+    node = compressor_lib.comm_bytes(
+        self.compressor, params, num_devices=self.num_nodes
+    )
+    volumes = {self.axis_name: node}
+    if self.local_axis is not None:
+      dense = sum(
+          x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)
+      )
+      volumes[self.local_axis] = {
+          phase: compressor_lib.CommVolume(all_reduce=dense) for phase in node
+      }
+    return volumes
 
   # -- the exchange -----------------------------------------------------------
 
@@ -173,7 +255,7 @@ class DataParallel:
 
     Args:
       local_grads: each device's gradient, stacked on a leading axis sharded
-        over the data axis (as ``value_and_grad`` returns them).
+        over the device axes (as ``value_and_grad`` returns them).
       comm_state: the compressor's state, from ``init_comm``.
 
     Returns:
@@ -181,11 +263,14 @@ class DataParallel:
       the compressor's next state.
     """
     specs = self.comm_specs(comm_state)
-    axis = self.axis_name
 
     def body(grads, state):
       # Each device sees [1, ...] blocks of the stacked arrays.
       grads = jax.tree.map(lambda x: x[0], grads)
+      if self.local_axis is not None:
+        # A node's devices then hand the compressor the same gradient, so
+        # their residuals stay identical: one copy per node.
+        grads = lax.pmean(grads, self.local_axis)
       state = self._map_local(lambda x: x[0], state)
       mean, state = self.compressor.update(grads, state)
       return mean, self._map_local(lambda x: x[None], state)
@@ -193,7 +278,7 @@ class DataParallel:
     return jax.shard_map(
         body,
         mesh=self.mesh,
-        in_specs=(P(axis), specs),
+        in_specs=(self.device_spec, specs),
         out_specs=(P(), specs),
         check_vma=False,
     )(local_grads, comm_state)
@@ -237,24 +322,24 @@ class DataParallel:
 
     ``fun(params, *batch)`` is the loss of one device's shard: every
     positional argument after the first is split along its leading axis
-    over the mesh's data axis. ``params`` is a pytree, or a Flax NNX module
-    (then ``fun(model, *batch)``; gradients are taken of its ``nnx.Param``
-    variables and its other state, e.g. BatchNorm statistics, is updated
-    with floating values averaged over the devices).
+    over the mesh's device axes (``device_spec``). ``params`` is a pytree,
+    or a Flax NNX module (then ``fun(model, *batch)``; gradients are taken
+    of its ``nnx.Param`` variables and its other state, e.g. BatchNorm
+    statistics, is updated with floating values averaged over the devices).
 
     Returns:
       A function returning ``(value, local_grads)``. ``value`` is the loss
       averaged over devices (one scalar all-reduce), or ``(loss, aux)`` with
       ``has_aux``, ``aux`` stacked per device on a leading axis (nothing
-      sent), or laid out by ``aux_specs``, a prefix tree of ``P(axis)``
+      sent), or laid out by ``aux_specs``, a prefix tree of ``device_spec``
       (stacked) and ``P()`` (a value identical on every device, e.g.
       statistics synchronized by a collective inside ``fun``, returned once). ``local_grads`` are each device's gradients, stacked on a
       leading axis, sharded, not communicated: hand them to ``chain(tx)``,
       or add up several micro-batches' first (one compressed send for all).
     """
-    axis, n = self.axis_name, self.num_devices
+    axes, n, spec = self.device_axes, self.num_devices, self.device_spec
     if aux_specs is None:
-      aux_specs = P(axis)
+      aux_specs = spec
 
     def check_batch(batch):
       for i, arg in enumerate(batch):
@@ -263,7 +348,7 @@ class DataParallel:
             raise ValueError(
                 f"batch argument {i + 1}{jax.tree_util.keystr(path)} has shape"
                 f" {x.shape}: its leading axis must split evenly over the"
-                f" {n} devices of mesh axis {axis!r}"
+                f" {n} devices of mesh axes {', '.join(map(repr, axes))}"
             )
 
     def split_value(value):
@@ -283,7 +368,7 @@ class DataParallel:
         # Non-parameter state (BatchNorm statistics) is averaged so that the
         # replicas stay identical; integers (RNG counters) agree already.
         rest = jax.tree.map(
-            lambda x: lax.pmean(x, axis)
+            lambda x: lax.pmean(x, axes)
             if jnp.issubdtype(x.dtype, jnp.inexact)
             else x,
             rest,
@@ -306,13 +391,13 @@ class DataParallel:
             aux,
             is_leaf=_is_spec,
         )
-        return (lax.pmean(loss, axis), aux), stack(grads), rest
+        return (lax.pmean(loss, axes), aux), stack(grads), rest
 
       return jax.shard_map(
           local,
           mesh=self.mesh,
-          in_specs=(P(), P()) + (P(axis),) * len(batch),
-          out_specs=((P(), aux_specs), P(axis), P()),
+          in_specs=(P(), P()) + (spec,) * len(batch),
+          out_specs=((P(), aux_specs), spec, P()),
           check_vma=False,
       )(params, rest, *batch)
 

@@ -65,7 +65,9 @@ def _parser() -> argparse.ArgumentParser:
   )
   cluster.add_argument("--workers", type=int, default=4)
   cluster.add_argument(
-      "--model", default="bert_base_2l", help="a model of benchmarks/cluster.py"
+      "--model",
+      default="bert_base_2l",
+      help="a cluster model of benchmarks/workloads.py",
   )
   cluster.add_argument(
       "--bandwidths",
@@ -82,6 +84,13 @@ def _parser() -> argparse.ArgumentParser:
   cluster.add_argument(
       "--no_torch", action="store_true", help="skip the PyTorch peer"
   )
+  cluster.add_argument(
+      "--hierarchical",
+      action="store_true",
+      help="each worker a node of --devices_per_worker devices: hierarchical"
+      " ACP-SGD against flat ACP-SGD and S-SGD",
+  )
+  cluster.add_argument("--devices_per_worker", type=int, default=2)
   project = sub.add_parser(
       "project",
       parents=[quick],
@@ -138,6 +147,8 @@ def _models(
 
 
 def _cluster(args, cluster):
+  from benchmarks import workloads
+
   bandwidths = args.bandwidths.split(",")
   for bandwidth in bandwidths:
     if bandwidth not in cluster.BANDWIDTHS:
@@ -145,13 +156,11 @@ def _cluster(args, cluster):
           f"--bandwidths: unknown {bandwidth!r}; choose from"
           f" {', '.join(cluster.BANDWIDTHS)}"
       )
-  if args.model not in cluster.MODELS:
+  if args.model not in workloads.CLUSTER_MODELS:
     raise SystemExit(
         f"--model: unknown {args.model!r}; choose from"
-        f" {', '.join(cluster.MODELS)}"
+        f" {', '.join(workloads.CLUSTER_MODELS)}"
     )
-  from benchmarks import workloads
-
   known = workloads.COMPRESSORS
   compressors = args.compressors.split(",") if args.compressors else known
   for name in compressors:
@@ -164,11 +173,30 @@ def _cluster(args, cluster):
   steps = args.steps or (6 if args.quick else 10)
   if steps < 4:
     raise SystemExit(f"--steps must be at least 4, got {steps}")
+  # A SIGTERM unwinds like an error, so the links come down.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+  if args.hierarchical:
+    if args.devices_per_worker < 1:
+      raise SystemExit(
+          "--devices_per_worker must be positive, got"
+          f" {args.devices_per_worker}"
+      )
+    runs, failures = cluster.measure_hierarchical(
+        args.model,
+        args.workers,
+        args.devices_per_worker,
+        bandwidths,
+        steps,
+        args.timeout,
+    )
+    return (
+        {"cluster_hierarchical": runs},
+        cluster.HIERARCHICAL_COLUMNS,
+        failures,
+    )
   torch = not args.no_torch and importlib.util.find_spec("torch") is not None
   if not torch and not args.no_torch:
     print("cluster: torch is not installed, the PyTorch peer is skipped")
-  # A SIGTERM unwinds like an error, so the links come down.
-  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
   runs, calibration, failures = cluster.measure(
       args.model,
       args.workers,
@@ -260,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
   failures = []
   if args.command == "cluster":
     outputs, columns, failures = _cluster(args, cluster)
-    rows = outputs["cluster"]
+    rows = outputs["cluster_hierarchical" if args.hierarchical else "cluster"]
   elif args.command == "project":
     projected = _project(args, project)
     outputs = {"projection": projected}

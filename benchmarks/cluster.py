@@ -10,6 +10,10 @@ built, every compressor also runs compute-only: N lone processes at once,
 one device each, so the collectives move nothing but the cores are shared as
 in the cluster run. Those times and the calibrated links predict each
 cluster figure (``predicted_examples_per_sec`` beside the measured one).
+
+``measure_hierarchical`` makes each process a node of several devices and
+compares hierarchical compression (a dense mean within the node, the
+compressor across nodes) with flat compression over all devices.
 """
 
 import contextlib
@@ -23,35 +27,10 @@ import tempfile
 import time
 from typing import Any
 
-import ml_collections
-
 from benchmarks import costmodel
 from benchmarks import links
 from benchmarks import workloads
 
-# Cluster workloads: BERT's encoder as configs/bert_base.py trains it, made
-# small enough in compute that the links decide the step time here.
-MODELS = {
-    # BERT-Base's matrices (hidden 768, 12 heads, FFN 3072) in 2 of its 12
-    # layers, an 8,192-token vocabulary and 2 sequences of 16 tokens per
-    # worker: 21.3 M parameters, 85 MB of gradients per step, which a
-    # 1 Gb/s link takes about a second to all-reduce.
-    "bert_base_2l": {
-        "size": {"num_layers": 2, "hidden": 768, "heads": 12, "ffn": 3072},
-        "vocab_size": 8192,
-        "seq_len": 16,
-        "batch_size": 2,
-        "rank": 4,
-    },
-    # For the smoke test.
-    "tiny": {
-        "size": {"num_layers": 1, "hidden": 64, "heads": 4, "ffn": 128},
-        "vocab_size": 512,
-        "seq_len": 16,
-        "batch_size": 4,
-        "rank": 4,
-    },
-}
 BANDWIDTHS = {"1gbit": 1000.0, "10gbit": 10000.0, "unshaped": None}
 TORCH = ("ssgd", "power_sgd")
 # Their train step takes minutes to compile at 4 workers (Sign-SGD 212 s in
@@ -63,43 +42,8 @@ PSUM_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)
 _COORDINATOR_PORT = 8476
 
 
-def config(
-    model: str, compressor: str, steps: int
-) -> ml_collections.ConfigDict:
-  """The training config of cluster workload ``model``."""
-  if model not in MODELS:
-    raise ValueError(
-        f"unknown cluster model {model!r}; choose from {', '.join(MODELS)}"
-    )
-  m = MODELS[model]
-  return workloads.load_config(
-      "bert_base",
-      (
-          ("model", {"name": "bert", "size": m["size"]}),
-          (
-              "data",
-              {
-                  "name": "synthetic_tokens",
-                  "seq_len": m["seq_len"],
-                  "vocab_size": m["vocab_size"],
-                  "task": "masked_lm",
-                  "num_examples": 64,
-              },
-          ),
-          ("per_device_batch_size", m["batch_size"]),
-          ("compressor.name", compressor),
-          ("compressor.power_sgd.rank", m["rank"]),
-          ("compressor.acp_sgd.rank", m["rank"]),
-          ("num_train_steps", steps),
-          ("log_every_steps", steps),
-          ("eval_every_steps", 0),
-          ("checkpoint_every_steps", 0),
-      ),
-  )
-
-
 def _torch_args(model: str, compressor: str, steps: int) -> list[str]:
-  m = MODELS[model]
+  m = workloads.CLUSTER_MODELS[model]
   size = m["size"]
   return [
       "-m",
@@ -208,9 +152,8 @@ def compute_only(
     args = [f"--workload={model}", f"--compressor={name}", f"--steps={steps}"]
     results = _launch([_jax_cmd("train", *args)] * workers, timeout)
     # A synchronous step waits for the slowest worker.
-    seconds = max(
-        MODELS[model]["batch_size"] / r["examples_per_sec"] for r in results
-    )
+    batch = workloads.CLUSTER_MODELS[model]["batch_size"]
+    seconds = max(batch / r["examples_per_sec"] for r in results)
     out[name] = seconds
     print(f"  compute only, {name}: {seconds * 1e3:.0f} ms/step", flush=True)
   return out
@@ -245,7 +188,9 @@ def traffic(model: str, compressor: str) -> list[costmodel.Traffic]:
   from train import experiment as experiment_lib
   from train import train
 
-  experiment = experiment_lib.build(config(model, compressor, 1))
+  experiment = experiment_lib.build(
+      workloads.cluster_config(model, compressor, 1)
+  )
   train_fn, _ = train.compile_steps(experiment)
   batch = experiment_lib.abstract_batch(experiment)
   phases = []
@@ -285,7 +230,7 @@ def measure(
   calibration records (one per bandwidth and psum size) and the runs that
   failed, each with its reason. The
   ``fastest_link_only`` compressors run on the last bandwidth only."""
-  batch = MODELS[model]["batch_size"]
+  batch = workloads.CLUSTER_MODELS[model]["batch_size"]
   print(f"{workers} processes, compute only:", flush=True)
   alone = compute_only(model, compressors, workers, steps, timeout)
   phases = {c: traffic(model, c) for c in compressors}
@@ -389,6 +334,84 @@ def measure(
   return runs, calibration, failures
 
 
+# (compressor, hierarchical): hierarchical ACP-SGD against flat ACP-SGD,
+# whose ring over all devices crosses the slow links, and flat S-SGD.
+HIERARCHICAL_RUNS = (("acp_sgd", True), ("acp_sgd", False), ("ssgd", False))
+
+
+def measure_hierarchical(
+    model: str,
+    nodes: int,
+    devices: int,
+    bandwidths: list[str],
+    steps: int,
+    timeout: float,
+) -> tuple[list[dict[str, Any]], list[str]]:
+  """Records of ``nodes`` processes of ``devices`` devices each, one node
+  per namespace, so that only traffic between nodes crosses the shaped
+  links; and the runs that failed. Each record has the examples/s (the
+  median step), the bytes each node sent on its link per step (counted on
+  the interface), and the accounting per device on each mesh axis."""
+  runs, failures = [], []
+  for bandwidth in bandwidths:
+    with links.switched(nodes, BANDWIDTHS[bandwidth]) as network:
+      for name, hierarchical in HIERARCHICAL_RUNS:
+        mode = "hierarchical" if hierarchical else "flat"
+        results = _attempt(
+            failures,
+            f"{bandwidth} {mode} {name}",
+            lambda: _on_network(
+                network,
+                lambda i: _jax_cmd(
+                    "nodes",
+                    f"--workload={model}",
+                    f"--compressor={name}",
+                    f"--steps={steps}",
+                    f"--devices={devices}",
+                    "--link=eth0",
+                    *(["--hierarchical"] if hierarchical else []),
+                    *_distributed(network, i),
+                ),
+                timeout,
+            ),
+        )
+        if results is None:
+          continue
+        runs.append(
+            {
+                "bandwidth": bandwidth,
+                "nodes": nodes,
+                "devices_per_node": devices,
+                "model": model,
+                "compressor": name,
+                "mode": mode,
+                "examples_per_sec": min(
+                    r["examples_per_sec"] for r in results
+                ),
+                "slow_link_bytes_per_step": statistics.mean(
+                    r["link_tx_bytes_per_step"] for r in results
+                ),
+                "node_axis_bytes_per_device": results[0][
+                    "node_axis_bytes_per_device"
+                ],
+                "local_axis_bytes_per_device": results[0][
+                    "local_axis_bytes_per_device"
+                ],
+                "params_identical": (
+                    len({r["params_sha256"] for r in results}) == 1
+                ),
+            }
+        )
+        print(
+            f"  {bandwidth} {mode} {name}:"
+            f" {runs[-1]['examples_per_sec']:.2f} examples/s,"
+            f" {runs[-1]['slow_link_bytes_per_step'] / 1e6:.3f} MB/step on"
+            " each node's link",
+            flush=True,
+        )
+  return runs, failures
+
+
 def _show(run: dict[str, Any]) -> None:
   predicted = run.get("predicted_examples_per_sec")
   extra = f" (model: {predicted:.2f})" if predicted else ""
@@ -406,5 +429,16 @@ COLUMNS = {
     "examples_per_sec": "examples/s",
     "predicted_examples_per_sec": "model",
     "compute_only_examples_per_sec": "compute only",
+    "params_identical": "same params",
+}
+
+HIERARCHICAL_COLUMNS = {
+    "bandwidth": "link",
+    "mode": "mode",
+    "compressor": "compressor",
+    "examples_per_sec": "examples/s",
+    "slow_link_bytes_per_step": "bytes/step on a node's link",
+    "node_axis_bytes_per_device": "accounted, node axis",
+    "local_axis_bytes_per_device": "accounted, local axis",
     "params_identical": "same params",
 }

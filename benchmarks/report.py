@@ -219,7 +219,7 @@ _SPEEDS = (
 def _cluster_section(rows, calibration, out: pathlib.Path) -> list[str]:
   plots.cluster(rows, out / "cluster.png")
   first = rows[0]
-  model = cluster.MODELS[first["model"]]
+  model = workloads.CLUSTER_MODELS[first["model"]]
   workers = first["workers"]
   examples = model["batch_size"] * workers  # per step, all workers
   for r in rows:

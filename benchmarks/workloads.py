@@ -135,3 +135,64 @@ def describe(name: str) -> dict[str, Any]:
       "rank": low_rank.rank,
       "density": cfg.compressor.topk_sgd.density,
   }
+
+
+# Cluster workloads: BERT's encoder as configs/bert_base.py trains it, made
+# small enough in compute that the links decide the step time here.
+CLUSTER_MODELS = {
+    # BERT-Base's matrices (hidden 768, 12 heads, FFN 3072) in 2 of its 12
+    # layers, an 8,192-token vocabulary and 2 sequences of 16 tokens per
+    # worker: 21.3 M parameters, 85 MB of gradients per step, which a
+    # 1 Gb/s link takes about a second to all-reduce.
+    "bert_base_2l": {
+        "size": {"num_layers": 2, "hidden": 768, "heads": 12, "ffn": 3072},
+        "vocab_size": 8192,
+        "seq_len": 16,
+        "batch_size": 2,
+        "rank": 4,
+    },
+    # For the smoke test.
+    "tiny": {
+        "size": {"num_layers": 1, "hidden": 64, "heads": 4, "ffn": 128},
+        "vocab_size": 512,
+        "seq_len": 16,
+        "batch_size": 4,
+        "rank": 4,
+    },
+}
+
+
+def cluster_config(
+    model: str, compressor: str, steps: int
+) -> ml_collections.ConfigDict:
+  """The training config of cluster workload ``model``."""
+  if model not in CLUSTER_MODELS:
+    raise ValueError(
+        f"unknown cluster model {model!r}; choose from"
+        f" {', '.join(CLUSTER_MODELS)}"
+    )
+  m = CLUSTER_MODELS[model]
+  return load_config(
+      "bert_base",
+      (
+          ("model", {"name": "bert", "size": m["size"]}),
+          (
+              "data",
+              {
+                  "name": "synthetic_tokens",
+                  "seq_len": m["seq_len"],
+                  "vocab_size": m["vocab_size"],
+                  "task": "masked_lm",
+                  "num_examples": 64,
+              },
+          ),
+          ("per_device_batch_size", m["batch_size"]),
+          ("compressor.name", compressor),
+          ("compressor.power_sgd.rank", m["rank"]),
+          ("compressor.acp_sgd.rank", m["rank"]),
+          ("num_train_steps", steps),
+          ("log_every_steps", steps),
+          ("eval_every_steps", 0),
+          ("checkpoint_every_steps", 0),
+      ),
+  )
