@@ -74,7 +74,7 @@ def acp_sgd(
     min_compression_rate: float = 2.0,
     seed: int = 0,
     keep_dense: compressor.KeepDense = None,
-    bucket_bytes: float = collectives.DEFAULT_BUCKET_BYTES,
+    bucket_bytes: float | None = None,
 ) -> compressor.Compressor:
   """ACP-SGD: alternate compressed Power-SGD, one all-reduce a step.
 
@@ -105,7 +105,8 @@ def acp_sgd(
       returning one, marking leaves to send uncompressed.
     bucket_bytes: uncompressed gradient bytes per bucket, so a bucket's
       factors take about this divided by the compression ratio (the paper's
-      scaled fusion buffer); ``math.inf`` for one all-reduce per dtype.
+      scaled fusion buffer); None for 25 MiB (PyTorch DDP's default),
+      ``math.inf`` for one all-reduce per dtype.
 
   Returns:
     A ``Compressor`` whose update, called inside ``jax.shard_map`` or
@@ -201,5 +202,5 @@ def acp_sgd(
       volume,
       axis_name=axis_name,
       phases=phases,
-      bucket_bytes=bucket_bytes,
+      bucket_bytes=lr.bucket_bytes,
   )

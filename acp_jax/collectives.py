@@ -67,9 +67,11 @@ def axis_size(axis_name: str, caller: str) -> int:
     ) from None
 
 
-def check_bucket_bytes(bucket_bytes, caller: str) -> None:
-  """Raises unless ``bucket_bytes`` is a positive number (``math.inf``: one
-  bucket)."""
+def check_bucket_bytes(bucket_bytes, caller: str) -> float:
+  """``bucket_bytes``, or ``DEFAULT_BUCKET_BYTES`` for None; raises unless it
+  is a positive number (``math.inf``: one bucket)."""
+  if bucket_bytes is None:
+    return DEFAULT_BUCKET_BYTES
   if (
       isinstance(bucket_bytes, bool)
       or not isinstance(bucket_bytes, (int, float))
@@ -79,6 +81,7 @@ def check_bucket_bytes(bucket_bytes, caller: str) -> None:
         f"{caller}: bucket_bytes must be a positive number (math.inf for one"
         f" bucket), got {bucket_bytes!r}"
     )
+  return bucket_bytes
 
 
 def bucket_plan(leaf_bytes: Sequence[int], bucket_bytes: float) -> BucketPlan:

@@ -49,7 +49,7 @@ def settings(
     keep_dense: compressor.KeepDense,
     seed: int,
     caller: str,
-    bucket_bytes: float = collectives.DEFAULT_BUCKET_BYTES,
+    bucket_bytes: float | None = None,
 ) -> LowRank:
   """Checks a low-rank factory's arguments."""
   compressor.check_static(
@@ -70,7 +70,7 @@ def settings(
         "min_compression_rate must be a non-negative number, got"
         f" {min_compression_rate!r}"
     )
-  collectives.check_bucket_bytes(bucket_bytes, caller)
+  bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, caller)
   return LowRank(
       rank, min_compression_rate, keep_dense, seed, caller, bucket_bytes
   )
@@ -230,12 +230,13 @@ def psum_round(
   """One round of all-reduces, a bucket at a time: a factor of each
   compressed leaf and, unless ``dense`` is None, each dense leaf, riding in
   its own leaf's bucket. Returns the summed factors and dense leaves."""
-  factors = iter(factors)
-  dense_in = iter(dense or ())
-  per_leaf = [
-      [next(factors)] if spec else ([next(dense_in)] if dense is not None else [])
-      for spec in s.specs
-  ]
+  factors, dense_in = iter(factors), iter(dense or ())
+  per_leaf = []
+  for spec in s.specs:
+    if spec:
+      per_leaf.append([next(factors)])
+    else:
+      per_leaf.append([next(dense_in)] if dense is not None else [])
   summed = collectives.bucketed_psum(per_leaf, s.buckets, axis_name)
   reduced, dense_out = [], []
   for sent, spec in zip(summed, s.specs):

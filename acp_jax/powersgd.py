@@ -30,7 +30,7 @@ def power_sgd(
     min_compression_rate: float = 2.0,
     seed: int = 0,
     keep_dense: compressor.KeepDense = None,
-    bucket_bytes: float = collectives.DEFAULT_BUCKET_BYTES,
+    bucket_bytes: float | None = None,
 ) -> compressor.Compressor:
   """Power-SGD: error-feedback low-rank compression, two all-reduces a step.
 
@@ -58,8 +58,9 @@ def power_sgd(
     keep_dense: a tree of bools like the params, or a function of the params
       returning one, marking leaves to send uncompressed.
     bucket_bytes: uncompressed gradient bytes per bucket, so a bucket's
-      factors take about this divided by the compression ratio; ``math.inf``
-      for one all-reduce per round and dtype.
+      factors take about this divided by the compression ratio; None for 25
+      MiB (PyTorch DDP's default), ``math.inf`` for one all-reduce per round
+      and dtype.
 
   Returns:
     A ``Compressor`` whose update, called inside ``jax.shard_map`` or
@@ -135,6 +136,6 @@ def power_sgd(
       update_fn,
       volume,
       axis_name=axis_name,
-      bucket_bytes=bucket_bytes,
+      bucket_bytes=lr.bucket_bytes,
       dependent_rounds=True,
   )

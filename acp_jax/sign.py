@@ -60,7 +60,7 @@ def sign_sgd(
     *,
     axis_name: str = "data",
     majority_vote: bool = False,
-    bucket_bytes: float = collectives.DEFAULT_BUCKET_BYTES,
+    bucket_bytes: float | None = None,
 ) -> compressor.Compressor:
   """Sign-SGD with error feedback, or with majority vote.
 
@@ -81,8 +81,8 @@ def sign_sgd(
     axis_name: the mapped axis over which devices hold their data shards.
     majority_vote: vote instead of averaging scaled signs.
     bucket_bytes: uncompressed gradient bytes per bucket, each bucket
-      all-gathered on its own (its signs and its scales); ``math.inf`` for
-      one bucket.
+      all-gathered on its own (its signs and its scales); None for 25 MiB
+      (PyTorch DDP's default), ``math.inf`` for one bucket.
 
   Returns:
     A ``Compressor``; its update runs inside ``jax.shard_map`` or ``jax.pmap``
@@ -104,7 +104,8 @@ def sign_sgd(
   """
   if not isinstance(majority_vote, bool):
     raise ValueError(f"majority_vote must be a bool, got {majority_vote!r}")
-  collectives.check_bucket_bytes(bucket_bytes, "sign_sgd")
+  compressor.check_static("sign_sgd", bucket_bytes=bucket_bytes)
+  bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, "sign_sgd")
 
   def init_fn(params):
     compressor.check_float_leaves(params, "sign_sgd")

@@ -12,7 +12,7 @@ def ssgd(
     *,
     axis_name: str = "data",
     comm_dtype=None,
-    bucket_bytes: float = collectives.DEFAULT_BUCKET_BYTES,
+    bucket_bytes: float | None = None,
 ) -> compressor.Compressor:
   """S-SGD: the mean gradient over the axis by a dense all-reduce.
 
@@ -26,8 +26,9 @@ def ssgd(
     axis_name: the mapped axis over which devices hold their data shards.
     comm_dtype: floating dtype to communicate in (e.g. ``jnp.bfloat16``), or
       ``None`` for the gradients' own dtype.
-    bucket_bytes: gradient bytes (in the gradients' dtype) per bucket;
-      ``math.inf`` sends everything in one all-reduce per dtype.
+    bucket_bytes: gradient bytes (in the gradients' dtype) per bucket; None
+      for 25 MiB (PyTorch DDP's default), ``math.inf`` for one all-reduce per
+      dtype.
 
   Returns:
     A stateless ``Compressor``; its update runs inside ``jax.shard_map`` or
@@ -37,7 +38,8 @@ def ssgd(
 
     tx = optax.chain(acp_jax.ssgd(comm_dtype=jnp.bfloat16), optax.sgd(0.1))
   """
-  collectives.check_bucket_bytes(bucket_bytes, "ssgd")
+  compressor.check_static("ssgd", bucket_bytes=bucket_bytes)
+  bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, "ssgd")
   if comm_dtype is not None:
     try:
       floating = jnp.issubdtype(comm_dtype, jnp.floating)

@@ -32,7 +32,7 @@ def topk_sgd(
     density: float,
     *,
     axis_name: str = "data",
-    bucket_bytes: float = collectives.DEFAULT_BUCKET_BYTES,
+    bucket_bytes: float | None = None,
 ) -> compressor.Compressor:
   """Top-k sparsification with error feedback.
 
@@ -50,8 +50,8 @@ def topk_sgd(
     density: fraction of each leaf's elements to send, in (0, 1].
     axis_name: the mapped axis over which devices hold their data shards.
     bucket_bytes: uncompressed gradient bytes per bucket, each bucket
-      all-gathered on its own (its values and its indices); ``math.inf`` for
-      one bucket.
+      all-gathered on its own (its values and its indices); None for 25 MiB
+      (PyTorch DDP's default), ``math.inf`` for one bucket.
 
   Returns:
     A ``Compressor``; its update runs inside ``jax.shard_map`` or ``jax.pmap``
@@ -78,7 +78,8 @@ def topk_sgd(
       or not 0 < density <= 1
   ):
     raise ValueError(f"density must be a number in (0, 1], got {density!r}")
-  collectives.check_bucket_bytes(bucket_bytes, "topk_sgd")
+  compressor.check_static("topk_sgd", bucket_bytes=bucket_bytes)
+  bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, "topk_sgd")
 
   def init_fn(params):
     compressor.check_float_leaves(params, "topk_sgd")
