@@ -4,7 +4,6 @@ import enum
 from typing import NamedTuple
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import optax
 
@@ -75,6 +74,7 @@ def acp_sgd(
     min_compression_rate: float = 2.0,
     seed: int = 0,
     keep_dense: compressor.KeepDense = None,
+    bucket_bytes: float | None = None,
 ) -> compressor.Compressor:
   """ACP-SGD: alternate compressed Power-SGD, one all-reduce a step.
 
@@ -87,10 +87,13 @@ def acp_sgd(
              Q = allreduce_sum(Q) / N;  update = P' Q^T
 
   The factor each step projects onto comes from the previous step, so nothing
-  in a step waits on that step's own communication: its one all-reduce
-  (factors plus the leaves sent dense) can fuse and overlap like S-SGD's, at
-  about half Power-SGD's volume. The phase lives in the state's structure: a
-  jitted step compiles once per phase.
+  in a step waits on that step's own communication: its one round of
+  all-reduces (factors plus the leaves sent dense) can fuse and overlap like
+  S-SGD's, at about half Power-SGD's volume. The leaves travel in buckets, as
+  S-SGD's do, each bucket's factors packed into one all-reduce that waits
+  only for its own leaves' gradients (see ``acp_jax.collectives``). The
+  phase lives in the state's structure: a jitted step compiles once per
+  phase.
 
   Args:
     rank: rank r of the factors, clipped per leaf to min(n, m).
@@ -100,6 +103,10 @@ def acp_sgd(
     seed: seed of the initial Q, the same on every replica.
     keep_dense: a tree of bools like the params, or a function of the params
       returning one, marking leaves to send uncompressed.
+    bucket_bytes: uncompressed gradient bytes per bucket, so a bucket's
+      factors take about this divided by the compression ratio (the paper's
+      scaled fusion buffer); None for 25 MiB (PyTorch DDP's default),
+      ``math.inf`` for one all-reduce per dtype.
 
   Returns:
     A ``Compressor`` whose update, called inside ``jax.shard_map`` or
@@ -120,7 +127,9 @@ def acp_sgd(
     Zhang et al., "Evaluation and Optimization of Gradient Compression for
     Distributed Deep Learning", ICDCS 2023. https://arxiv.org/abs/2306.08881
   """
-  lr = lowrank.settings(rank, min_compression_rate, keep_dense, seed, "acp_sgd")
+  lr = lowrank.settings(
+      rank, min_compression_rate, keep_dense, seed, "acp_sgd", bucket_bytes
+  )
 
   def init_fn(params):
     error, p, q = lowrank.init_trees(lr, params)
@@ -143,9 +152,10 @@ def acp_sgd(
     bases = [lowrank.orthogonalize(f) for f in previous]
     factors = [project(m, b) for m, b in zip(s.matrices, bases)]
     errors = [m - expand(f, b) for m, f, b in zip(s.matrices, factors, bases)]
-    # The one round: packed factors, and dense leaves that XLA fuses in.
-    reduced = [f / n for f in collectives.packed_psum(factors, axis_name)]
-    dense = [x / n for x in lax.psum(s.dense, axis_name)]
+    # The one round: each bucket's factors and dense leaves together.
+    reduced, dense = lowrank.psum_round(s, factors, s.dense, axis_name)
+    reduced = [f / n for f in reduced]
+    dense = [x / n for x in dense]
     applied = [expand(f, b) for f, b in zip(reduced, bases)]
     masked = [optax.MaskedNode()] * len(s.dense)
     reduced_tree = lowrank.merge(
@@ -187,5 +197,10 @@ def acp_sgd(
     return {phase.value: state._replace(phase=marker(phase)) for phase in Phase}
 
   return compressor.Compressor(
-      init_fn, update_fn, volume, axis_name=axis_name, phases=phases
+      init_fn,
+      update_fn,
+      volume,
+      axis_name=axis_name,
+      phases=phases,
+      bucket_bytes=lr.bucket_bytes,
   )

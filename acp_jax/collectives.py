@@ -1,16 +1,43 @@
-"""Collectives over a named mapped axis, packed where XLA would not.
+"""Collectives over a named mapped axis, in buckets of gradient leaves.
 
-Dense gradients are psummed leaf by leaf and left to XLA's all-reduce
-combiner, which merges independent all-reduces (on CPU all of them, on GPU up
-to ``--xla_gpu_all_reduce_combine_threshold_bytes``) without copies; one
-flat 100 MB buffer would also all-reduce 2.7 times slower on XLA:CPU than the
-same bytes in 16 pieces.
+Every compressor exchanges its leaves in buckets, as PyTorch DDP does: the
+leaves are taken in backward order (the reverse of the params' leaf order, a
+proxy for the order in which backprop produces their gradients: a model's
+last layer is usually its last leaf) and cut into consecutive buckets of at
+most ``bucket_bytes`` of *uncompressed* gradient (a leaf larger than that
+fills a bucket alone). Each bucket's arrays are packed into one flat buffer
+per dtype and get one collective per round, which depends only on that
+bucket's gradients and state: the first bucket's exchange can start while
+backprop still computes the others' gradients, on a backend that overlaps.
 
-Low-rank factors are packed into one flat buffer per dtype before their
-psum: that fixes the number of rounds. Left to itself, XLA:CPU combined each
-leaf's Q with the next leaf's P and turned Power-SGD's two rounds into a
-chain of one all-reduce per leaf. All-gathers are packed the same way, since
-XLA:CPU does not combine them.
+The threshold counts uncompressed bytes for every compressor, so a bucket
+holds the same leaves whatever is sent of them (dense, signs, top-k, either
+low-rank factor): a compressor's buckets are S-SGD's buckets, each sending
+its compressed share. For the low-rank factors this is the paper's fusion
+buffer of 25 MB scaled by the compression ratio, and ACP-SGD's P-steps and
+Q-steps keep one plan although their factors differ in size.
+
+Packing fixes the number of collectives: XLA would otherwise decide it with
+its combiners. XLA:GPU merges independent all-reduces up to
+``--xla_gpu_all_reduce_combine_threshold_bytes``: keep that below the
+buckets' size (0 keeps every bucket apart). XLA:CPU's all-reduce combiner
+(``cpu-all-reduce-combiner``) has no threshold and merges every set of
+all-reduces that do not wait on each other, greedily in the program's post
+order. For one-round methods that merges the buckets into one all-reduce,
+which loses no overlap on XLA:CPU, since it does not overlap a collective
+with compute anyway. For Power-SGD, whose Q round of a bucket needs that
+bucket's reduced P, the post order interleaves the buckets' rounds and the
+combiner merges one bucket's Q with the next bucket's P: k buckets become a
+chain of k + 1 rounds (measured on a small ResNet in 13 buckets: 11
+all-reduces in 11 rounds; 23 in 2 rounds with the combiner off; 2 in 2 with
+one bucket per round). Since
+XLA:CPU runs collectives after one another anyway, buckets buy a dependent
+method nothing there, so Power-SGD sends one bucket per round where the
+default backend is a CPU (``for_dependent_rounds``); on XLA:CPU with the
+combiner off its buckets would keep two rounds. Compile with
+``--xla_disable_hlo_passes=cpu-all-reduce-combiner`` to see the per-bucket
+all-reduces of the one-round methods one by one. XLA:CPU does not combine
+all-gathers, so Sign-SGD's and Top-k's buckets stay apart there in any case.
 """
 
 from collections.abc import Callable, Sequence
@@ -19,6 +46,12 @@ import math
 import jax
 from jax import lax
 import jax.numpy as jnp
+
+# PyTorch DDP's default bucket_cap_mb.
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+# Leaf indices, bucket by bucket, in the order the buckets are sent.
+BucketPlan = tuple[tuple[int, ...], ...]
 
 
 def axis_size(axis_name: str, caller: str) -> int:
@@ -34,6 +67,62 @@ def axis_size(axis_name: str, caller: str) -> int:
     ) from None
 
 
+def check_bucket_bytes(bucket_bytes, caller: str) -> float:
+  """``bucket_bytes``, or ``DEFAULT_BUCKET_BYTES`` for None; raises unless it
+  is a positive number (``math.inf``: one bucket)."""
+  if bucket_bytes is None:
+    return DEFAULT_BUCKET_BYTES
+  if (
+      isinstance(bucket_bytes, bool)
+      or not isinstance(bucket_bytes, (int, float))
+      or not bucket_bytes > 0
+  ):
+    raise ValueError(
+        f"{caller}: bucket_bytes must be a positive number (math.inf for one"
+        f" bucket), got {bucket_bytes!r}"
+    )
+  return bucket_bytes
+
+
+def bucket_plan(leaf_bytes: Sequence[int], bucket_bytes: float) -> BucketPlan:
+  """Leaves grouped into buckets, in backward order.
+
+  Args:
+    leaf_bytes: the uncompressed bytes of each leaf, in the params' leaf
+      order.
+    bucket_bytes: a bucket is closed when the next leaf would take it past
+      this many bytes; a larger leaf fills a bucket alone. Empty leaves join
+      the current bucket, so they never change the plan of the others.
+
+  Returns:
+    Tuples of leaf indices, the last leaf first.
+  """
+  buckets, current, size = [], [], 0
+  for i in reversed(range(len(leaf_bytes))):
+    if current and leaf_bytes[i] and size + leaf_bytes[i] > bucket_bytes:
+      buckets.append(tuple(current))
+      current, size = [], 0
+    current.append(i)
+    size += leaf_bytes[i]
+  if current:
+    buckets.append(tuple(current))
+  return tuple(buckets)
+
+
+def leaf_plan(leaves: Sequence, bucket_bytes: float) -> BucketPlan:
+  """``bucket_plan`` of arrays (or their shapes), by their own bytes."""
+  return bucket_plan([nbytes(x.shape, x.dtype) for x in leaves], bucket_bytes)
+
+
+def for_dependent_rounds(plan: BucketPlan) -> BucketPlan:
+  """The buckets of a method whose second round needs its first one's result:
+  ``plan`` itself, or all in one bucket on the CPU backend, whose all-reduce
+  combiner would chain the buckets' rounds (see the module's docstring)."""
+  if jax.default_backend() != "cpu" or len(plan) < 2:
+    return plan
+  return (tuple(i for bucket in plan for i in bucket),)
+
+
 def _packed(
     collective: Callable[[jax.Array], jax.Array],
     arrays: Sequence[jax.Array],
@@ -42,14 +131,17 @@ def _packed(
   """``collective`` of one flat buffer per dtype, split back into arrays.
 
   ``lead`` is the shape the collective prepends (the axis size, for an
-  all-gather).
+  all-gather). A buffer with no elements is not sent.
   """
   by_dtype: dict[jnp.dtype, list[int]] = {}
   for i, x in enumerate(arrays):
     by_dtype.setdefault(x.dtype, []).append(i)
   out = [None] * len(arrays)
-  for members in by_dtype.values():
-    flat = collective(jnp.concatenate([arrays[i].ravel() for i in members]))
+  for dtype, members in by_dtype.items():
+    flat = jnp.concatenate([arrays[i].ravel() for i in members])
+    flat = (
+        collective(flat) if flat.size else jnp.zeros(lead + flat.shape, dtype)
+    )
     start = 0
     for i in members:
       x = arrays[i]
@@ -58,21 +150,51 @@ def _packed(
   return out
 
 
-def packed_psum(arrays: Sequence[jax.Array], axis_name: str) -> list[jax.Array]:
-  """``lax.psum`` of every array, one all-reduce per dtype."""
-  return _packed(lambda x: lax.psum(x, axis_name), arrays, ())
+def _bucketed(
+    collective: Callable[[jax.Array], jax.Array],
+    per_leaf: Sequence[Sequence[jax.Array]],
+    plan: BucketPlan,
+    lead: tuple[int, ...],
+) -> list[list[jax.Array]]:
+  """``_packed`` collective of each bucket's arrays; ``per_leaf[i]`` are the
+  arrays leaf ``i`` sends (any number, none included)."""
+  out = [[] for _ in per_leaf]
+  for bucket in plan:
+    arrays = [x for i in bucket for x in per_leaf[i]]
+    done = iter(_packed(collective, arrays, lead))
+    for i in bucket:
+      out[i] = [next(done) for _ in per_leaf[i]]
+  return out
 
 
-def packed_all_gather(
-    arrays: Sequence[jax.Array], axis_name: str
-) -> list[jax.Array]:
-  """``lax.all_gather`` of every array, one all-gather per dtype.
+def bucketed_psum(
+    per_leaf: Sequence[Sequence[jax.Array]], plan: BucketPlan, axis_name: str
+) -> list[list[jax.Array]]:
+  """``lax.psum`` of every array, one all-reduce per bucket and dtype.
 
-  Returns arrays with a new leading axis of the axis size: entry ``j`` holds
-  device ``j``'s array.
+  Args:
+    per_leaf: for each leaf, the arrays it sends (none, one, or several).
+    plan: the buckets, from ``bucket_plan`` over the same leaves.
+    axis_name: the mapped axis to sum over.
+
+  Returns:
+    The summed arrays, nested like ``per_leaf``.
   """
-  n = axis_size(axis_name, "packed_all_gather")
-  return _packed(lambda x: lax.all_gather(x, axis_name), arrays, (n,))
+  return _bucketed(lambda x: lax.psum(x, axis_name), per_leaf, plan, ())
+
+
+def bucketed_all_gather(
+    per_leaf: Sequence[Sequence[jax.Array]], plan: BucketPlan, axis_name: str
+) -> list[list[jax.Array]]:
+  """``lax.all_gather`` of every array, one all-gather per bucket and dtype.
+
+  Like ``bucketed_psum``; each result has a new leading axis of the axis
+  size, whose entry ``j`` holds device ``j``'s array.
+  """
+  n = axis_size(axis_name, "bucketed_all_gather")
+  return _bucketed(
+      lambda x: lax.all_gather(x, axis_name), per_leaf, plan, (n,)
+  )
 
 
 def nbytes(shape: Sequence[int], dtype) -> int:

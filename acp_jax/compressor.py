@@ -58,6 +58,10 @@ class Compressor(optax.GradientTransformation):
       before that phase's step}``, with the names of ``comm_bytes`` (one
       ``"step"``, or ACP-SGD's ``"p"`` and ``"q"``); for lowering each
       phase's step, so its leaves may be abstract.
+    bucket_bytes: at most this many bytes of uncompressed gradient go into
+      a bucket, unless a leaf alone is larger (see ``collectives``).
+    dependent_rounds: whether a bucket's second round needs its first one's
+      result (Power-SGD), which changes the buckets on a CPU.
   """
 
   def __new__(
@@ -69,13 +73,26 @@ class Compressor(optax.GradientTransformation):
       axis_name: str,
       local_fields: Sequence[str] = ("error",),
       phases: PhasesFn = _one_phase,
+      bucket_bytes: float = collectives.DEFAULT_BUCKET_BYTES,
+      dependent_rounds: bool = False,
   ):
     self = super().__new__(cls, init, update)
+    self.bucket_bytes = bucket_bytes
+    self.dependent_rounds = dependent_rounds
     self._volume = volume
     self.axis_name = axis_name
     self.local_fields = tuple(local_fields)
     self.phases = phases
     return self
+
+  def buckets(self, params: Any) -> collectives.BucketPlan:
+    """The buckets in which ``update`` sends the gradients of ``params``
+    (or of their shapes): tuples of indices into ``jax.tree.leaves(params)``,
+    in the order they are sent, the last leaf first."""
+    plan = collectives.leaf_plan(jax.tree.leaves(params), self.bucket_bytes)
+    if self.dependent_rounds:
+      return collectives.for_dependent_rounds(plan)
+    return plan
 
 
 def comm_bytes(

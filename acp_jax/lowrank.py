@@ -30,6 +30,7 @@ class LowRank(NamedTuple):
   keep_dense: compressor.KeepDense
   seed: int
   caller: str  # the factory's name, for error messages
+  bucket_bytes: float = collectives.DEFAULT_BUCKET_BYTES
 
   def plan(self, tree: Any) -> list[MatrixSpec | None]:
     """``matrix_spec`` of every leaf of ``tree``, honouring ``keep_dense``."""
@@ -48,10 +49,15 @@ def settings(
     keep_dense: compressor.KeepDense,
     seed: int,
     caller: str,
+    bucket_bytes: float | None = None,
 ) -> LowRank:
   """Checks a low-rank factory's arguments."""
   compressor.check_static(
-      caller, rank=rank, min_compression_rate=min_compression_rate, seed=seed
+      caller,
+      rank=rank,
+      min_compression_rate=min_compression_rate,
+      seed=seed,
+      bucket_bytes=bucket_bytes,
   )
   if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
     raise ValueError(f"rank must be a positive int, got {rank!r}")
@@ -64,7 +70,10 @@ def settings(
         "min_compression_rate must be a non-negative number, got"
         f" {min_compression_rate!r}"
     )
-  return LowRank(rank, min_compression_rate, keep_dense, seed, caller)
+  bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, caller)
+  return LowRank(
+      rank, min_compression_rate, keep_dense, seed, caller, bucket_bytes
+  )
 
 
 def matrix_spec(
@@ -182,6 +191,7 @@ class Split(NamedTuple):
   specs: list[MatrixSpec | None]
   matrices: list[jax.Array]  # M = G + E, n x m, for each compressed leaf
   dense: list[jax.Array]  # the gradient of each leaf sent dense
+  buckets: collectives.BucketPlan  # of all leaves, by their gradients' bytes
 
 
 def split(lr: LowRank, grads: Any, errors: Any) -> Split:
@@ -201,7 +211,37 @@ def split(lr: LowRank, grads: Any, errors: Any) -> Split:
       dense.append(g)
     else:
       matrices.append((g + e).reshape(spec.n, spec.m))
-  return Split(treedef, [x.shape for x in leaves], specs, matrices, dense)
+  return Split(
+      treedef,
+      [x.shape for x in leaves],
+      specs,
+      matrices,
+      dense,
+      collectives.leaf_plan(leaves, lr.bucket_bytes),
+  )
+
+
+def psum_round(
+    s: Split,
+    factors: list[jax.Array],
+    dense: list[jax.Array] | None,
+    axis_name: str,
+) -> tuple[list[jax.Array], list[jax.Array]]:
+  """One round of all-reduces, a bucket at a time: a factor of each
+  compressed leaf and, unless ``dense`` is None, each dense leaf, riding in
+  its own leaf's bucket. Returns the summed factors and dense leaves."""
+  factors, dense_in = iter(factors), iter(dense or ())
+  per_leaf = []
+  for spec in s.specs:
+    if spec:
+      per_leaf.append([next(factors)])
+    else:
+      per_leaf.append([next(dense_in)] if dense is not None else [])
+  summed = collectives.bucketed_psum(per_leaf, s.buckets, axis_name)
+  reduced, dense_out = [], []
+  for sent, spec in zip(summed, s.specs):
+    (reduced if spec else dense_out).extend(sent)
+  return reduced, dense_out
 
 
 def merge(

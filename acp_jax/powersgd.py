@@ -2,7 +2,6 @@
 
 from typing import NamedTuple
 
-from jax import lax
 import optax
 
 from acp_jax import collectives
@@ -31,6 +30,7 @@ def power_sgd(
     min_compression_rate: float = 2.0,
     seed: int = 0,
     keep_dense: compressor.KeepDense = None,
+    bucket_bytes: float | None = None,
 ) -> compressor.Compressor:
   """Power-SGD: error-feedback low-rank compression, two all-reduces a step.
 
@@ -42,10 +42,12 @@ def power_sgd(
     Q = allreduce_sum(M^T P) / N
     update = P Q^T;  E = M - update
 
-  Each round packs its factors into one buffer; leaves sent dense (vectors,
-  scalars, small matrices, ``keep_dense``) are psummed on their own and XLA
-  fuses them into a round. The second round needs the first one's result,
-  so the two can neither be fused nor overlapped with backprop.
+  The leaves travel in buckets (see ``acp_jax.collectives``): each bucket
+  packs its P factors, with its leaves sent dense (vectors, scalars, small
+  matrices, ``keep_dense``), into one all-reduce, then its Q factors into a
+  second one. A bucket's second round needs its first one's result, so the
+  two can neither be fused nor overlapped with backprop. On a CPU backend
+  all leaves share one bucket (``collectives.for_dependent_rounds``).
 
   Args:
     rank: rank r of the factors, clipped per leaf to min(n, m).
@@ -55,6 +57,10 @@ def power_sgd(
     seed: seed of the initial Q, the same on every replica.
     keep_dense: a tree of bools like the params, or a function of the params
       returning one, marking leaves to send uncompressed.
+    bucket_bytes: uncompressed gradient bytes per bucket, so a bucket's
+      factors take about this divided by the compression ratio; None for 25
+      MiB (PyTorch DDP's default), ``math.inf`` for one all-reduce per round
+      and dtype.
 
   Returns:
     A ``Compressor`` whose update, called inside ``jax.shard_map`` or
@@ -73,7 +79,7 @@ def power_sgd(
     Distributed Optimization", NeurIPS 2019. https://arxiv.org/abs/1905.13727
   """
   lr = lowrank.settings(
-      rank, min_compression_rate, keep_dense, seed, "power_sgd"
+      rank, min_compression_rate, keep_dense, seed, "power_sgd", bucket_bytes
   )
 
   def init_fn(params):
@@ -85,6 +91,7 @@ def power_sgd(
     n = compressor.begin_update(updates, axis_name, "power_sgd")
     compressor.check_state(state, PowerSgdState, "power_sgd")
     s = lowrank.split(lr, updates, state.error)
+    s = s._replace(buckets=collectives.for_dependent_rounds(s.buckets))
     lowrank.check_factors(lr, s, state.q, "m")
     # The warm-start Q, a mean of M^T P, carries the gradient's scale, so
     # M Q carries its square: in float16 that overflows (inf, then NaN) on a
@@ -92,15 +99,16 @@ def power_sgd(
     # is orthogonalized next; an orthonormal basis of it keeps M Q at the
     # scale of M, as PyTorch's powerSGD_hook does.
     qs = [lowrank.orthogonalize(q) for q in lowrank.leaves_of(s, state.q)]
-    ps = collectives.packed_psum(
-        [m @ q for m, q in zip(s.matrices, qs)], axis_name
+    ps, dense = lowrank.psum_round(
+        s, [m @ q for m, q in zip(s.matrices, qs)], s.dense, axis_name
     )
-    dense = lax.psum(s.dense, axis_name)  # XLA fuses it with a factor round.
     ps = [lowrank.orthogonalize(p) for p in ps]
-    # Q needs the reduced P: a second all-reduce that can neither fuse with
-    # the first nor start before it ends.
-    qts = collectives.packed_psum(
+    # Q needs the reduced P: a second all-reduce per bucket that can neither
+    # fuse with the bucket's first nor start before it ends.
+    qts, _ = lowrank.psum_round(
+        s,
         [lowrank.project_transposed(m, p) for m, p in zip(s.matrices, ps)],
+        None,
         axis_name,
     )
     qts = [qt / n for qt in qts]
@@ -124,5 +132,10 @@ def power_sgd(
     return {"step": compressor.CommVolume(all_reduce=step)}
 
   return compressor.Compressor(
-      init_fn, update_fn, volume, axis_name=axis_name
+      init_fn,
+      update_fn,
+      volume,
+      axis_name=axis_name,
+      bucket_bytes=lr.bucket_bytes,
+      dependent_rounds=True,
   )

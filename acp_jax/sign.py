@@ -57,7 +57,10 @@ def _sum_of_signs(
 
 
 def sign_sgd(
-    *, axis_name: str = "data", majority_vote: bool = False
+    *,
+    axis_name: str = "data",
+    majority_vote: bool = False,
+    bucket_bytes: float | None = None,
 ) -> compressor.Compressor:
   """Sign-SGD with error feedback, or with majority vote.
 
@@ -71,11 +74,15 @@ def sign_sgd(
   (0 where the vote ties); scale the step with the learning rate.
   Signs travel packed eight per byte by one all-gather, since an all-reduce
   cannot sum them without widening; the per-leaf scales c (float32) by a
-  second one. A zero element is sent as +1; an empty leaf sends nothing.
+  second one, in buckets of leaves (see ``acp_jax.collectives``). A zero
+  element is sent as +1; an empty leaf sends nothing.
 
   Args:
     axis_name: the mapped axis over which devices hold their data shards.
     majority_vote: vote instead of averaging scaled signs.
+    bucket_bytes: uncompressed gradient bytes per bucket, each bucket
+      all-gathered on its own (its signs and its scales); None for 25 MiB
+      (PyTorch DDP's default), ``math.inf`` for one bucket.
 
   Returns:
     A ``Compressor``; its update runs inside ``jax.shard_map`` or ``jax.pmap``
@@ -97,6 +104,8 @@ def sign_sgd(
   """
   if not isinstance(majority_vote, bool):
     raise ValueError(f"majority_vote must be a bool, got {majority_vote!r}")
+  compressor.check_static("sign_sgd", bucket_bytes=bucket_bytes)
+  bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, "sign_sgd")
 
   def init_fn(params):
     compressor.check_float_leaves(params, "sign_sgd")
@@ -109,24 +118,26 @@ def sign_sgd(
   def vote(updates, state):
     compressor.check_tree_matches(updates, state.error, "sign_sgd")
     leaves, treedef = jax.tree.flatten(updates)
-    gathered = collectives.packed_all_gather(
-        [_pack_signs(g) for g in leaves], axis_name
+    gathered = collectives.bucketed_all_gather(
+        [[_pack_signs(g)] for g in leaves],
+        collectives.leaf_plan(leaves, bucket_bytes),
+        axis_name,
     )
     votes = [
         jnp.sign(_sum_of_signs(bits, g)).astype(g.dtype)
-        for bits, g in zip(gathered, leaves)
+        for (bits,), g in zip(gathered, leaves)
     ]
     return jax.tree.unflatten(treedef, votes), state
 
   def compress(ps):
-    bits = [_pack_signs(p) for p in ps]
     scales = [jnp.abs(p).astype(jnp.float32).mean() for p in ps]
-    gathered = collectives.packed_all_gather(bits + scales, axis_name)
-    k = len(ps)
+    gathered = collectives.bucketed_all_gather(
+        [[_pack_signs(p), scale] for p, scale in zip(ps, scales)],
+        collectives.leaf_plan(ps, bucket_bytes),
+        axis_name,
+    )
     sent, mean = [], []
-    for p, scale, all_bits, all_scales in zip(
-        ps, scales, gathered[:k], gathered[k:]
-    ):
+    for p, scale, (all_bits, all_scales) in zip(ps, scales, gathered):
       sent.append(jnp.where(p >= 0, scale, -scale).astype(p.dtype))
       total = _sum_of_signs(all_bits, p, all_scales)
       mean.append((total / all_bits.shape[0]).astype(p.dtype))
@@ -154,5 +165,5 @@ def sign_sgd(
     }
 
   return compressor.Compressor(
-      init_fn, update_fn, volume, axis_name=axis_name
+      init_fn, update_fn, volume, axis_name=axis_name, bucket_bytes=bucket_bytes
   )

@@ -1,7 +1,6 @@
 """S-SGD: the dense all-reduce every compressor is measured against."""
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import optax
 
@@ -13,17 +12,23 @@ def ssgd(
     *,
     axis_name: str = "data",
     comm_dtype=None,
+    bucket_bytes: float | None = None,
 ) -> compressor.Compressor:
   """S-SGD: the mean gradient over the axis by a dense all-reduce.
 
   ``update = allreduce_sum(G / N)``, sent in ``comm_dtype`` if given (each
   device divides by N first, so fp16 sums do not overflow) and returned in the
-  gradient's dtype.
+  gradient's dtype. The gradients travel in buckets of about
+  ``bucket_bytes``, one all-reduce each, the last layer's first, as in
+  PyTorch DDP (see ``acp_jax.collectives``).
 
   Args:
     axis_name: the mapped axis over which devices hold their data shards.
     comm_dtype: floating dtype to communicate in (e.g. ``jnp.bfloat16``), or
       ``None`` for the gradients' own dtype.
+    bucket_bytes: gradient bytes (in the gradients' dtype) per bucket; None
+      for 25 MiB (PyTorch DDP's default), ``math.inf`` for one all-reduce per
+      dtype.
 
   Returns:
     A stateless ``Compressor``; its update runs inside ``jax.shard_map`` or
@@ -33,6 +38,8 @@ def ssgd(
 
     tx = optax.chain(acp_jax.ssgd(comm_dtype=jnp.bfloat16), optax.sgd(0.1))
   """
+  compressor.check_static("ssgd", bucket_bytes=bucket_bytes)
+  bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, "ssgd")
   if comm_dtype is not None:
     try:
       floating = jnp.issubdtype(comm_dtype, jnp.floating)
@@ -52,9 +59,11 @@ def ssgd(
     n = compressor.begin_update(updates, axis_name, "ssgd")
     compressor.check_state(state, optax.EmptyState, "ssgd")
     leaves, treedef = jax.tree.flatten(updates)
-    sent = [(g / n).astype(comm_dtype or g.dtype) for g in leaves]
-    summed = lax.psum(sent, axis_name)
-    mean = [x.astype(g.dtype) for x, g in zip(summed, leaves)]
+    sent = [[(g / n).astype(comm_dtype or g.dtype)] for g in leaves]
+    summed = collectives.bucketed_psum(
+        sent, collectives.leaf_plan(leaves, bucket_bytes), axis_name
+    )
+    mean = [x.astype(g.dtype) for (x,), g in zip(summed, leaves)]
     return jax.tree.unflatten(treedef, mean), state
 
   def volume(params, num_devices):
@@ -66,5 +75,10 @@ def ssgd(
     return {"step": compressor.CommVolume(all_reduce=step)}
 
   return compressor.Compressor(
-      init_fn, update_fn, volume, axis_name=axis_name, local_fields=()
+      init_fn,
+      update_fn,
+      volume,
+      axis_name=axis_name,
+      local_fields=(),
+      bucket_bytes=bucket_bytes,
   )

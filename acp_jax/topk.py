@@ -29,7 +29,10 @@ def _k(numel: int, density: float) -> int:
 
 
 def topk_sgd(
-    density: float, *, axis_name: str = "data"
+    density: float,
+    *,
+    axis_name: str = "data",
+    bucket_bytes: float | None = None,
 ) -> compressor.Compressor:
   """Top-k sparsification with error feedback.
 
@@ -38,13 +41,17 @@ def topk_sgd(
     p = g + e;  I = indices of the k largest |p|
     update = scatter_add over devices of (I, p[I]) / N;  e = p with p[I] = 0
 
-  Values (leaf dtype) and int32 indices travel by all-gather, so a device
-  receives N k (itemsize + 4) bytes per leaf: less than a dense all-reduce
-  only when the density is below about 1 / N.
+  Values (leaf dtype) and int32 indices travel by all-gather, in buckets of
+  leaves (see ``acp_jax.collectives``), so a device receives N k (itemsize +
+  4) bytes per leaf: less than a dense all-reduce only when the density is
+  below about 1 / N.
 
   Args:
     density: fraction of each leaf's elements to send, in (0, 1].
     axis_name: the mapped axis over which devices hold their data shards.
+    bucket_bytes: uncompressed gradient bytes per bucket, each bucket
+      all-gathered on its own (its values and its indices); None for 25 MiB
+      (PyTorch DDP's default), ``math.inf`` for one bucket.
 
   Returns:
     A ``Compressor``; its update runs inside ``jax.shard_map`` or ``jax.pmap``
@@ -71,6 +78,8 @@ def topk_sgd(
       or not 0 < density <= 1
   ):
     raise ValueError(f"density must be a number in (0, 1], got {density!r}")
+  compressor.check_static("topk_sgd", bucket_bytes=bucket_bytes)
+  bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, "topk_sgd")
 
   def init_fn(params):
     compressor.check_float_leaves(params, "topk_sgd")
@@ -80,12 +89,13 @@ def topk_sgd(
     flats = [p.ravel() for p in ps]
     indices = [lax.top_k(jnp.abs(f), _k(f.size, density))[1] for f in flats]
     values = [f[i] for f, i in zip(flats, indices)]
-    gathered = collectives.packed_all_gather(values + indices, axis_name)
-    k = len(ps)
+    gathered = collectives.bucketed_all_gather(
+        [[v, i] for v, i in zip(values, indices)],
+        collectives.leaf_plan(ps, bucket_bytes),
+        axis_name,
+    )
     sent, mean = [], []
-    for p, f, i, v, all_v, all_i in zip(
-        ps, flats, indices, values, gathered[:k], gathered[k:]
-    ):
+    for p, f, i, v, (all_v, all_i) in zip(ps, flats, indices, values, gathered):
       sent.append(jnp.zeros_like(f).at[i].set(v).reshape(p.shape))
       total = (
           jnp.zeros(f.shape, jnp.float32)
@@ -112,5 +122,5 @@ def topk_sgd(
     return {"step": compressor.CommVolume(all_gather=num_devices * received)}
 
   return compressor.Compressor(
-      init_fn, update_fn, volume, axis_name=axis_name
+      init_fn, update_fn, volume, axis_name=axis_name, bucket_bytes=bucket_bytes
   )

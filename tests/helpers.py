@@ -125,7 +125,13 @@ MIXED = {
 }
 
 
-def compiled_update(tx, params, state=None):
+# XLA:CPU's combiner merges every set of independent all-reduces into one;
+# without it each all-reduce stays as the program issues it, as on a GPU
+# below its combine threshold.
+ONE_BY_ONE = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
+
+
+def compiled_update(tx, params, state=None, compiler_options=None):
   """The compiled exchange of ``tx`` for ``params`` (shapes suffice), in the
   layout of ``acp_jax.DataParallel``; ``state`` picks the phase."""
   dp = acp_jax.DataParallel(tx, mesh())
@@ -134,7 +140,7 @@ def compiled_update(tx, params, state=None):
   return (
       jax.jit(dp.compress)
       .lower(dp.abstract_local_grads(params), state)
-      .compile()
+      .compile(compiler_options)
   )
 
 

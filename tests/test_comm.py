@@ -1,5 +1,7 @@
 """What the compiled update really sends equals what comm_bytes says."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -28,8 +30,8 @@ def hlo_volume(tx, params, state):
   )
 
 
-def assert_compiled_bytes_equal_accounting(name, params):
-  tx = COMPRESSORS[name].make()
+def assert_compiled_bytes_equal_accounting(name, params, **options):
+  tx = COMPRESSORS[name].make(**options)
   expected = acp_jax.comm_bytes(tx, params, num_devices=NUM_DEVICES)
   if name == "ssgd_bf16" and jax.default_backend() == "cpu":
     # XLA:CPU widens bf16 all-reduces to f32 (its reducer is "_promoted");
@@ -46,6 +48,57 @@ def assert_compiled_bytes_equal_accounting(name, params):
 @all_compressors
 def test_compiled_bytes_equal_accounting(name):
   assert_compiled_bytes_equal_accounting(name, SMALL_RESNET)
+
+
+# About a fifth of the small ResNet's gradient bytes: a bucket a stage or so.
+SMALL_BUCKETS = 100_000
+
+
+@all_compressors
+def test_compiled_bytes_equal_accounting_in_buckets(name):
+  assert_compiled_bytes_equal_accounting(
+      name, SMALL_RESNET, bucket_bytes=SMALL_BUCKETS
+  )
+
+
+def collective_inputs(text):
+  """For each collective of a compiled module's entry computation, the
+  numbers of the entry parameters it depends on."""
+  entry, computations = acp_jax.hlo._computations(text)
+  instructions = computations[entry]
+  names = {i.name for i in instructions}
+  operands = {
+      i.name: [r for r in i.references if r in names] for i in instructions
+  }
+  number = dict(
+      re.findall(r"^\s*(%[\w.\-]+) = .* parameter\(([0-9]+)\)", text, re.M)
+  )
+  closure = acp_jax.hlo._closure
+  return [
+      {int(number[a]) for a in closure(i.name, operands) if a in number}
+      for i in instructions
+      if acp_jax.hlo._collective_kind(i.op)
+  ]
+
+
+@pytest.mark.parametrize("name", ["ssgd", "acp_sgd", "sign_sgd", "topk_sgd"])
+def test_each_bucket_waits_only_for_its_own_leaves(name):
+  tx = COMPRESSORS[name].make(bucket_bytes=SMALL_BUCKETS)
+  buckets = {frozenset(b) for b in tx.buckets(SMALL_RESNET)}
+  assert len(buckets) > 3
+  num_leaves = len(jax.tree.leaves(SMALL_RESNET))
+  for state in helpers.phase_states(tx, SMALL_RESNET).values():
+    text = helpers.compiled_update(
+        tx, SMALL_RESNET, state, helpers.ONE_BY_ONE
+    ).as_text()
+    inputs = collective_inputs(text)
+    # The gradients are the first parameters, in leaf order; a bucket's
+    # collectives also read its own leaves' state (residuals, factors).
+    grads = [frozenset(i for i in x if i < num_leaves) for x in inputs]
+    assert set(grads) == buckets
+    for x, g in zip(inputs, grads):
+      others = set().union(*(y for y, h in zip(inputs, grads) if h != g))
+      assert not x & others
 
 
 @all_compressors

@@ -61,6 +61,17 @@ def test_bad_options(make, message):
     make()
 
 
+@all_compressors
+@pytest.mark.parametrize("bucket_bytes", [0, -1, float("nan"), True, "25MB"])
+def test_bucket_bytes_must_be_positive(name, bucket_bytes):
+  message = (
+      "bucket_bytes must be a positive number (math.inf for one bucket), got"
+      f" {bucket_bytes!r}"
+  )
+  with pytest.raises(ValueError, match=re.escape(message)):
+    COMPRESSORS[name].make(bucket_bytes=bucket_bytes)
+
+
 @pytest.mark.parametrize(
     "make",
     [

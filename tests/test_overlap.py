@@ -1,6 +1,7 @@
 """How much of a step each collective could run beside, read from HLO."""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +13,7 @@ import acp_jax
 from tests import helpers
 from tests.conftest import NUM_DEVICES
 
-# Every all-reduce of the step on its own, as a GPU would keep them below
-# its combine threshold; XLA:CPU's combiner would merge them into one.
-ONE_BY_ONE = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
+ONE_BY_ONE = helpers.ONE_BY_ONE
 
 # Compute cost is output bytes: %a 32, %b 64, %c 96, of 192 in all. %a feeds
 # the all-reduce and %b waits for it; %c feeds a second, unrelated one.
@@ -166,14 +165,18 @@ def mlp_loss(params, x, y):
   return jnp.mean((h - y) ** 2)
 
 
+# A layer's kernel and bias, the largest layer's: a bucket per layer.
+LAYER_BYTES = 4 * (32 * 32 + 32)
+
+
 @functools.cache
-def step_report(name, phase=None, combine=False):
+def step_report(name, phase=None, combine=False, bucket_bytes=math.inf):
   make = {
       "ssgd": acp_jax.ssgd,
-      "acp_sgd": lambda: acp_jax.acp_sgd(2),
-      "power_sgd": lambda: acp_jax.power_sgd(2),
+      "acp_sgd": lambda **kw: acp_jax.acp_sgd(2, **kw),
+      "power_sgd": lambda **kw: acp_jax.power_sgd(2, **kw),
   }[name]
-  dp = acp_jax.DataParallel(make(), helpers.mesh())
+  dp = acp_jax.DataParallel(make(bucket_bytes=bucket_bytes), helpers.mesh())
   tx = dp.chain(optax.sgd(0.1))
   params = mlp_params()
   state = tx.init(params)
@@ -208,7 +211,7 @@ def assert_shares_add_up(report):
 
 
 def test_ssgd_leaf_all_reduces_overlap_the_rest_of_backprop():
-  report = step_report("ssgd")
+  report = step_report("ssgd", bucket_bytes=1)  # a bucket per leaf
   assert_shares_add_up(report)
   grads = gradient_all_reduces(report)
   assert len(grads) == 2 * (len(WIDTHS) - 1)  # a kernel and a bias a layer
@@ -228,18 +231,35 @@ def test_combined_all_reduce_waits_for_every_gradient():
 
 
 @pytest.mark.parametrize("phase", ["p", "q"])
-def test_acp_sgd_packed_all_reduce_waits_for_all_of_backprop(phase):
+def test_acp_sgd_in_one_bucket_waits_for_all_of_backprop(phase):
   report = step_report("acp_sgd", phase)
   assert_shares_add_up(report)
-  grads = gradient_all_reduces(report)
-  packed = max(grads, key=lambda c: c.bytes)
+  (packed,) = gradient_all_reduces(report)  # factors and biases
   assert packed.round == 1
   assert packed.upstream_share < 0.1
   # What is beside it comes after backprop: the residual update, which
   # needs only this device's factor.
   assert packed.independent_share > packed.upstream_share
-  # The dense biases' all-reduces, each after its own layer, are not packed.
-  assert all(c.upstream_share > 0.3 for c in grads if c is not packed)
+
+
+@pytest.mark.parametrize(
+    "name, phase", [("ssgd", None), ("acp_sgd", "p"), ("acp_sgd", "q")]
+)
+def test_a_bucket_per_layer_overlaps_the_backprop_of_the_others(name, phase):
+  one = step_report(name, phase)
+  layered = step_report(name, phase, bucket_bytes=LAYER_BYTES)
+  assert_shares_add_up(layered)
+  grads = gradient_all_reduces(layered)
+  assert len(grads) == len(WIDTHS) - 1
+  assert {c.round for c in grads} == {1}
+  # Each bucket waits for its own layer's gradients only: every one has
+  # backprop beside it, the others' layers', that it does not wait for.
+  assert all(c.upstream_share > 0.1 for c in grads)
+  assert len({c.ancestor_share for c in grads}) == len(grads)
+  assert (
+      layered.bytes_weighted_upstream_potential
+      > one.bytes_weighted_upstream_potential + 0.2
+  )
 
 
 def test_power_sgd_second_round_has_nothing_beside_it():

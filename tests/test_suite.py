@@ -1,5 +1,6 @@
 """The suite every compressor joins with one entry in COMPRESSORS."""
 
+import math
 from typing import Callable, NamedTuple
 
 import chex
@@ -16,18 +17,23 @@ from tests.conftest import NUM_DEVICES
 
 
 class Entry(NamedTuple):
-  make: Callable[[], acp_jax.Compressor]
+  # Keyword arguments common to every factory (bucket_bytes) pass through.
+  make: Callable[..., acp_jax.Compressor]
   learning_rate: float  # for the convergence test
 
 
 COMPRESSORS = {
     "ssgd": Entry(acp_jax.ssgd, 0.1),
-    "ssgd_bf16": Entry(lambda: acp_jax.ssgd(comm_dtype=jnp.bfloat16), 0.1),
+    "ssgd_bf16": Entry(
+        lambda **kw: acp_jax.ssgd(comm_dtype=jnp.bfloat16, **kw), 0.1
+    ),
     "sign_sgd": Entry(acp_jax.sign_sgd, 0.1),
-    "sign_sgd_vote": Entry(lambda: acp_jax.sign_sgd(majority_vote=True), 0.003),
-    "topk_sgd": Entry(lambda: acp_jax.topk_sgd(0.2), 0.1),
-    "power_sgd": Entry(lambda: acp_jax.power_sgd(2), 0.1),
-    "acp_sgd": Entry(lambda: acp_jax.acp_sgd(2), 0.1),
+    "sign_sgd_vote": Entry(
+        lambda **kw: acp_jax.sign_sgd(majority_vote=True, **kw), 0.003
+    ),
+    "topk_sgd": Entry(lambda **kw: acp_jax.topk_sgd(0.2, **kw), 0.1),
+    "power_sgd": Entry(lambda **kw: acp_jax.power_sgd(2, **kw), 0.1),
+    "acp_sgd": Entry(lambda **kw: acp_jax.acp_sgd(2, **kw), 0.1),
 }
 all_compressors = pytest.mark.parametrize(
     "name", list(COMPRESSORS), ids=list(COMPRESSORS)
@@ -57,6 +63,17 @@ def test_pmap_and_shard_map_agree(name):
   _, by_shard_map, _ = run_steps(tx, "shard_map", 4)
   chex.assert_trees_all_close(
       helpers.to_numpy(by_pmap), helpers.to_numpy(by_shard_map), atol=1e-6
+  )
+
+
+@all_compressors
+def test_buckets_change_no_value(name):
+  # One leaf per bucket against all leaves in one bucket: the same steps.
+  make = COMPRESSORS[name].make
+  _, one_each, _ = run_steps(make(bucket_bytes=1), "shard_map", 2)
+  _, all_in_one, _ = run_steps(make(bucket_bytes=math.inf), "shard_map", 2)
+  chex.assert_trees_all_close(
+      helpers.to_numpy(one_each), helpers.to_numpy(all_in_one), atol=1e-6
   )
 
 
