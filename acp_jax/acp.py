@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from acp_jax import collectives
 from acp_jax import compressor
 from acp_jax import lowrank
 
