@@ -107,7 +107,7 @@ def test_nan_loss_stops_with_a_clear_error(tmp_path):
   config.num_train_steps = 5
   config.model.width = 8
   config.compressor.name = "ssgd"
-  with pytest.raises(FloatingPointError, match="loss is nan at step"):
+  with pytest.raises(FloatingPointError, match="is not finite at step"):
     train.train_and_evaluate(config, str(tmp_path))
 
 
