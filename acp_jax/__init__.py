@@ -7,7 +7,7 @@ returns their (approximate) mean over the data-parallel axis.
 
 from acp_jax.acp import acp_sgd
 from acp_jax.acp import AcpSgdState
-from acp_jax.acp import Phase
+from acp_jax.lowrank import Phase
 from acp_jax.compressor import comm_bytes
 from acp_jax.compressor import CommVolume
 from acp_jax.compressor import Compressor

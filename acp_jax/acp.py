@@ -1,6 +1,5 @@
 """ACP-SGD: Power-SGD's two halves, alternated across steps."""
 
-import enum
 from typing import NamedTuple
 
 import jax
@@ -11,36 +10,11 @@ from acp_jax import compressor
 from acp_jax import lowrank
 
 
-class Phase(enum.Enum):
-  """Which factor an ACP-SGD step computes and all-reduces."""
-
-  P = "p"
-  Q = "q"
-
-
-# The phase is carried by the *shape* of a tiny array in the state. Its shape
-# is static to jit, which compiles one variant per phase, each holding only
-# its own all-reduce, so no collective sits inside a run-time conditional.
-# Being an array, it survives every path that keeps only array values
-# (nnx.Optimizer, orbax), and paths that need a fixed state type (lax.scan
-# carries, lax.cond) refuse it when tracing instead of training something
-# else. (Orbax cannot save zero-size arrays, hence sizes 1 and 2.)
-_PHASE_SIZE = {Phase.P: 1, Phase.Q: 2}
-
-
-def phase_marker(phase: Phase) -> jax.Array:
-  """The array whose shape records ``phase`` in an ``AcpSgdState``."""
-  return jnp.zeros((_PHASE_SIZE[phase],), jnp.uint8)
-
-
-def phase_of(marker) -> Phase:
-  """The phase that an ``AcpSgdState.phase`` (or its abstract shape) records."""
-  for phase, size in _PHASE_SIZE.items():
-    if tuple(marker.shape) == (size,):
-      return phase
-  raise ValueError(
-      f"an ACP-SGD phase marker has shape (1,) or (2,), got {marker.shape}"
-  )
+# The phase of the next step, carried by the shape of the state's ``phase``
+# array (see ``lowrank.Phase``).
+Phase = lowrank.Phase
+phase_marker = lowrank.phase_marker
+phase_of = lowrank.phase_of
 
 
 class AcpSgdState(NamedTuple):
@@ -48,18 +22,20 @@ class AcpSgdState(NamedTuple):
 
   Attributes:
     error: residual E per compressed leaf, leaf shape and dtype; differs
-      across devices.
+      across devices (all ``MaskedNode`` without error feedback).
     p: (n, r) mean of the last P-step's all-reduced P, leaf dtype.
     q: (m, r) mean of the last Q-step's all-reduced Q, leaf dtype (before the
       first Q-step: random from the seed).
-    phase: uint8 zeros whose shape says which factor the next step
-      computes: (1,) P, (2,) Q (see ``phase_of``).
+    phase: uint8 zeros whose shape says what the next step does: (1,) a
+      P-step, (2,) a Q-step, (3,) a dense warm-up step (see ``phase_of``).
+    count: int32 scalar, the number of steps taken.
   """
 
   error: optax.Updates
   p: optax.Updates
   q: optax.Updates
   phase: jax.Array
+  count: jax.Array
 
   @property
   def next_phase(self) -> Phase:
@@ -74,6 +50,11 @@ def acp_sgd(
     seed: int = 0,
     keep_dense: compressor.KeepDense = None,
     bucket_bytes: float | None = None,
+    use_error_feedback: bool = True,
+    warm_start: bool = True,
+    comm_dtype=None,
+    warmup_steps: int = 0,
+    warmup_factors: bool = True,
 ) -> compressor.Compressor:
   """ACP-SGD: alternate compressed Power-SGD, one all-reduce a step.
 
@@ -91,8 +72,14 @@ def acp_sgd(
   S-SGD's, at about half Power-SGD's volume. The leaves travel in buckets, as
   S-SGD's do, each bucket's factors packed into one all-reduce that waits
   only for its own leaves' gradients (see ``acp_jax.collectives``). The
-  phase lives in the state's structure: a jitted step compiles once per
-  phase.
+  phase lives in the shape of the state's ``phase`` array: a jitted step
+  compiles once per phase.
+
+  With ``warmup_steps``, the first steps are S-SGD's (every leaf all-reduced
+  whole) and warm the factors on the mean gradient (``lowrank.dense_step``);
+  the training loop switches the state out of the warm-up with
+  ``Compressor.at_step`` (``DataParallel.at_step``), the first compressed
+  step being a P-step.
 
   Args:
     rank: rank r of the factors, clipped per leaf to min(n, m).
@@ -106,6 +93,21 @@ def acp_sgd(
       factors take about this divided by the compression ratio (the paper's
       scaled fusion buffer); None for 25 MiB (PyTorch DDP's default),
       ``math.inf`` for one all-reduce per dtype.
+    use_error_feedback: keep each device's residual E and add it to the next
+      gradient (PyTorch's name); without it M = G and no residual is stored.
+    warm_start: project each P-step on the last Q-step's Q (PyTorch's
+      name); without it, on a fresh random Q drawn from ``seed`` and the
+      step count, the same on every replica. A Q-step always projects on
+      the P-step's P: that is the alternation itself.
+    comm_dtype: floating dtype the factors are all-reduced in (e.g.
+      ``jnp.bfloat16``), or None for the leaves' dtype. The residual stays in
+      the gradient's dtype and takes the rounding too; leaves sent dense go
+      in their own dtype.
+    warmup_steps: number of dense S-SGD steps before compression starts
+      (PyTorch's ``start_powerSGD_iter``); 0 compresses from the first step.
+    warmup_factors: during the warm-up, take a power-iteration step on the
+      mean gradient for each Q (no extra bytes), so that compression starts
+      from the gradient's leading subspace rather than a random one.
 
   Returns:
     A ``Compressor`` whose update, called inside ``jax.shard_map`` or
@@ -120,19 +122,36 @@ def acp_sgd(
     Put it first in the chain: it must see each device's own gradients, or
     use ``acp_jax.DataParallel``. The shape of the state's ``phase`` array
     alternates, so a ``lax.scan`` over steps must take two steps per
-    iteration.
+    iteration. With ``warmup_steps``, call ``at_step`` before every step, or
+    the warm-up never ends.
 
   References:
     Zhang et al., "Evaluation and Optimization of Gradient Compression for
     Distributed Deep Learning", ICDCS 2023. https://arxiv.org/abs/2306.08881
   """
   lr = lowrank.settings(
-      rank, min_compression_rate, keep_dense, seed, "acp_sgd", bucket_bytes
+      rank,
+      min_compression_rate,
+      keep_dense,
+      seed,
+      "acp_sgd",
+      bucket_bytes,
+      use_error_feedback=use_error_feedback,
+      warm_start=warm_start,
+      comm_dtype=comm_dtype,
+      warmup_steps=warmup_steps,
+      warmup_factors=warmup_factors,
   )
 
   def init_fn(params):
     error, p, q = lowrank.init_trees(lr, params)
-    return AcpSgdState(error=error, p=p, q=q, phase=phase_marker(Phase.P))
+    return AcpSgdState(
+        error=error,
+        p=p,
+        q=q,
+        phase=lr.first_phase(Phase.P),
+        count=jnp.zeros((), jnp.int32),
+    )
 
   def update_fn(updates, state, params=None):
     del params
@@ -140,19 +159,36 @@ def acp_sgd(
     compressor.check_state(state, AcpSgdState, "acp_sgd")
     s = lowrank.split(lr, updates, state.error)
     lowrank.check_factors(lr, s, state.q, "m")
+    phase = phase_of(state.phase)
+    count = state.count + 1
+    if phase is Phase.DENSE:
+      mean, error, qs = lowrank.dense_step(
+          lr, s, lowrank.leaves_of(s, state.q), axis_name
+      )
+      masked = [optax.MaskedNode()] * len(s.dense)
+      q = lowrank.merge(s, qs, masked, reshape=False)
+      return mean, state._replace(error=error, q=q, count=count)
     # P-step: F = M B, approximation F B^T. Q-step: F^T = B^T M (kept
     # transposed, see lowrank.project_transposed), approximation B F^T.
-    p_step = phase_of(state.phase) is Phase.P
+    p_step = phase is Phase.P
     if p_step:
       project, expand = (lambda m, b: m @ b), (lambda f, b: f @ b.T)
+      if lr.warm_start:
+        previous = lowrank.leaves_of(s, state.q)
+      else:
+        previous = lowrank.fresh_factors(lr, s, state.count)
     else:
       project, expand = lowrank.project_transposed, (lambda ft, b: b @ ft)
-    previous = lowrank.leaves_of(s, state.q if p_step else state.p)
+      previous = lowrank.leaves_of(s, state.p)
     bases = [lowrank.orthogonalize(f) for f in previous]
-    factors = [project(m, b) for m, b in zip(s.matrices, bases)]
+    factors = [
+        lowrank.as_sent(lr, project(m, b)) for m, b in zip(s.matrices, bases)
+    ]
     errors = [m - expand(f, b) for m, f, b in zip(s.matrices, factors, bases)]
     # The one round: each bucket's factors and dense leaves together.
-    reduced, dense = lowrank.psum_round(s, factors, s.dense, axis_name)
+    reduced, dense = lowrank.psum_round(
+        s, factors, s.dense, axis_name, lr.comm_dtype
+    )
     reduced = [f / n for f in reduced]
     dense = [x / n for x in dense]
     applied = [expand(f, b) for f, b in zip(reduced, bases)]
@@ -164,15 +200,11 @@ def acp_sgd(
         reshape=False,
     )
     new_state = AcpSgdState(
-        error=lowrank.merge(s, errors, masked, reshape=True),
+        error=lowrank.errors_tree(lr, s, errors),
         p=reduced_tree if p_step else state.p,
         q=state.q if p_step else reduced_tree,
-        # Made from the old marker, so that the step always reads one of its
-        # inputs (a shard_map whose inputs are all unused or empty fails to
-        # compile under Shardy, jax 0.10.2).
-        phase=jnp.broadcast_to(
-            state.phase[:1], phase_marker(Phase.Q if p_step else Phase.P).shape
-        ),
+        phase=lowrank.next_marker(state.phase, Phase.Q if p_step else Phase.P),
+        count=count,
     )
     return lowrank.merge(s, applied, dense, reshape=True), new_state
 
@@ -181,19 +213,29 @@ def acp_sgd(
     phase_volume = lambda rows: compressor.CommVolume(
         all_reduce=lowrank.volume(lr, params, rows)
     )
-    return {
+    volumes = {
         "p": phase_volume(lambda spec: spec.n),
         "q": phase_volume(lambda spec: spec.m),
     }
+    if lr.warmup_steps:
+      dense = compressor.CommVolume(all_reduce=lowrank.dense_volume(params))
+      volumes = {Phase.DENSE.value: dense, **volumes}
+    return volumes
 
   def phases(state):
     # Abstract markers, for lowering each phase's step.
-    marker = lambda phase: jax.ShapeDtypeStruct(
-        (_PHASE_SIZE[phase],),
+    names = [Phase.P, Phase.Q]
+    if lr.warmup_steps:
+      names.insert(0, Phase.DENSE)
+    abstract = jax.ShapeDtypeStruct(
+        state.phase.shape,
         jnp.uint8,
         sharding=getattr(state.phase, "sharding", None),
     )
-    return {phase.value: state._replace(phase=marker(phase)) for phase in Phase}
+    return {
+        phase.value: state._replace(phase=lowrank.marker_as(abstract, phase))
+        for phase in names
+    }
 
   return compressor.Compressor(
       init_fn,
@@ -202,4 +244,7 @@ def acp_sgd(
       axis_name=axis_name,
       phases=phases,
       bucket_bytes=lr.bucket_bytes,
+      cycle=(Phase.P.value, Phase.Q.value),
+      warmup_steps=lr.warmup_steps,
+      to_phase=lowrank.to_phase(Phase.P),
   )

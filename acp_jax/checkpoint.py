@@ -1,8 +1,8 @@
 """Orbax checkpoints of states that hold a compressor, phase included.
 
-ACP-SGD records its phase in the shape of a small array (``acp.phase_of``),
-so a restore into a freshly initialized state, which is always in phase P,
-would ask orbax for the wrong shape. ``restore`` takes the phase from the
+The low-rank compressors record their phase in the shape of a small array
+(``lowrank.phase_of``), so a restore into a freshly initialized state, which
+is always in its first phase, would ask orbax for the wrong shape. ``restore`` takes the phase from the
 checkpoint instead and checks every other array against the live state, so
 a checkpoint of another model, rank or device count is refused with both
 shapes named, before anything is read.
@@ -18,10 +18,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import orbax.checkpoint as ocp
 
+from acp_jax import lowrank
+
 
 
 def _is_phase(path, x) -> bool:
-  """Whether ``x`` at ``path`` is an ACP-SGD phase marker: the one array
+  """Whether ``x`` at ``path`` is a low-rank phase marker: the one array
   whose shape may differ between a checkpoint and the live state."""
   names = [_key_name(k) for k in path]
   if names and names[-1] == "value":  # inside an NNX Variable
@@ -30,7 +32,7 @@ def _is_phase(path, x) -> bool:
       bool(names)
       and names[-1] == "phase"
       and str(x.dtype) == "uint8"
-      and tuple(x.shape) in ((1,), (2,))
+      and tuple(x.shape) in lowrank.MARKER_SHAPES
   )
 
 
@@ -68,7 +70,7 @@ def target(directory: str, like: Any) -> Any:
       e.g. ``root/STEP/state``).
     like: the live state (arrays or ``jax.ShapeDtypeStruct``): its structure,
       shapes, dtypes and shardings are what the restore produces, except
-      ACP-SGD phase markers, whose shape comes from the checkpoint.
+      phase markers, whose shape comes from the checkpoint.
 
   Returns:
     ``like`` with ``jax.ShapeDtypeStruct`` leaves.

@@ -197,6 +197,25 @@ def bucketed_all_gather(
   )
 
 
+def bucketed_pmean(
+    leaves: Sequence[jax.Array],
+    plan: BucketPlan,
+    axis_name: str,
+    comm_dtype=None,
+) -> list[jax.Array]:
+  """The mean of every array over the axis, one all-reduce per bucket and
+  dtype: S-SGD's exchange.
+
+  Each device divides by the axis size before the sum, so that low-precision
+  sums do not overflow, and sends in ``comm_dtype`` (None: each array's own
+  dtype); the means come back in the arrays' dtypes.
+  """
+  n = axis_size(axis_name, "bucketed_pmean")
+  sent = [[(x / n).astype(comm_dtype or x.dtype)] for x in leaves]
+  summed = bucketed_psum(sent, plan, axis_name)
+  return [s.astype(x.dtype) for (s,), x in zip(summed, leaves)]
+
+
 def nbytes(shape: Sequence[int], dtype) -> int:
   """Bytes of an array of this shape and dtype."""
   return math.prod(shape) * jnp.dtype(dtype).itemsize

@@ -32,6 +32,9 @@ class CommVolume(NamedTuple):
     return self.all_reduce + self.all_gather
 
 
+# The phase of a compressor's dense warm-up steps.
+DENSE = "dense"
+
 # (params or their shapes, axis size) -> {phase name: CommVolume}.
 VolumeFn = Callable[[Any, int], dict[str, CommVolume]]
 # A compressor's state -> {phase name: the state before that phase's step}.
@@ -62,6 +65,10 @@ class Compressor(optax.GradientTransformation):
       a bucket, unless a leaf alone is larger (see ``collectives``).
     dependent_rounds: whether a bucket's second round needs its first one's
       result (Power-SGD), which changes the buckets on a CPU.
+    cycle: the names of the phases a compressing step runs through, in
+      order (``("step",)``, or ACP-SGD's ``("p", "q")``).
+    warmup_steps: how many dense steps (S-SGD, phase ``"dense"``) come
+      before the first compressed one; see ``at_step``.
   """
 
   def __new__(
@@ -75,6 +82,9 @@ class Compressor(optax.GradientTransformation):
       phases: PhasesFn = _one_phase,
       bucket_bytes: float = collectives.DEFAULT_BUCKET_BYTES,
       dependent_rounds: bool = False,
+      cycle: Sequence[str] = ("step",),
+      warmup_steps: int = 0,
+      to_phase: Callable[[Any, bool], Any] | None = None,
   ):
     self = super().__new__(cls, init, update)
     self.bucket_bytes = bucket_bytes
@@ -83,7 +93,35 @@ class Compressor(optax.GradientTransformation):
     self.axis_name = axis_name
     self.local_fields = tuple(local_fields)
     self.phases = phases
+    self.cycle = tuple(cycle)
+    self.warmup_steps = warmup_steps
+    self._to_phase = to_phase
     return self
+
+  def phase_at(self, step: int) -> str:
+    """The phase that step ``step`` (counted from 0) runs: ``"dense"`` during
+    the warm-up, then the ``cycle``, starting with its first phase."""
+    _check_step(step)
+    if step < self.warmup_steps:
+      return DENSE
+    return self.cycle[(step - self.warmup_steps) % len(self.cycle)]
+
+  def at_step(self, state: Any, step: int) -> Any:
+    """``state``, set to run step ``step`` (counted from 0).
+
+    A compressor with ``warmup_steps`` records in its state whether the next
+    step is dense, and a jitted step compiles one program for each, neither
+    with a collective under a run-time conditional. Only the host knows
+    which step comes next, so the training loop calls this before every
+    step: it switches the state to the dense phase before ``warmup_steps``
+    and out of it from then on (into the cycle's first phase), and returns
+    ``state`` itself otherwise, without touching a device. Without a
+    warm-up it is the identity.
+    """
+    _check_step(step)
+    if not self.warmup_steps:
+      return state
+    return self._to_phase(state, self.phase_at(step) == DENSE)
 
   def buckets(self, params: Any) -> collectives.BucketPlan:
     """The buckets in which ``update`` sends the gradients of ``params``
@@ -119,6 +157,25 @@ def comm_bytes(
   if not isinstance(num_devices, int) or num_devices < 1:
     raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
   return compressor._volume(params, num_devices)
+
+
+def _check_step(step: Any) -> None:
+  if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+    raise ValueError(f"step must be a non-negative int, got {step!r}")
+
+
+def check_comm_dtype(comm_dtype: Any) -> None:
+  """Raises unless ``comm_dtype`` is None or a floating dtype."""
+  if comm_dtype is None:
+    return
+  try:
+    floating = jnp.issubdtype(comm_dtype, jnp.floating)
+  except TypeError:
+    floating = False
+  if not floating:
+    raise ValueError(
+        f"comm_dtype must be a floating dtype or None, got {comm_dtype!r}"
+    )
 
 
 def check_float_leaves(params: Any, caller: str) -> None:

@@ -233,6 +233,46 @@ class DataParallel:
       }
     return volumes
 
+  def at_step(self, opt_state: Any, step: int) -> Any:
+    """``opt_state`` set to run step ``step`` (counted from 0): for a
+    compressor with a dense warm-up (``warmup_steps``), the loop calls it
+    before every step (see ``Compressor.at_step``); otherwise it is the
+    identity.
+
+    Args:
+      opt_state: the state of ``chain(tx)`` (a ``DataParallelState``), or an
+        ``nnx.Optimizer`` built on ``chain(tx)``, which is updated in place.
+      step: the number of steps taken so far.
+
+    Returns:
+      The state to pass to that step (the ``nnx.Optimizer`` itself).
+    """
+    nnx = _nnx()
+    if nnx is not None and isinstance(opt_state, nnx.Optimizer):
+      variables = opt_state.opt_state.comm
+      is_variable = lambda x: isinstance(x, nnx.Variable)
+      values = jax.tree.map(
+          lambda v: v.get_value(), variables, is_leaf=is_variable
+      )
+
+      def put(variable, value):
+        if value is not variable.get_value():
+          variable.set_value(value)
+
+      jax.tree.map(
+          put,
+          variables,
+          self.compressor.at_step(values, step),
+          is_leaf=is_variable,
+      )
+      return opt_state
+    if not isinstance(opt_state, DataParallelState):
+      raise TypeError(
+          "at_step takes the state of DataParallel.chain(tx) or an"
+          f" nnx.Optimizer built on it, got {type(opt_state).__name__}"
+      )
+    return opt_state._replace(comm=self.compressor.at_step(opt_state.comm, step))
+
   # -- the exchange -----------------------------------------------------------
 
   def _check_local_grads(self, grads: Any, params: Any) -> None:

@@ -1,6 +1,7 @@
 """Pieces shared by the low-rank compressors (Power-SGD and ACP-SGD)."""
 
 from collections.abc import Callable
+import enum
 import math
 from typing import Any, NamedTuple
 import warnings
@@ -12,6 +13,83 @@ import optax
 
 from acp_jax import compressor
 from acp_jax import collectives
+
+
+class Phase(enum.Enum):
+  """What a low-rank compressor's next step does: compute and all-reduce
+  the P factors (Power-SGD's one compressing phase, ACP-SGD's P-step), the
+  Q factors (ACP-SGD's Q-step), or, during a warm-up, S-SGD's dense
+  all-reduce."""
+
+  P = "p"
+  Q = "q"
+  DENSE = compressor.DENSE
+
+
+# The phase is carried by the *shape* of a tiny array in the state. Its shape
+# is static to jit, which compiles one variant per phase, each holding only
+# its own all-reduce, so no collective sits inside a run-time conditional.
+# Being an array, it survives every path that keeps only array values
+# (nnx.Optimizer, orbax), and paths that need a fixed state type (lax.scan
+# carries, lax.cond) refuse it when tracing instead of training something
+# else. (Orbax cannot save zero-size arrays, hence sizes from 1.)
+_PHASE_SIZE = {Phase.P: 1, Phase.Q: 2, Phase.DENSE: 3}
+MARKER_SHAPES = frozenset((size,) for size in _PHASE_SIZE.values())
+
+
+def phase_marker(phase: Phase) -> jax.Array:
+  """The array whose shape records ``phase`` in a low-rank state."""
+  return jnp.zeros((_PHASE_SIZE[phase],), jnp.uint8)
+
+
+def phase_of(marker) -> Phase:
+  """The phase that a state's ``phase`` array (or its abstract shape)
+  records."""
+  for phase, size in _PHASE_SIZE.items():
+    if tuple(marker.shape) == (size,):
+      return phase
+  raise ValueError(
+      "a low-rank compressor's phase marker has shape (1,), (2,) or (3,),"
+      f" got {marker.shape}"
+  )
+
+
+def next_marker(marker: jax.Array, phase: Phase) -> jax.Array:
+  """The marker of ``phase``, inside a step. It is made from the old marker,
+  so that the step always reads one of its inputs (a shard_map whose inputs
+  are all unused or empty fails to compile under Shardy, jax 0.10.2)."""
+  return jnp.broadcast_to(marker[:1], (_PHASE_SIZE[phase],))
+
+
+def marker_as(marker, phase: Phase):
+  """The marker of ``phase`` where ``marker`` lives, outside a step: an
+  abstract one for an abstract marker, else made on ``marker``'s devices
+  with its sharding (which works across processes too)."""
+  shape = (_PHASE_SIZE[phase],)
+  if tuple(marker.shape) == shape:
+    return marker
+  sharding = getattr(marker, "sharding", None)
+  if isinstance(marker, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(shape, jnp.uint8, sharding=sharding)
+  return jax.jit(
+      lambda m: next_marker(m, phase),
+      out_shardings=sharding if isinstance(marker, jax.Array) else None,
+  )(marker)
+
+
+def to_phase(compressing: Phase) -> Callable[[Any, bool], Any]:
+  """``Compressor.at_step``'s switch of a state with a ``phase`` marker: into
+  the dense phase, or out of it into ``compressing``."""
+
+  def switch(state, dense):
+    current = phase_of(state.phase)
+    if dense and current is not Phase.DENSE:
+      return state._replace(phase=marker_as(state.phase, Phase.DENSE))
+    if not dense and current is Phase.DENSE:
+      return state._replace(phase=marker_as(state.phase, compressing))
+    return state
+
+  return switch
 
 
 class MatrixSpec(NamedTuple):
@@ -31,6 +109,11 @@ class LowRank(NamedTuple):
   seed: int
   caller: str  # the factory's name, for error messages
   bucket_bytes: float = collectives.DEFAULT_BUCKET_BYTES
+  use_error_feedback: bool = True
+  warm_start: bool = True
+  comm_dtype: Any = None  # None: the factors travel in the leaves' dtype
+  warmup_steps: int = 0
+  warmup_factors: bool = True
 
   def plan(self, tree: Any) -> list[MatrixSpec | None]:
     """``matrix_spec`` of every leaf of ``tree``, honouring ``keep_dense``."""
@@ -42,6 +125,14 @@ class LowRank(NamedTuple):
         for x, d in zip(jax.tree.leaves(tree), dense)
     ]
 
+  def factor_dtype(self, leaf_dtype) -> Any:
+    """The dtype in which a leaf's factors are all-reduced."""
+    return self.comm_dtype or leaf_dtype
+
+  def first_phase(self, compressing: Phase) -> jax.Array:
+    """The initial phase marker: dense if there is a warm-up."""
+    return phase_marker(Phase.DENSE if self.warmup_steps else compressing)
+
 
 def settings(
     rank: Any,
@@ -50,6 +141,12 @@ def settings(
     seed: int,
     caller: str,
     bucket_bytes: float | None = None,
+    *,
+    use_error_feedback: Any = True,
+    warm_start: Any = True,
+    comm_dtype: Any = None,
+    warmup_steps: Any = 0,
+    warmup_factors: Any = True,
 ) -> LowRank:
   """Checks a low-rank factory's arguments."""
   compressor.check_static(
@@ -58,6 +155,7 @@ def settings(
       min_compression_rate=min_compression_rate,
       seed=seed,
       bucket_bytes=bucket_bytes,
+      warmup_steps=warmup_steps,
   )
   if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
     raise ValueError(f"rank must be a positive int, got {rank!r}")
@@ -70,9 +168,35 @@ def settings(
         "min_compression_rate must be a non-negative number, got"
         f" {min_compression_rate!r}"
     )
+  if (
+      isinstance(warmup_steps, bool)
+      or not isinstance(warmup_steps, int)
+      or warmup_steps < 0
+  ):
+    raise ValueError(
+        f"warmup_steps must be a non-negative int, got {warmup_steps!r}"
+    )
+  for name, flag in (
+      ("use_error_feedback", use_error_feedback),
+      ("warm_start", warm_start),
+      ("warmup_factors", warmup_factors),
+  ):
+    if not isinstance(flag, bool):
+      raise ValueError(f"{name} must be a bool, got {flag!r}")
+  compressor.check_comm_dtype(comm_dtype)
   bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, caller)
   return LowRank(
-      rank, min_compression_rate, keep_dense, seed, caller, bucket_bytes
+      rank,
+      min_compression_rate,
+      keep_dense,
+      seed,
+      caller,
+      bucket_bytes,
+      use_error_feedback,
+      warm_start,
+      comm_dtype,
+      warmup_steps,
+      warmup_factors,
   )
 
 
@@ -100,8 +224,11 @@ def orthogonalize(x: jax.Array) -> jax.Array:
   """Orthonormal basis of the columns of ``x`` (n x r, n >= r).
 
   Householder QR in float32, whatever the input dtype, so bf16 and fp16
-  factors stay well conditioned; a rank-deficient input still gives
-  orthonormal columns. The result has the input's dtype.
+  factors stay well conditioned; a rank-deficient input, zero columns
+  included, still gives orthonormal columns. (PyTorch's hook orthogonalizes
+  by Gram-Schmidt, which divides by each column's norm and so needs its
+  ``orthogonalization_epsilon`` against zero columns; QR divides by none.)
+  The result has the input's dtype.
   """
   q, _ = jnp.linalg.qr(x.astype(jnp.float32))
   return q.astype(x.dtype)
@@ -152,35 +279,63 @@ def _warn_if_nothing_compressed(
     )
 
 
+def _normal_factors(key: jax.Array, shapes: list[tuple[int, int]], dtypes):
+  """Normal factors of these shapes: slices of one draw from ``key`` (one
+  small program to compile, not one per shape)."""
+  sizes = [math.prod(shape) for shape in shapes]
+  draw = jnp.split(
+      jax.random.normal(key, (sum(sizes),)), np.cumsum(sizes)[:-1]
+  )
+  return [
+      x.reshape(shape).astype(dtype)
+      for x, shape, dtype in zip(draw, shapes, dtypes)
+  ]
+
+
 def init_trees(lr: LowRank, params: Any) -> tuple[Any, Any, Any]:
   """Zero residuals E, zero P factors and random Q factors, like ``params``.
 
-  Each tree holds ``optax.MaskedNode()`` at the leaves sent dense. The Q
-  factors are slices of one normal draw from ``seed`` (one small program to
-  compile, not one per shape), so every replica starts from the same factors
-  wherever ``init`` runs.
+  Each tree holds ``optax.MaskedNode()`` at the leaves sent dense (and the
+  residuals everywhere without error feedback). The Q factors are drawn
+  from ``seed``, so every replica starts from the same factors wherever
+  ``init`` runs.
   """
   compressor.check_float_leaves(params, lr.caller)
   specs = lr.plan(params)
   leaves, treedef = jax.tree.flatten(params)
   _warn_if_nothing_compressed(lr, leaves, specs, params)
-  sizes = [spec.m * spec.rank for spec in specs if spec is not None]
+  compressed = [(x, spec) for x, spec in zip(leaves, specs) if spec]
   draw = iter(
-      jnp.split(
-          jax.random.normal(jax.random.key(lr.seed), (sum(sizes),)),
-          np.cumsum(sizes)[:-1],
+      _normal_factors(
+          jax.random.key(lr.seed),
+          [(spec.m, spec.rank) for _, spec in compressed],
+          [x.dtype for x, _ in compressed],
       )
   )
+  masked = optax.MaskedNode()
   errors, ps, qs = [], [], []
   for x, spec in zip(leaves, specs):
     if spec is None:
       for tree in (errors, ps, qs):
-        tree.append(optax.MaskedNode())
+        tree.append(masked)
       continue
-    errors.append(jnp.zeros(x.shape, x.dtype))
+    errors.append(
+        jnp.zeros(x.shape, x.dtype) if lr.use_error_feedback else masked
+    )
     ps.append(jnp.zeros((spec.n, spec.rank), x.dtype))
-    qs.append(next(draw).reshape(spec.m, spec.rank).astype(x.dtype))
+    qs.append(next(draw))
   return tuple(jax.tree.unflatten(treedef, t) for t in (errors, ps, qs))
+
+
+def fresh_factors(lr: LowRank, s: "Split", count: jax.Array) -> list[jax.Array]:
+  """New random m x r factors for step ``count``, the same on every replica:
+  the factors to project on without warm start."""
+  key = jax.random.fold_in(jax.random.key(lr.seed), count)
+  return _normal_factors(
+      key,
+      [(spec.m, spec.rank) for spec in s.specs if spec],
+      [m.dtype for m in s.matrices],
+  )
 
 
 class Split(NamedTuple):
@@ -195,20 +350,23 @@ class Split(NamedTuple):
 
 
 def split(lr: LowRank, grads: Any, errors: Any) -> Split:
-  """Checks ``grads`` against the state and adds the residuals to them."""
+  """Checks ``grads`` against the state and adds the residuals to them
+  (without error feedback, ``errors`` is all ``MaskedNode`` and M = G)."""
   compressor.check_tree_matches(grads, errors, lr.caller)
   leaves, treedef = jax.tree.flatten(grads)
   specs = lr.plan(grads)
   matrices, dense = [], []
   for g, e, spec in zip(leaves, compressor.state_leaves(errors), specs):
-    if (spec is None) != compressor.is_masked(e):
+    if lr.use_error_feedback and (spec is None) != compressor.is_masked(e):
       raise ValueError(
           f"{lr.caller}: the state was initialized to compress other leaves;"
           " init and update must use the same compressor (rank,"
-          " min_compression_rate, keep_dense)."
+          " min_compression_rate, keep_dense, use_error_feedback)."
       )
     if spec is None:
       dense.append(g)
+    elif compressor.is_masked(e):
+      matrices.append(g.reshape(spec.n, spec.m))
     else:
       matrices.append((g + e).reshape(spec.n, spec.m))
   return Split(
@@ -221,16 +379,61 @@ def split(lr: LowRank, grads: Any, errors: Any) -> Split:
   )
 
 
+def errors_tree(lr: LowRank, s: Split, errors: list[jax.Array]) -> Any:
+  """The state's residual tree: ``errors`` at the compressed leaves, or all
+  ``MaskedNode`` without error feedback."""
+  masked = [optax.MaskedNode()] * len(s.dense)
+  if not lr.use_error_feedback:
+    return merge(s, [optax.MaskedNode()] * len(s.matrices), masked, reshape=False)
+  return merge(s, errors, masked, reshape=True)
+
+
+def dense_step(
+    lr: LowRank, s: Split, qs: list[jax.Array], axis_name: str
+) -> tuple[Any, Any, list[jax.Array]]:
+  """A warm-up step: S-SGD's exchange, and the factors warmed on its result.
+
+  Every leaf is sent whole (M = G + E for a compressed one, so whatever
+  residual the state holds goes out too), in S-SGD's buckets, and the mean
+  comes back exact. With ``warmup_factors``, each compressed leaf's Q then
+  takes one step of power iteration on the mean M: P = M orth(Q), Q =
+  M^T orth(P). Every replica computes it from the same mean, so the factors
+  stay identical without a byte more, and the first compressed step
+  projects on the mean gradient's leading subspace, not on a random one.
+
+  Returns:
+    ``(mean, errors, qs)``: the mean gradient tree, the residual tree (zero:
+    nothing is left unsent) and the new Q factors.
+  """
+  leaves = _leaves(s, s.matrices, s.dense, reshape=True)
+  mean = collectives.bucketed_pmean(leaves, s.buckets, axis_name)
+  tree = jax.tree.unflatten(s.treedef, mean)
+  if lr.warmup_factors:
+    means = [
+        x.reshape(spec.n, spec.m) for x, spec in zip(mean, s.specs) if spec
+    ]
+    qs = [
+        project_transposed(m, orthogonalize(m @ orthogonalize(q))).T
+        for m, q in zip(means, qs)
+    ]
+  errors = errors_tree(lr, s, [jnp.zeros_like(m) for m in s.matrices])
+  return tree, errors, qs
+
+
 def psum_round(
     s: Split,
     factors: list[jax.Array],
     dense: list[jax.Array] | None,
     axis_name: str,
+    comm_dtype: Any = None,
 ) -> tuple[list[jax.Array], list[jax.Array]]:
   """One round of all-reduces, a bucket at a time: a factor of each
-  compressed leaf and, unless ``dense`` is None, each dense leaf, riding in
-  its own leaf's bucket. Returns the summed factors and dense leaves."""
-  factors, dense_in = iter(factors), iter(dense or ())
+  compressed leaf (in ``comm_dtype``, if given) and, unless ``dense`` is
+  None, each dense leaf, riding in its own leaf's bucket. Returns the summed
+  factors, in their own dtype, and dense leaves."""
+  dtypes = [f.dtype for f in factors]
+  factors = iter([f.astype(comm_dtype or f.dtype) for f in factors])
+  dense_in = iter(dense or ())
   per_leaf = []
   for spec in s.specs:
     if spec:
@@ -241,14 +444,18 @@ def psum_round(
   reduced, dense_out = [], []
   for sent, spec in zip(summed, s.specs):
     (reduced if spec else dense_out).extend(sent)
-  return reduced, dense_out
+  return [f.astype(d) for f, d in zip(reduced, dtypes)], dense_out
 
 
-def merge(
+def as_sent(lr: LowRank, factor: jax.Array) -> jax.Array:
+  """``factor`` rounded to ``comm_dtype`` as it will be sent, in its own
+  dtype: what error feedback must subtract."""
+  return factor.astype(lr.factor_dtype(factor.dtype)).astype(factor.dtype)
+
+
+def _leaves(
     s: Split, low_rank: list[Any], dense: list[Any], *, reshape: bool
-) -> Any:
-  """The tree of ``s`` with compressed leaves from ``low_rank`` (reshaped from
-  n x m to the leaf's shape if ``reshape``), the others from ``dense``."""
+) -> list[Any]:
   low_rank, dense = iter(low_rank), iter(dense)
   out = []
   for shape, spec in zip(s.shapes, s.specs):
@@ -257,7 +464,17 @@ def merge(
     else:
       x = next(low_rank)
       out.append(x.reshape(shape) if reshape else x)
-  return jax.tree.unflatten(s.treedef, out)
+  return out
+
+
+def merge(
+    s: Split, low_rank: list[Any], dense: list[Any], *, reshape: bool
+) -> Any:
+  """The tree of ``s`` with compressed leaves from ``low_rank`` (reshaped from
+  n x m to the leaf's shape if ``reshape``), the others from ``dense``."""
+  return jax.tree.unflatten(
+      s.treedef, _leaves(s, low_rank, dense, reshape=reshape)
+  )
 
 
 def leaves_of(s: Split, tree: Any) -> list[jax.Array]:
@@ -286,10 +503,22 @@ def volume(
     lr: LowRank, params: Any, factor_rows: Callable[[MatrixSpec], int]
 ) -> int:
   """Bytes of one all-reduce carrying a factor of each compressed leaf (with
-  ``factor_rows(spec)`` x rank elements) and every dense leaf."""
+  ``factor_rows(spec)`` x rank elements, in ``comm_dtype``) and every dense
+  leaf."""
   specs = lr.plan(params)
   total = 0
   for x, spec in zip(jax.tree.leaves(params), specs):
-    shape = x.shape if spec is None else (factor_rows(spec), spec.rank)
-    total += collectives.nbytes(shape, x.dtype)
+    if spec is None:
+      total += collectives.nbytes(x.shape, x.dtype)
+    else:
+      total += collectives.nbytes(
+          (factor_rows(spec), spec.rank), lr.factor_dtype(x.dtype)
+      )
   return total
+
+
+def dense_volume(params: Any) -> int:
+  """Bytes of a warm-up step's all-reduce: every leaf, whole."""
+  return sum(
+      collectives.nbytes(x.shape, x.dtype) for x in jax.tree.leaves(params)
+  )

@@ -2,11 +2,15 @@
 
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from acp_jax import collectives
 from acp_jax import compressor
 from acp_jax import lowrank
+
+Phase = lowrank.Phase
 
 
 class PowerSgdState(NamedTuple):
@@ -14,13 +18,18 @@ class PowerSgdState(NamedTuple):
 
   Attributes:
     error: residual E per compressed leaf, leaf shape and dtype; differs
-      across devices.
+      across devices (all ``MaskedNode`` without error feedback).
     q: warm-start factor Q per compressed leaf, (m, r), leaf dtype: the mean
       of the last step's all-reduced Q, identical on every device.
+    phase: uint8 zeros whose shape says what the next step does: (1,)
+      compress, (3,) a dense warm-up step (see ``lowrank.phase_of``).
+    count: int32 scalar, the number of steps taken.
   """
 
   error: optax.Updates
   q: optax.Updates
+  phase: jax.Array
+  count: jax.Array
 
 
 def power_sgd(
@@ -31,6 +40,11 @@ def power_sgd(
     seed: int = 0,
     keep_dense: compressor.KeepDense = None,
     bucket_bytes: float | None = None,
+    use_error_feedback: bool = True,
+    warm_start: bool = True,
+    comm_dtype=None,
+    warmup_steps: int = 0,
+    warmup_factors: bool = True,
 ) -> compressor.Compressor:
   """Power-SGD: error-feedback low-rank compression, two all-reduces a step.
 
@@ -49,6 +63,11 @@ def power_sgd(
   two can neither be fused nor overlapped with backprop. On a CPU backend
   all leaves share one bucket (``collectives.for_dependent_rounds``).
 
+  With ``warmup_steps``, the first steps are S-SGD's and warm the factors on
+  the mean gradient (``lowrank.dense_step``); the training loop switches the
+  state out of the warm-up with ``Compressor.at_step``
+  (``DataParallel.at_step``).
+
   Args:
     rank: rank r of the factors, clipped per leaf to min(n, m).
     axis_name: the mapped axis over which devices hold their data shards.
@@ -61,6 +80,19 @@ def power_sgd(
       factors take about this divided by the compression ratio; None for 25
       MiB (PyTorch DDP's default), ``math.inf`` for one all-reduce per round
       and dtype.
+    use_error_feedback: keep each device's residual E and add it to the next
+      gradient (PyTorch's name); without it M = G and no residual is stored.
+    warm_start: start each step's power iteration from the last step's Q
+      (PyTorch's name); without it, from a fresh random Q drawn from
+      ``seed`` and the step count, the same on every replica.
+    comm_dtype: floating dtype the factors are all-reduced in (e.g.
+      ``jnp.bfloat16``), or None for the leaves' dtype. The residual stays in
+      the gradient's dtype; leaves sent dense go in their own dtype.
+    warmup_steps: number of dense S-SGD steps before compression starts
+      (PyTorch's ``start_powerSGD_iter``); 0 compresses from the first step.
+    warmup_factors: during the warm-up, take a power-iteration step on the
+      mean gradient for each Q (no extra bytes), so that compression starts
+      from the gradient's leading subspace rather than a random one.
 
   Returns:
     A ``Compressor`` whose update, called inside ``jax.shard_map`` or
@@ -72,35 +104,68 @@ def power_sgd(
     tx = optax.chain(acp_jax.power_sgd(rank=4), optax.sgd(0.1))
 
   .. warning::
-    Put it first in the chain: it must see each device's own gradients.
+    Put it first in the chain: it must see each device's own gradients. With
+    ``warmup_steps``, call ``at_step`` before every step, or the warm-up
+    never ends.
 
   References:
     Vogels et al., "PowerSGD: Practical Low-Rank Gradient Compression for
     Distributed Optimization", NeurIPS 2019. https://arxiv.org/abs/1905.13727
   """
   lr = lowrank.settings(
-      rank, min_compression_rate, keep_dense, seed, "power_sgd", bucket_bytes
+      rank,
+      min_compression_rate,
+      keep_dense,
+      seed,
+      "power_sgd",
+      bucket_bytes,
+      use_error_feedback=use_error_feedback,
+      warm_start=warm_start,
+      comm_dtype=comm_dtype,
+      warmup_steps=warmup_steps,
+      warmup_factors=warmup_factors,
   )
 
   def init_fn(params):
     error, _, q = lowrank.init_trees(lr, params)
-    return PowerSgdState(error=error, q=q)
+    return PowerSgdState(
+        error=error,
+        q=q,
+        phase=lr.first_phase(Phase.P),
+        count=jnp.zeros((), jnp.int32),
+    )
 
   def update_fn(updates, state, params=None):
     del params
     n = compressor.begin_update(updates, axis_name, "power_sgd")
     compressor.check_state(state, PowerSgdState, "power_sgd")
     s = lowrank.split(lr, updates, state.error)
-    s = s._replace(buckets=collectives.for_dependent_rounds(s.buckets))
     lowrank.check_factors(lr, s, state.q, "m")
+    count = state.count + 1
+    masked = [optax.MaskedNode()] * len(s.dense)
+    if lowrank.phase_of(state.phase) is Phase.DENSE:
+      mean, error, qs = lowrank.dense_step(
+          lr, s, lowrank.leaves_of(s, state.q), axis_name
+      )
+      q = lowrank.merge(s, qs, masked, reshape=False)
+      return mean, state._replace(error=error, q=q, count=count)
+    s = s._replace(buckets=collectives.for_dependent_rounds(s.buckets))
+    if lr.warm_start:
+      previous = lowrank.leaves_of(s, state.q)
+    else:
+      previous = lowrank.fresh_factors(lr, s, state.count)
     # The warm-start Q, a mean of M^T P, carries the gradient's scale, so
     # M Q carries its square: in float16 that overflows (inf, then NaN) on a
     # 512 x 512 leaf with entries near 3. Only the span of Q matters, since P
     # is orthogonalized next; an orthonormal basis of it keeps M Q at the
     # scale of M, as PyTorch's powerSGD_hook does.
-    qs = [lowrank.orthogonalize(q) for q in lowrank.leaves_of(s, state.q)]
+    qs = [lowrank.orthogonalize(q) for q in previous]
     ps, dense = lowrank.psum_round(
-        s, [m @ q for m, q in zip(s.matrices, qs)], s.dense, axis_name
+        s,
+        [m @ q for m, q in zip(s.matrices, qs)],
+        s.dense,
+        axis_name,
+        lr.comm_dtype,
     )
     ps = [lowrank.orthogonalize(p) for p in ps]
     # Q needs the reduced P: a second all-reduce per bucket that can neither
@@ -110,32 +175,51 @@ def power_sgd(
         [lowrank.project_transposed(m, p) for m, p in zip(s.matrices, ps)],
         None,
         axis_name,
+        lr.comm_dtype,
     )
     qts = [qt / n for qt in qts]
     approx = [p @ qt for p, qt in zip(ps, qts)]
     dense = [x / n for x in dense]
-    masked = [optax.MaskedNode()] * len(dense)
     new_state = PowerSgdState(
-        error=lowrank.merge(
-            s,
-            [m - a for m, a in zip(s.matrices, approx)],
-            masked,
-            reshape=True,
+        error=lowrank.errors_tree(
+            lr, s, [m - a for m, a in zip(s.matrices, approx)]
         ),
         q=lowrank.merge(s, [qt.T for qt in qts], masked, reshape=False),
+        phase=state.phase,
+        count=count,
     )
     return lowrank.merge(s, approx, dense, reshape=True), new_state
 
   def volume(params, num_devices):
     del num_devices
     step = lowrank.volume(lr, params, lambda spec: spec.n + spec.m)
-    return {"step": compressor.CommVolume(all_reduce=step)}
+    volumes = {"step": compressor.CommVolume(all_reduce=step)}
+    if lr.warmup_steps:
+      dense = compressor.CommVolume(all_reduce=lowrank.dense_volume(params))
+      volumes = {Phase.DENSE.value: dense, **volumes}
+    return volumes
+
+  def phases(state):
+    if not lr.warmup_steps:
+      return {"step": state}
+    abstract = jax.ShapeDtypeStruct(
+        state.phase.shape,
+        jnp.uint8,
+        sharding=getattr(state.phase, "sharding", None),
+    )
+    return {
+        name: state._replace(phase=lowrank.marker_as(abstract, phase))
+        for name, phase in ((Phase.DENSE.value, Phase.DENSE), ("step", Phase.P))
+    }
 
   return compressor.Compressor(
       init_fn,
       update_fn,
       volume,
       axis_name=axis_name,
+      phases=phases,
       bucket_bytes=lr.bucket_bytes,
       dependent_rounds=True,
+      warmup_steps=lr.warmup_steps,
+      to_phase=lowrank.to_phase(Phase.P),
   )

@@ -1,7 +1,6 @@
 """S-SGD: the dense all-reduce every compressor is measured against."""
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from acp_jax import collectives
@@ -40,15 +39,7 @@ def ssgd(
   """
   compressor.check_static("ssgd", bucket_bytes=bucket_bytes)
   bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, "ssgd")
-  if comm_dtype is not None:
-    try:
-      floating = jnp.issubdtype(comm_dtype, jnp.floating)
-    except TypeError:
-      floating = False
-    if not floating:
-      raise ValueError(
-          f"comm_dtype must be a floating dtype or None, got {comm_dtype!r}"
-      )
+  compressor.check_comm_dtype(comm_dtype)
 
   def init_fn(params):
     compressor.check_float_leaves(params, "ssgd")
@@ -56,14 +47,15 @@ def ssgd(
 
   def update_fn(updates, state, params=None):
     del params
-    n = compressor.begin_update(updates, axis_name, "ssgd")
+    compressor.begin_update(updates, axis_name, "ssgd")
     compressor.check_state(state, optax.EmptyState, "ssgd")
     leaves, treedef = jax.tree.flatten(updates)
-    sent = [[(g / n).astype(comm_dtype or g.dtype)] for g in leaves]
-    summed = collectives.bucketed_psum(
-        sent, collectives.leaf_plan(leaves, bucket_bytes), axis_name
+    mean = collectives.bucketed_pmean(
+        leaves,
+        collectives.leaf_plan(leaves, bucket_bytes),
+        axis_name,
+        comm_dtype,
     )
-    mean = [x.astype(g.dtype) for (x,), g in zip(summed, leaves)]
     return jax.tree.unflatten(treedef, mean), state
 
   def volume(params, num_devices):

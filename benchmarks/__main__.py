@@ -8,6 +8,7 @@ the machine, date and command; ``report`` turns them into
 """
 
 import argparse
+import os
 import importlib.util
 import pathlib
 import signal
@@ -46,12 +47,19 @@ def _parser() -> argparse.ArgumentParser:
   overhead.add_argument("--models", help="comma-separated workloads")
   overhead.add_argument("--repeats", type=int, help="timed calls per update")
   convergence = sub.add_parser(
-      "convergence", parents=[quick], help="the five methods trained"
+      "convergence",
+      parents=[quick],
+      help="the compressors trained, at equal rank and bytes, several seeds",
   )
   convergence.add_argument(
       "--mnist_path",
       default=str(_SHARED / "mnist-t10k"),
       help="folder of MNIST IDX files (default: %(default)s)",
+  )
+  convergence.add_argument(
+      "--tasks",
+      default="char_lm,mnist",
+      help="comma-separated tasks, run in this order (default: %(default)s)",
   )
   convergence.add_argument(
       "--char_lm_path",
@@ -330,15 +338,20 @@ def main(argv: list[str] | None = None) -> None:
     columns, outputs = overhead.COLUMNS, {"overhead": rows}
   else:
     paths = {"mnist": args.mnist_path, "char_lm": args.char_lm_path}
+    paths = {t: paths[t] for t in args.tasks.split(",")}
+    os.makedirs(args.results_dir, exist_ok=True)
+    log_path = os.path.join(args.results_dir, "convergence_runs.partial.jsonl")
     try:
-      rows, curves = convergence.measure(paths, args.quick)
+      finals, curves = convergence.measure(paths, args.quick, log_path)
     except FileNotFoundError as e:
       raise SystemExit(f"error: {e}") from None
-    columns = convergence.COLUMNS
-    outputs = {"convergence": rows, "convergence_curves": curves}
+    rows, columns = convergence.summarize(finals), convergence.COLUMNS
+    outputs = {"convergence": finals, "convergence_curves": curves}
   for name, out in outputs.items():
     path = records.write(name, [{**r, **meta} for r in out], args.results_dir)
     print(f"wrote {path}")
+  if args.command == "convergence" and os.path.exists(log_path):
+    os.remove(log_path)  # every run is in the records now
   print(records.table(rows, columns))
   if failures:
     raise SystemExit("runs that failed:\n" + "\n".join(failures))

@@ -1,15 +1,22 @@
-"""The five compressors trained side by side: same seed, data order,
-schedule and step budget, on 8 simulated devices.
+"""The compressors trained side by side: same data, schedule and step budget,
+on 8 simulated devices, several seeds each.
 
 Tasks: the MNIST test set (split 8,000 / 2,000) on the small CNN, and
 tiny-shakespeare on the character LM. Each run is the real train loop
 (``train.train_and_evaluate``) in a temporary workdir; its ``metrics.jsonl``
 gives the curves.
+
+Two comparisons are fair to a low-rank method: at equal rank (every
+compressor with its config's rank r) and at equal bytes (ACP-SGD at rank
+2r sends per step what Power-SGD sends at rank r). Each runs with and
+without a dense warm-up. A seed changes the model's initialization and the
+data order; the compressors' own seeds stay fixed.
 """
 
 import json
 import os
 import pathlib
+import statistics
 import tempfile
 import time
 from typing import Any
@@ -20,32 +27,63 @@ from benchmarks import workloads
 from train import train
 
 # task -> (config, overrides). The char LM runs at half the config's batch
-# and sequence length: its 1,000 steps of 64 x 128 characters take 20
-# minutes per compressor on 2 cores, these 500 steps of 32 x 64 three.
+# and sequence length, and both tasks at 300 steps: 9 variants x 3 seeds
+# must fit in about an hour on 2 cores (a 300-step run takes about 75 s for
+# MNIST and 110 s for the char LM there).
+STEPS = 300
 TASKS = {
     "mnist": (
         "mnist",
-        (("num_train_steps", 500), ("eval_every_steps", 50)),
+        (("num_train_steps", STEPS), ("eval_every_steps", 50)),
     ),
     "char_lm": (
         "tinyshakespeare",
         (
-            ("num_train_steps", 500),
-            ("eval_every_steps", 100),
+            ("num_train_steps", STEPS),
+            ("eval_every_steps", 50),
             ("batch_size", 32),
             ("data.seq_len", 64),
             ("model.max_len", 64),
         ),
     ),
 }
+# Dense steps before compression in the warm-up variants: just past the
+# learning-rate warm-up (50 steps in both configs), a fifth of the budget.
+WARMUP_STEPS = 60
+# variant -> (compressor, rank multiplier or None, warm-up, factor warm-up).
+VARIANTS = {
+    "ssgd": ("ssgd", None, 0, False),
+    "sign_sgd": ("sign_sgd", None, 0, False),
+    "topk_sgd": ("topk_sgd", None, 0, False),
+    "power_sgd": ("power_sgd", 1, 0, False),
+    "acp_sgd": ("acp_sgd", 1, 0, False),
+    "acp_sgd_2r": ("acp_sgd", 2, 0, False),
+    "power_sgd_warm": ("power_sgd", 1, WARMUP_STEPS, True),
+    "acp_sgd_warm": ("acp_sgd", 1, WARMUP_STEPS, True),
+    "acp_sgd_2r_warm": ("acp_sgd", 2, WARMUP_STEPS, True),
+    # The same warm-up without warming the factors: the stall it leaves.
+    "acp_sgd_warm_cold": ("acp_sgd", 1, WARMUP_STEPS, False),
+}
+# Which variants each task runs, and with how many seeds: Sign-SGD and Top-k
+# are far from the targets and get one seed, the low-rank methods three.
+SEEDS = 3
+ONE_SEED = ("sign_sgd", "topk_sgd")
+TASK_VARIANTS = {
+    "char_lm": tuple(VARIANTS),
+    "mnist": tuple(
+        v for v in VARIANTS if v not in ("power_sgd_warm", "acp_sgd_warm_cold")
+    ),
+}
+QUICK_VARIANTS = ("ssgd", "acp_sgd", "acp_sgd_warm")
 # Quick runs shrink the budget and the models: a smoke test.
 QUICK_STEPS = 24
+QUICK_WARMUP_STEPS = 8
 
 
 def config(
-    task: str, compressor: str, data_path: str, quick: bool
+    task: str, variant: str, data_path: str, quick: bool, seed: int = 0
 ) -> ml_collections.ConfigDict:
-  """The training config of ``task`` with ``compressor``.
+  """The training config of ``task`` with ``variant``'s compressor.
 
   Raises:
     FileNotFoundError: if ``data_path`` does not exist.
@@ -55,8 +93,15 @@ def config(
         f"{task}: data path {data_path!r} does not exist; pass it with"
         f" --{task}_path"
     )
+  name, rank_factor, warmup, warm_factors = VARIANTS[variant]
   cfg = workloads.load_config(*TASKS[task])
-  cfg.compressor.name = compressor
+  cfg.seed = seed
+  cfg.compressor.name = name
+  if rank_factor is not None:
+    args = cfg.compressor[name]
+    args.rank = rank_factor * cfg.compressor.power_sgd.rank
+    args.warmup_steps = QUICK_WARMUP_STEPS if quick and warmup else warmup
+    args.warmup_factors = warm_factors
   cfg.data.path = data_path
   cfg.log_every_steps = 10
   if quick:
@@ -83,22 +128,27 @@ def _curve(workdir: str) -> list[dict[str, Any]]:
   return [by_step[s] for s in sorted(by_step)]
 
 
-def run(task: str, compressor: str, data_path: str, quick: bool):
-  """Trains one compressor on ``task``; its final record and curve."""
-  cfg = config(task, compressor, data_path, quick)
+def run(task: str, variant: str, data_path: str, quick: bool, seed: int):
+  """Trains one variant on ``task``; its final record and curve."""
+  cfg = config(task, variant, data_path, quick, seed)
   with tempfile.TemporaryDirectory() as workdir:
     start = time.perf_counter()
     summary = train.train_and_evaluate(cfg, workdir)
     seconds = time.perf_counter() - start
     lines = _curve(workdir)
-  phases = summary["bytes_per_phase"]
-  sent = lambda step: sum(phases[t % len(phases)] for t in range(step))
+  about = {
+      "task": task,
+      "variant": variant,
+      "compressor": cfg.compressor.name,
+      "rank": cfg.compressor[cfg.compressor.name].get("rank"),
+      "warmup_steps": cfg.compressor[cfg.compressor.name].get("warmup_steps", 0),
+      "seed": seed,
+  }
   curve = [
       {
-          "task": task,
-          "compressor": compressor,
+          **about,
           "step": line["step"],
-          "bytes_sent": sent(line["step"]),
+          "bytes_sent": line.get("bytes_sent_total"),
           "loss": line.get("loss"),
           "eval_loss": line.get("eval_loss"),
           "eval_accuracy": line.get("eval_accuracy"),
@@ -106,8 +156,7 @@ def run(task: str, compressor: str, data_path: str, quick: bool):
       for line in lines
   ]
   final = {
-      "task": task,
-      "compressor": compressor,
+      **about,
       "model": cfg.model.name,
       "steps": summary["step"],
       "global_batch": cfg.batch_size,
@@ -116,48 +165,108 @@ def run(task: str, compressor: str, data_path: str, quick: bool):
       "eval_accuracy": summary["eval_accuracy"],
       "loss": summary["loss"],
       "bytes_per_step": summary["bytes_per_step"],
-      "bytes_sent": sent(summary["step"]),
+      "bytes_sent": summary["bytes_sent"],
       "wall_seconds": seconds,
   }
   return final, curve
 
 
+def plan(tasks: list[str], quick: bool) -> list[tuple[int, str, str]]:
+  """``(seed, task, variant)`` of every run, a seed's runs before the next
+  seed's, so that a cut run still holds every variant."""
+  runs = []
+  for seed in range(1 if quick else SEEDS):
+    for task in tasks:
+      for variant in QUICK_VARIANTS if quick else TASK_VARIANTS[task]:
+        if seed == 0 or variant not in ONE_SEED:
+          runs.append((seed, task, variant))
+  return runs
+
+
 def measure(
-    paths: dict[str, str], quick: bool
+    paths: dict[str, str], quick: bool, log_path: str | None = None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-  """Final records and curve points for every task and compressor."""
+  """Final records and curve points of every run of ``plan``.
+
+  Each run's record is also appended to ``log_path`` (JSON lines) as soon
+  as it ends, so that an interrupted benchmark keeps what it measured.
+  """
   for task, path in paths.items():
     config(task, "ssgd", path, quick)  # a missing file fails before training
   finals, curves = [], []
-  for task, path in paths.items():
-    rows = {}
-    for name in workloads.COMPRESSORS:
-      rows[name], curve = run(task, name, path, quick)
-      curves.extend(curve)
-    base = rows["ssgd"]
-    for row in rows.values():
-      # Accuracy in points; loss relative, as the issue's targets put them.
-      row["accuracy_vs_ssgd_pts"] = 100 * (
-          row["eval_accuracy"] - base["eval_accuracy"]
-      )
-      row["loss_vs_ssgd_pct"] = 100 * (row["eval_loss"] / base["eval_loss"] - 1)
-    acp = rows["acp_sgd"]
-    acp["meets_target"] = (
-        acp["accuracy_vs_ssgd_pts"] >= -1.0
-        if task == "mnist"
-        else acp["loss_vs_ssgd_pct"] <= 3.0
+  for seed, task, variant in plan(list(paths), quick):
+    final, curve = run(task, variant, paths[task], quick, seed)
+    finals.append(final)
+    curves.extend(curve)
+    print(
+        f"{task} {variant} seed {seed}: eval loss {final['eval_loss']:.4f},"
+        f" accuracy {final['eval_accuracy']:.4f}, {final['wall_seconds']:.0f} s",
+        flush=True,
     )
-    finals.extend(rows.values())
+    if log_path:
+      with open(log_path, "a") as f:
+        f.write(json.dumps({"final": final, "curve": curve}) + "\n")
   return finals, curves
+
+
+def summarize(finals: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Per task and variant: the mean and spread over seeds, against S-SGD's
+  mean (accuracy in points, loss in %, as the targets put them)."""
+  groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+  for r in finals:
+    groups.setdefault((r["task"], r["variant"]), []).append(r)
+  rows = []
+  for (task, variant), runs in groups.items():
+    row = {k: runs[0][k] for k in ("task", "variant", "compressor", "rank", "warmup_steps", "steps", "bytes_per_step")}
+    row["seeds"] = len(runs)
+    for key in ("eval_loss", "eval_accuracy", "bytes_sent", "wall_seconds"):
+      values = [r[key] for r in runs]
+      row[key] = statistics.mean(values)
+      if key.startswith("eval"):
+        row[key + "_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
+        row[key + "_min"], row[key + "_max"] = min(values), max(values)
+    rows.append(row)
+  base = {r["task"]: r for r in rows if r["variant"] == "ssgd"}
+  for row in rows:
+    ssgd = base.get(row["task"])
+    if ssgd:
+      row["accuracy_vs_ssgd_pts"] = 100 * (
+          row["eval_accuracy"] - ssgd["eval_accuracy"]
+      )
+      row["loss_vs_ssgd_pct"] = 100 * (
+          row["eval_loss"] / ssgd["eval_loss"] - 1
+      )
+  return rows
+
+
+def stall(curves: list[dict[str, Any]], variant: str, task: str = "char_lm"):
+  """Mean train loss over seeds at the switch K and K + 50, K + 100 steps
+  later (the points logged nearest to them), for a warm-up variant."""
+  warmup = VARIANTS[variant][2]
+  out = {}
+  for offset in (0, 50, 100):
+    target = warmup + offset
+    by_seed = {}
+    for c in curves:
+      if (c["task"], c["variant"]) == (task, variant) and c.get("loss") is not None:
+        best = by_seed.get(c["seed"])
+        if best is None or abs(c["step"] - target) < abs(best["step"] - target):
+          by_seed[c["seed"]] = c
+    if by_seed:
+      out[target] = statistics.mean(c["loss"] for c in by_seed.values())
+  return out
 
 
 COLUMNS = {
     "task": "task",
-    "compressor": "compressor",
-    "steps": "steps",
-    "global_batch": "batch",
+    "variant": "variant",
+    "rank": "rank",
+    "warmup_steps": "dense steps",
+    "seeds": "seeds",
     "eval_accuracy": "held-out accuracy",
+    "eval_accuracy_std": "± (std)",
     "eval_loss": "held-out loss",
+    "eval_loss_std": "± (std)",
     "accuracy_vs_ssgd_pts": "acc. vs S-SGD (pts)",
     "loss_vs_ssgd_pct": "loss vs S-SGD (%)",
     "bytes_per_step": "bytes/step",

@@ -50,8 +50,18 @@ def get_config() -> ml_collections.ConfigDict:
           "ssgd": {},
           "sign_sgd": {"majority_vote": False},
           "topk_sgd": {"density": 0.01},
-          "power_sgd": {"rank": 4, "min_compression_rate": 2.0},
-          "acp_sgd": {"rank": 4, "min_compression_rate": 2.0},
+          "power_sgd": {
+              "rank": 4,
+              "min_compression_rate": 2.0,
+              "warmup_steps": 0,
+              "warmup_factors": True,
+          },
+          "acp_sgd": {
+              "rank": 4,
+              "min_compression_rate": 2.0,
+              "warmup_steps": 0,
+              "warmup_factors": True,
+          },
       }
   )
 

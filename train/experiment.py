@@ -85,15 +85,31 @@ class Experiment:
   def num_devices(self) -> int:
     return self.mesh.size
 
-  def bytes_per_step(self) -> list[int]:
-    """Bytes each device sends per step, for each step of a phase cycle."""
+  def bytes_per_phase(self) -> dict[str, int]:
+    """Bytes each device sends in a step of each phase, by the phase names
+    of ``acp_jax.comm_bytes`` (a warm-up's ``"dense"`` included)."""
     volumes = acp_jax.comm_bytes(
         self.compressor, self.abstract_params, num_devices=self.num_devices
     )
     overhead = 4 * NUM_REDUCED_METRICS + sync_batch_norm_bytes(
         self.abstract_batch_stats, self.config.batch_norm
     )
-    return [v.total + overhead for v in volumes.values()]
+    return {name: v.total + overhead for name, v in volumes.items()}
+
+  def bytes_per_step(self) -> list[int]:
+    """Bytes each device sends per step, for each step of the compressing
+    phase cycle (after any warm-up)."""
+    by_phase = self.bytes_per_phase()
+    return [by_phase[name] for name in self.compressor.cycle]
+
+  def bytes_through(self, steps: int) -> int:
+    """Bytes each device sends in the first ``steps`` steps."""
+    by_phase = self.bytes_per_phase()
+    dense = min(steps, self.compressor.warmup_steps)
+    cycle = self.bytes_per_step()
+    full, part = divmod(steps - dense, len(cycle))
+    warmup = by_phase.get(acp_jax.compressor.DENSE, 0)
+    return dense * warmup + full * sum(cycle) + sum(cycle[:part])
 
 
 def _model_kwargs(config, dataset) -> dict[str, Any]:

@@ -268,6 +268,8 @@ def train_and_evaluate(
     start = record["step"]
   log = metrics_lib.MetricsLog(workdir, start)
   bytes_per_step = experiment.bytes_per_step()
+  bytes_per_phase = experiment.bytes_per_phase()
+  phase_at = experiment.compressor.phase_at
   last = config.num_train_steps
   on_cpu = jax.default_backend() == "cpu"
   durations, metrics, eval_metrics = [], {}, {}
@@ -305,7 +307,8 @@ def train_and_evaluate(
               "step": step,
               **metrics,
               "learning_rate": float(experiment.schedule(step - 1)),
-              "bytes_sent": bytes_per_step[(step - 1) % len(bytes_per_step)],
+              "bytes_sent": bytes_per_phase[phase_at(step - 1)],
+              "bytes_sent_total": experiment.bytes_through(step),
               "examples_per_sec": experiment.global_batch / seconds,
           }
       )
@@ -324,6 +327,10 @@ def train_and_evaluate(
   with runtime.StopRequests() as stops:
     for index in range(start, last):
       step = index + 1
+      # Out of a compressor's dense warm-up when it ends (else a no-op).
+      state = state._replace(
+          opt_state=experiment.dp.at_step(state.opt_state, index)
+      )
       state, step_metrics = train_fn(
           state, put_batch(experiment, loader.batch(index))
       )
@@ -373,6 +380,7 @@ def train_and_evaluate(
       **eval_metrics,
       "bytes_per_step": statistics.mean(bytes_per_step),
       "bytes_per_phase": bytes_per_step,
+      "bytes_sent": experiment.bytes_through(int(state.step)),
       "examples_per_sec": (
           experiment.global_batch / statistics.median(steady)
           if steady
