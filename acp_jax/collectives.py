@@ -38,10 +38,32 @@ combiner off its buckets would keep two rounds. Compile with
 ``--xla_disable_hlo_passes=cpu-all-reduce-combiner`` to see the per-bucket
 all-reduces of the one-round methods one by one. XLA:CPU does not combine
 all-gathers, so Sign-SGD's and Top-k's buckets stay apart there in any case.
+
+Split over a second axis (``split_over``): in hierarchical data parallelism
+every device of a node holds the same gradients (their dense mean over the
+node's devices), so every packed buffer is identical on the L devices of a
+node. Sent as it is, each of them would carry the whole buffer over the slow
+network between nodes: L times the compressed bytes on the node's link.
+Within ``split_over(local_axis)``, device ``i`` of a node instead takes chunk
+``i`` of the buffer (zero-padded to a multiple of L elements), runs the
+collective over the node axis on that chunk only, and a tiled all-gather over
+``local_axis`` puts the chunks back together; the padding is cut. The result
+is the unsplit collective's: for an all-gather, entry ``j`` of its leading
+axis is still node ``j``'s whole buffer. Each device then sends
+``ceil(elements / L)`` elements per buffer across nodes, and the reassembly
+moves the rest over the fast local axis. The compressors do not know about
+it: ``DataParallel`` enters the context while it traces their update.
+
+``recording`` lists the collectives that packed buffers go through while a
+function is traced (under ``jax.eval_shape``, nothing runs), by axis: the
+exact bytes per device of a step, however its buffers were split.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
+import contextlib
+import contextvars
 import math
+from typing import NamedTuple
 
 import jax
 from jax import lax
@@ -52,6 +74,80 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 # Leaf indices, bucket by bucket, in the order the buckets are sent.
 BucketPlan = tuple[tuple[int, ...], ...]
+
+# The axis over which packed buffers are split, or None (see ``split_over``).
+_SPLIT_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "split_axis", default=None
+)
+# Where the collectives of packed buffers are listed (see ``recording``).
+_RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "record", default=None
+)
+
+
+class Sent(NamedTuple):
+  """A collective that a packed buffer (or a chunk of it) went through.
+
+  Attributes:
+    kind: ``"all_reduce"`` or ``"all_gather"``.
+    axis_name: the mapped axis it runs over.
+    axis_size: the size of that axis.
+    size: elements each device contributes.
+    dtype: their dtype.
+  """
+
+  kind: str
+  axis_name: str
+  axis_size: int
+  size: int
+  dtype: jnp.dtype
+
+  @property
+  def nbytes(self) -> int:
+    """Result bytes per device: the buffer of an all-reduce, everything an
+    all-gather gathers (the axis size times the contribution)."""
+    n = self.axis_size if self.kind == "all_gather" else 1
+    return n * nbytes((self.size,), self.dtype)
+
+
+@contextlib.contextmanager
+def split_over(axis_name: str | None) -> Iterator[None]:
+  """Within it, packed buffers are sent in chunks, one per device of
+  ``axis_name``, and reassembled over it (see the module's docstring).
+
+  Only for buffers identical on every device of ``axis_name`` (e.g. computed
+  from gradients already averaged over it): device ``i`` sends chunk ``i`` of
+  its own copy. ``None`` sends buffers whole.
+
+  Args:
+    axis_name: a mapped axis other than the collectives' own, or None.
+  """
+  token = _SPLIT_AXIS.set(axis_name)
+  try:
+    yield
+  finally:
+    _SPLIT_AXIS.reset(token)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Sent]]:
+  """Lists every collective of a packed buffer traced within it.
+
+  Example::
+
+    with collectives.recording() as sent:
+      jax.eval_shape(step, *abstract_args)
+    total = sum(s.nbytes for s in sent if s.axis_name == "data")
+
+  Yields:
+    The list that the ``Sent`` records are appended to, in tracing order.
+  """
+  sent = []
+  token = _RECORD.set(sent)
+  try:
+    yield sent
+  finally:
+    _RECORD.reset(token)
 
 
 def axis_size(axis_name: str, caller: str) -> int:
@@ -123,16 +219,50 @@ def for_dependent_rounds(plan: BucketPlan) -> BucketPlan:
   return (tuple(i for bucket in plan for i in bucket),)
 
 
-def _packed(
-    collective: Callable[[jax.Array], jax.Array],
-    arrays: Sequence[jax.Array],
-    lead: tuple[int, ...],
-) -> list[jax.Array]:
-  """``collective`` of one flat buffer per dtype, split back into arrays.
+def _collective(
+    kind: str, x: jax.Array, axis_name: str, axis: int = 0, tiled: bool = False
+) -> jax.Array:
+  """``lax.psum`` (kind ``"all_reduce"``) or ``lax.all_gather`` of ``x``,
+  listed where ``recording``."""
+  record = _RECORD.get()
+  if record is not None:
+    record.append(
+        Sent(kind, axis_name, axis_size(axis_name, kind), x.size, x.dtype)
+    )
+  if kind == "all_reduce":
+    return lax.psum(x, axis_name)
+  return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
 
-  ``lead`` is the shape the collective prepends (the axis size, for an
-  all-gather). A buffer with no elements is not sent.
-  """
+
+def _send(kind: str, flat: jax.Array, axis_name: str) -> jax.Array:
+  """The ``kind`` collective of a flat buffer, in chunks over the axis of
+  ``split_over`` if one is set (see the module's docstring)."""
+  local = _SPLIT_AXIS.get()
+  if local == axis_name:
+    raise ValueError(
+        f"split_over: axis_name={local!r} is the collectives' own axis; a"
+        " buffer is split over a second axis, over which it is identical"
+    )
+  parts = 1 if local is None else axis_size(local, "split_over")
+  if parts == 1:
+    return _collective(kind, flat, axis_name)
+  chunk = -(-flat.size // parts)
+  padded = jnp.pad(flat, (0, chunk * parts - flat.size))
+  mine = lax.dynamic_slice_in_dim(padded, lax.axis_index(local) * chunk, chunk)
+  done = _collective(kind, mine, axis_name)
+  # The chunks in order along the buffer's own (last) axis, after the node
+  # axis that an all-gather prepends.
+  whole = _collective("all_gather", done, local, axis=done.ndim - 1, tiled=True)
+  return whole[..., : flat.size]
+
+
+def _packed(
+    kind: str, arrays: Sequence[jax.Array], axis_name: str
+) -> list[jax.Array]:
+  """The ``kind`` collective of one flat buffer per dtype, split back into
+  arrays (an all-gather prepends the axis size). A buffer with no elements
+  is not sent."""
+  lead = () if kind == "all_reduce" else (axis_size(axis_name, kind),)
   by_dtype: dict[jnp.dtype, list[int]] = {}
   for i, x in enumerate(arrays):
     by_dtype.setdefault(x.dtype, []).append(i)
@@ -140,7 +270,9 @@ def _packed(
   for dtype, members in by_dtype.items():
     flat = jnp.concatenate([arrays[i].ravel() for i in members])
     flat = (
-        collective(flat) if flat.size else jnp.zeros(lead + flat.shape, dtype)
+        _send(kind, flat, axis_name)
+        if flat.size
+        else jnp.zeros(lead + flat.shape, dtype)
     )
     start = 0
     for i in members:
@@ -151,17 +283,17 @@ def _packed(
 
 
 def _bucketed(
-    collective: Callable[[jax.Array], jax.Array],
+    kind: str,
     per_leaf: Sequence[Sequence[jax.Array]],
     plan: BucketPlan,
-    lead: tuple[int, ...],
+    axis_name: str,
 ) -> list[list[jax.Array]]:
   """``_packed`` collective of each bucket's arrays; ``per_leaf[i]`` are the
   arrays leaf ``i`` sends (any number, none included)."""
   out = [[] for _ in per_leaf]
   for bucket in plan:
     arrays = [x for i in bucket for x in per_leaf[i]]
-    done = iter(_packed(collective, arrays, lead))
+    done = iter(_packed(kind, arrays, axis_name))
     for i in bucket:
       out[i] = [next(done) for _ in per_leaf[i]]
   return out
@@ -180,7 +312,7 @@ def bucketed_psum(
   Returns:
     The summed arrays, nested like ``per_leaf``.
   """
-  return _bucketed(lambda x: lax.psum(x, axis_name), per_leaf, plan, ())
+  return _bucketed("all_reduce", per_leaf, plan, axis_name)
 
 
 def bucketed_all_gather(
@@ -191,10 +323,8 @@ def bucketed_all_gather(
   Like ``bucketed_psum``; each result has a new leading axis of the axis
   size, whose entry ``j`` holds device ``j``'s array.
   """
-  n = axis_size(axis_name, "bucketed_all_gather")
-  return _bucketed(
-      lambda x: lax.all_gather(x, axis_name), per_leaf, plan, (n,)
-  )
+  axis_size(axis_name, "bucketed_all_gather")
+  return _bucketed("all_gather", per_leaf, plan, axis_name)
 
 
 def bucketed_pmean(

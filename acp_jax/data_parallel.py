@@ -24,7 +24,11 @@ both axes; the exchange first averages the gradients densely within each
 node (``lax.pmean`` over ``local_axis``: NVLink or PCIe, cheap), then runs
 the compressor across nodes over its ``axis_name`` (the slow network). The
 residuals are then identical within a node, so they are stored once per
-node: sharded over the node axis, replicated over the local one.
+node: sharded over the node axis, replicated over the local one. So is every
+buffer the compressor sends, so the node's devices share the sending: each
+runs the collective across nodes on its own chunk of each buffer, and the
+chunks are gathered back over the local axis (``collectives.split_over``).
+A node's link then carries the compressed bytes once, not once per device.
 """
 
 import sys
@@ -37,6 +41,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import optax
 
+from acp_jax import collectives
 from acp_jax import compressor as compressor_lib
 
 
@@ -215,22 +220,38 @@ class DataParallel:
 
     Returns:
       ``{axis name: {phase: CommVolume}}`` with the phase names of
-      ``acp_jax.comm_bytes``: on the compressor's axis, what the compressor
-      sends among ``num_nodes`` participants; with ``local_axis``, on that
-      axis the dense all-reduce of every gradient. The loss that
-      ``value_and_grad`` averages (4 bytes, over all axes) is not counted.
+      ``acp_jax.comm_bytes``. Without ``local_axis``, the compressor's own
+      accounting among ``num_devices`` participants. With it, on the
+      compressor's axis what each device sends of its chunks of the
+      compressor's buffers among ``num_nodes`` nodes, and on ``local_axis``
+      the dense all-reduce of every gradient plus the all-gathers that put
+      the chunks back together: the collectives that the step's trace
+      makes (``collectives.recording``), traced on shapes only. The loss
+      that ``value_and_grad`` averages (4 bytes, over all axes) is not
+      counted.
     """
-    node = compressor_lib.comm_bytes(
-        self.compressor, params, num_devices=self.num_nodes
-    )
-    volumes = {self.axis_name: node}
-    if self.local_axis is not None:
-      dense = sum(
-          x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)
-      )
-      volumes[self.local_axis] = {
-          phase: compressor_lib.CommVolume(all_reduce=dense) for phase in node
+    if self.local_axis is None:
+      return {
+          self.axis_name: compressor_lib.comm_bytes(
+              self.compressor, params, num_devices=self.num_nodes
+          )
       }
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
+    )
+    grads = self.abstract_local_grads(shapes)
+    dense = sum(
+        collectives.nbytes(x.shape, x.dtype) for x in jax.tree.leaves(shapes)
+    )
+    volumes = {self.axis_name: {}, self.local_axis: {}}
+    for phase, comm in self.phase_states(self.abstract_comm(shapes)).items():
+      with collectives.recording() as sent:
+        jax.eval_shape(self.compress, grads, comm)
+      volumes[self.axis_name][phase] = _volume(sent, self.axis_name)
+      local = _volume(sent, self.local_axis)
+      volumes[self.local_axis][phase] = local._replace(
+          all_reduce=local.all_reduce + dense
+      )
     return volumes
 
   def at_step(self, opt_state: Any, step: int) -> Any:
@@ -312,7 +333,8 @@ class DataParallel:
         # their residuals stay identical: one copy per node.
         grads = lax.pmean(grads, self.local_axis)
       state = self._map_local(lambda x: x[0], state)
-      mean, state = self.compressor.update(grads, state)
+      with collectives.split_over(self.local_axis):
+        mean, state = self.compressor.update(grads, state)
       return mean, self._map_local(lambda x: x[None], state)
 
     return jax.shard_map(
@@ -464,6 +486,17 @@ class DataParallel:
       return (value if has_aux else value[0]), grads
 
     return wrapped
+
+
+def _volume(
+    sent: list[collectives.Sent], axis_name: str
+) -> compressor_lib.CommVolume:
+  """The bytes of the recorded collectives over ``axis_name``."""
+  by_kind = {"all_reduce": 0, "all_gather": 0}
+  for s in sent:
+    if s.axis_name == axis_name:
+      by_kind[s.kind] += s.nbytes
+  return compressor_lib.CommVolume(**by_kind)
 
 
 def _is_spec(x) -> bool:

@@ -419,6 +419,50 @@ def _projection_section(rows, out: pathlib.Path):
   ]
 
 
+def _hierarchical_section(rows) -> list[str]:
+  first = rows[0]
+  table = [
+      {
+          **r,
+          "method": f"{plots.LABELS[r['compressor']]}, {r['mode']}",
+      }
+      for r in rows
+  ]
+  return [
+      "## 6. Hierarchical compression across nodes",
+      "",
+      _provenance(rows),
+      "",
+      f"{first['nodes']} worker processes, each a node of"
+      f" {first['devices_per_node']} CPU devices in its own network"
+      " namespace, on the switched links of section 4, training"
+      f" {first['model']}. *Hierarchical*: a mesh of nodes x devices per"
+      " node; the gradients are averaged densely within a node, then the"
+      " compressor runs across nodes, each device of a node sending its"
+      " chunk of every buffer and the chunks gathered back within the node"
+      " (`acp_jax.collectives.split_over`). *Flat*: one axis over all"
+      " devices, whose rings cross the links. *Slow link* is what each"
+      " node's interface sent per step, counted by the kernel (gloo's"
+      " framing included); the axes' columns are each device's bytes per"
+      " step by `DataParallel.comm_bytes` (the local axis stays inside a"
+      " process and crosses no link).",
+      "",
+      records.table(
+          table,
+          {
+              "bandwidth": "link",
+              "method": "method",
+              "examples_per_sec": "examples/s",
+              "slow_link_bytes_per_step": "bytes/step on the slow link",
+              "node_axis_bytes_per_device": "node axis, per device",
+              "local_axis_bytes_per_device": "local axis, per device",
+              "params_identical": "same params",
+          },
+      ),
+      "",
+  ]
+
+
 def write(results_dir: os.PathLike) -> str:
   """Writes ``REPORT.md`` and its plots into ``results_dir``; returns a line
   saying where."""
@@ -433,6 +477,7 @@ def write(results_dir: os.PathLike) -> str:
           "cluster",
           "cluster_links",
           "projection",
+          "cluster_hierarchical",
       )
   }
   if not any(found[k] for k in ("comm", "overhead", "convergence", "cluster")):
@@ -450,13 +495,17 @@ def write(results_dir: os.PathLike) -> str:
           rows, found["cluster_links"], out
       ),
       "projection": lambda rows: _projection_section(rows, out),
+      "cluster_hierarchical": _hierarchical_section,
   }
   body = []
   for name, section in sections.items():
     if found[name]:
       body += section(found[name])
     else:
-      command = "project" if name == "projection" else name
+      command = {
+          "projection": "project",
+          "cluster_hierarchical": "cluster --hierarchical",
+      }.get(name, name)
       body += [
           f"_`{command}` has not been run: `python -m benchmarks {command}`._",
           "",
@@ -472,7 +521,9 @@ def write(results_dir: os.PathLike) -> str:
       'python -m pip install -e ".[bench,torch]"',
       "python -m benchmarks comm && python -m benchmarks overhead \\",
       "  && python -m benchmarks convergence && python -m benchmarks cluster \\",
-      "  && python -m benchmarks project && python -m benchmarks report",
+      "  && python -m benchmarks project \\",
+      "  && python -m benchmarks cluster --hierarchical \\",
+      "  && python -m benchmarks report",
       "```",
       "",
   ]

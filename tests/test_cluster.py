@@ -112,3 +112,50 @@ def test_two_workers_train_on_a_shaped_link(tmp_path):
   beta = calibration[0]["beta_s_per_byte"]
   # A 1 Gb/s link moves at most 125 MB/s.
   assert 1 / beta < 125e6 * 1.05, 1 / beta
+
+
+def test_report_tables_the_hierarchical_cluster():
+  from benchmarks import report
+
+  base = {
+      "bandwidth": "1gbit",
+      "nodes": 2,
+      "devices_per_node": 2,
+      "model": "bert_base_2l",
+      "params_identical": True,
+      "machine": "m",
+      "date": "d",
+      "command": "c",
+  }
+  rows = [
+      {
+          **base,
+          "compressor": "acp_sgd",
+          "mode": "hierarchical",
+          "examples_per_sec": 4.5,
+          "slow_link_bytes_per_step": 475204.8,
+          "node_axis_bytes_per_device": 224768,
+          "local_axis_bytes_per_device": 86304768,
+      },
+      {
+          **base,
+          "compressor": "ssgd",
+          "mode": "flat",
+          "examples_per_sec": 3.5,
+          "slow_link_bytes_per_step": 129150692.8,
+          "node_axis_bytes_per_device": 85855232,
+          "local_axis_bytes_per_device": 0,
+      },
+  ]
+  lines = report._hierarchical_section(rows)
+  assert lines[0] == "## 6. Hierarchical compression across nodes"
+  cells = [
+      [cell.strip() for cell in line.strip("|").split("|")]
+      for line in "\n".join(lines).splitlines()
+      if line.startswith("| 1gbit")
+  ]
+  assert cells == [
+      ["1gbit", "ACP-SGD, hierarchical", "4.5", "475,205", "224,768",
+       "86,304,768", "yes"],
+      ["1gbit", "S-SGD, flat", "3.5", "129,150,693", "85,855,232", "0", "yes"],
+  ]

@@ -11,6 +11,7 @@ import sys
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -18,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import acp_jax
+from acp_jax import collectives
 from tests import helpers
 from tests.conftest import NUM_DEVICES
 
@@ -105,34 +107,72 @@ def _groups(attribute: str) -> frozenset[tuple[int, ...]]:
   )
 
 
-def all_reduce_bytes_by_axis(hlo_text: str, mesh) -> dict[str, int]:
-  """All-reduce result bytes per device, by the mesh axes each all-reduce
-  runs over (read from its replica groups: positions in the mesh)."""
+def bytes_by_axis(hlo_text: str, mesh) -> dict[str, acp_jax.CommVolume]:
+  """All-reduce and all-gather result bytes per device, by the mesh axes
+  each collective runs over (read from its replica groups: positions in the
+  mesh); "all" for the loss's mean over both axes."""
   ids = np.arange(mesh.size).reshape(mesh.devices.shape)
   axes_of = {
       frozenset(tuple(row) for row in ids.tolist()): "local",
       frozenset(tuple(col) for col in ids.T.tolist()): "data",
       frozenset([tuple(ids.ravel().tolist())]): "all",
   }
+  kinds = {"all-reduce": "all_reduce", "all-gather": "all_gather"}
   totals = {}
   for line in hlo_text.splitlines():
     stats = acp_jax.collective_stats(line)
     if not stats:
       continue
-    assert set(stats) == {"all-reduce"}, line
+    (kind, stat), = stats.items()
+    assert kind in kinds, line
     groups = re.search(r"replica_groups=(\{[{}0-9,]*\})", line)[1]
     axis = axes_of[_groups(groups)]
-    totals[axis] = totals.get(axis, 0) + stats["all-reduce"].bytes
+    volume = totals.get(axis, acp_jax.CommVolume())
+    totals[axis] = volume._replace(
+        **{kinds[kind]: getattr(volume, kinds[kind]) + stat.bytes}
+    )
   return totals
 
 
-def test_compiled_hierarchical_step_sends_the_accounting_by_axis():
-  dp = hierarchical(acp_jax.acp_sgd(2))
+def node_mesh():
+  """A 1-D mesh of NODES devices: one per node, nothing to split."""
+  return jax.make_mesh(
+      (NODES,),
+      ("data",),
+      axis_types=(jax.sharding.AxisType.Auto,),
+      devices=jax.devices()[:NODES],
+  )
+
+
+# Every compressor, with settings that compress the small MLP.
+COMPRESSORS = {
+    "ssgd": acp_jax.ssgd,
+    "sign_sgd": acp_jax.sign_sgd,
+    "topk_sgd": lambda: acp_jax.topk_sgd(0.3),
+    "power_sgd": lambda: acp_jax.power_sgd(2),
+    "acp_sgd": lambda: acp_jax.acp_sgd(2),
+}
+
+
+def flat_buffers(make, phase: str) -> list[collectives.Sent]:
+  """The buffers that ``make()``'s compressor sends in ``phase`` without a
+  split, over a 1-D mesh of NODES devices, as traced."""
+  dp = acp_jax.DataParallel(make(), node_mesh())
+  comm = dp.phase_states(dp.abstract_comm(PARAMS))[phase]
+  with collectives.recording() as sent:
+    jax.eval_shape(dp.compress, dp.abstract_local_grads(PARAMS), comm)
+  return sent
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_compiled_hierarchical_step_sends_the_accounting_by_axis(name):
+  dp = hierarchical(COMPRESSORS[name]())
   tx = dp.chain(optax.adam(1e-3))
   params = jax.device_put(PARAMS, NamedSharding(dp.mesh, P()))
   x, y = jax.device_put((X, Y), NamedSharding(dp.mesh, dp.device_spec))
   state = tx.init(params)
   volumes = dp.comm_bytes(params)
+  flat = acp_jax.comm_bytes(dp.compressor, PARAMS, num_devices=NODES)
   dense = sum(x.nbytes for x in PARAMS.values())
   assert set(volumes) == {"data", "local"}
   step = make_step(dp, tx)
@@ -140,16 +180,71 @@ def test_compiled_hierarchical_step_sends_the_accounting_by_axis():
     compiled = step.lower(params, state._replace(comm=comm), x, y).compile(
         compiler_options=NO_COMBINER
     )
-    by_axis = all_reduce_bytes_by_axis(compiled.as_text(), dp.mesh)
-    assert volumes["local"][phase] == acp_jax.CommVolume(all_reduce=dense)
-    assert volumes["data"][phase] == acp_jax.comm_bytes(
-        dp.compressor, PARAMS, num_devices=NODES
-    )[phase]
+    by_axis = bytes_by_axis(compiled.as_text(), dp.mesh)
     assert by_axis == {
-        "local": volumes["local"][phase].total,
-        "data": volumes["data"][phase].total,
-        "all": 4,  # the loss
+        "local": volumes["local"][phase],
+        "data": volumes["data"][phase],
+        "all": acp_jax.CommVolume(all_reduce=4),  # the loss
     }, phase
+    # Across nodes, each device sends its chunk of every buffer that the
+    # flat compressor sends whole, padded to a multiple of LOCAL elements.
+    buffers = flat_buffers(COMPRESSORS[name], phase)
+    assert sum(b.nbytes for b in buffers) == flat[phase].total
+    chunks = [b._replace(size=-(-b.size // LOCAL)) for b in buffers]
+    node = volumes["data"][phase]
+    assert node.total == sum(c.nbytes for c in chunks), phase
+    padding = sum(
+        jnp.dtype(b.dtype).itemsize * (NODES if b.kind == "all_gather" else 1)
+        for b in buffers
+    )
+    assert flat[phase].total / LOCAL <= node.total
+    assert node.total < flat[phase].total / LOCAL + padding, phase
+    # Within a node, the dense mean and the chunks gathered back.
+    gathered = sum(LOCAL * c.nbytes for c in chunks)
+    assert volumes["local"][phase] == acp_jax.CommVolume(
+        all_reduce=dense, all_gather=gathered
+    ), phase
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_split_exchange_equals_the_flat_one_on_node_means(name):
+  # The compressor across nodes sees each node's mean gradient: with its
+  # buffers split over the local axis it must give what the same compressor
+  # gives, sending every buffer whole, on one device per node fed those
+  # means. Gradients are multiples of 1/16, so the means are exact.
+  dp = hierarchical(COMPRESSORS[name]())
+  flat = acp_jax.DataParallel(COMPRESSORS[name](), node_mesh())
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), PARAMS)
+  state, flat_state = dp.init_comm(shapes), flat.init_comm(shapes)
+  compress, flat_compress = jax.jit(dp.compress), jax.jit(flat.compress)
+  rng = np.random.default_rng(1)
+  for step in range(4):  # ACP-SGD: P, Q, P, Q
+    local = {
+        k: rng.integers(-32, 33, (NUM_DEVICES,) + v.shape).astype(np.float32)
+        / 16
+        for k, v in PARAMS.items()
+    }
+    means = {
+        k: v.reshape((NODES, LOCAL) + v.shape[1:]).mean(1)
+        for k, v in local.items()
+    }
+    mean, state = jax.block_until_ready(
+        compress(
+            jax.device_put(local, NamedSharding(dp.mesh, dp.device_spec)),
+            state,
+        )
+    )
+    flat_mean, flat_state = jax.block_until_ready(
+        flat_compress(
+            jax.device_put(means, NamedSharding(flat.mesh, flat.device_spec)),
+            flat_state,
+        )
+    )
+    chex.assert_trees_all_close(mean, flat_mean, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(state, flat_state, rtol=1e-5, atol=1e-6)
+  if name != "ssgd":  # the comparison saw compressed, not exact, means
+    exact = jax.tree.map(lambda x: x.mean(0), local)
+    assert not np.allclose(mean["w1"], exact["w1"], atol=1e-3)
 
 
 def test_flat_accounting_is_the_compressors():
