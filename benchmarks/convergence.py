@@ -239,14 +239,18 @@ def summarize(finals: list[dict[str, Any]]) -> list[dict[str, Any]]:
   return rows
 
 
-def stall(curves: list[dict[str, Any]], variant: str, task: str = "char_lm"):
-  """Mean train loss over seeds at the switch K and K + 50, K + 100 steps
-  later (the points logged nearest to them), for a warm-up variant."""
-  warmup = VARIANTS[variant][2]
+def stall(
+    curves: list[dict[str, Any]], variant: str, warmup: int, task: str = "char_lm"
+) -> dict[int, float]:
+  """Mean train loss of ``variant`` over seeds at step ``warmup`` (a
+  warm-up's switch) and 50 and 100 steps later, at the logged steps nearest
+  to them, by step."""
   out = {}
   for offset in (0, 50, 100):
     target = warmup + offset
     by_seed = {}
+    if not any(c["step"] >= target for c in curves if c["variant"] == variant):
+      break  # past the end of the runs
     for c in curves:
       if (c["task"], c["variant"]) == (task, variant) and c.get("loss") is not None:
         best = by_seed.get(c["seed"])

@@ -48,41 +48,49 @@ def bars(rows, value: str, ylabel: str, title: str, path) -> None:
   plt.close(fig)
 
 
-def convergence(rows, curves, path) -> None:
-  """Held-out metric against steps and against bytes sent, per task."""
-  tasks = list(dict.fromkeys(r["task"] for r in rows))
+def convergence(curves, path) -> None:
+  """Held-out metric (mean over seeds) against steps and against bytes
+  sent, per task and variant: a variant's colour is its compressor's,
+  dashed without warm-up, thick at twice the rank."""
+  tasks = list(dict.fromkeys(c["task"] for c in curves))
   metric = {"mnist": "eval_accuracy", "char_lm": "eval_loss"}
   fig, axes = plt.subplots(
-      len(tasks), 2, figsize=(10, 3.6 * len(tasks)), squeeze=False
+      len(tasks), 2, figsize=(11, 4 * len(tasks)), squeeze=False
   )
   for row_axes, task in zip(axes, tasks):
     key = metric.get(task, "eval_loss")
-    for name in workloads.COMPRESSORS:
-      points = [
-          c
-          for c in curves
-          if c["task"] == task
-          and c["compressor"] == name
-          and c.get(key) is not None
+    points: dict[str, dict[int, list[dict]]] = {}
+    for c in curves:
+      if c["task"] == task and c.get(key) is not None:
+        points.setdefault(c["variant"], {}).setdefault(c["step"], []).append(c)
+    for variant, by_step in points.items():
+      first = next(iter(by_step.values()))[0]
+      steps = sorted(by_step)
+      mean = lambda k: [
+          sum(p[k] for p in by_step[s]) / len(by_step[s]) for s in steps
       ]
+      style = {
+          "color": COLORS[first["compressor"]],
+          "linestyle": (
+              "--"
+              if first["rank"] is not None and not first["warmup_steps"]
+              else "-"
+          ),
+          "linewidth": 2.5 if "_2r" in variant else 1.2,
+          "marker": ".",
+          "label": variant,
+      }
       for ax, x in zip(row_axes, ("step", "bytes_sent")):
-        ax.plot(
-            [p[x] for p in points],
-            [p[key] for p in points],
-            marker=".",
-            label=LABELS[name],
-            color=COLORS[name],
-        )
+        ax.plot(mean(x), mean(key), **style)
     for ax, x in zip(row_axes, ("step", "bytes sent per device")):
       ax.set_xlabel(x)
       ax.set_ylabel(f"{task} held-out {key.split('_')[1]}")
       ax.grid(alpha=0.3)
-      ax.legend(fontsize=8)
+      ax.legend(fontsize=7)
     row_axes[1].set_xscale("log")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
-
 
 
 def cluster(rows, path) -> None:

@@ -142,32 +142,40 @@ def test_overhead_times_every_compressor(results):
     )
 
 
-def test_convergence_trains_every_compressor(results):
+def test_convergence_runs_every_variant_and_counts_warmup_bytes(results):
+  from benchmarks import convergence
+
   finals = _records(results, "convergence")
   curves = _records(results, "convergence_curves")
-  assert {(r["task"], r["compressor"]) for r in finals} == {
-      (t, c) for t in ("mnist", "char_lm") for c in COMPRESSORS
+  assert {(r["task"], r["variant"]) for r in finals} == {
+      (t, v) for t in ("mnist", "char_lm") for v in convergence.QUICK_VARIANTS
   }
   for row in finals:
     points = [
         c
         for c in curves
-        if (c["task"], c["compressor"]) == (row["task"], row["compressor"])
+        if (c["task"], c["variant"], c["seed"])
+        == (row["task"], row["variant"], row["seed"])
     ]
     assert [p["step"] for p in points] == sorted(p["step"] for p in points)
     assert points[-1]["step"] == row["steps"]
     assert points[-1]["eval_loss"] == pytest.approx(row["eval_loss"])
-    # Bytes sent grow by the method's bytes per step.
-    assert row["bytes_sent"] == pytest.approx(
-        row["bytes_per_step"] * row["steps"], rel=0.01
-    )
+    assert points[-1]["bytes_sent"] == row["bytes_sent"]
     assert 0 <= row["eval_accuracy"] <= 1
-  ssgd = {r["task"]: r for r in finals if r["compressor"] == "ssgd"}
-  assert ssgd["mnist"]["accuracy_vs_ssgd_pts"] == 0
-  assert isinstance(
-      next(r for r in finals if r["compressor"] == "acp_sgd")["meets_target"],
-      bool,
-  )
+    if not row["warmup_steps"]:
+      assert row["bytes_sent"] == row["bytes_per_step"] * row["steps"]
+  by = {(r["task"], r["variant"]): r for r in finals}
+  for task in ("mnist", "char_lm"):
+    cold, warm = by[task, "acp_sgd"], by[task, "acp_sgd_warm"]
+    dense = by[task, "ssgd"]["bytes_per_step"]
+    k = convergence.QUICK_WARMUP_STEPS
+    # The warm-up's steps send S-SGD's bytes, the rest ACP-SGD's.
+    assert warm["bytes_sent"] == pytest.approx(
+        k * dense + (warm["steps"] - k) * cold["bytes_per_step"], rel=0.01
+    )
+  summary = convergence.summarize(finals)
+  ssgd = next(r for r in summary if r["variant"] == "ssgd")
+  assert ssgd["accuracy_vs_ssgd_pts"] == 0 and ssgd["seeds"] == 1
 
 
 def test_report_has_targets_and_plots(results):
