@@ -261,6 +261,29 @@ def stall(
   return out
 
 
+def gaps(
+    curves: list[dict[str, Any]], task: str, variants: tuple[str, ...]
+) -> list[dict[str, Any]]:
+  """The held-out loss of each variant against S-SGD's at every evaluation
+  (means over seeds), in %: whether a gap is closing within the budget."""
+  means: dict[tuple[str, int], list[float]] = {}
+  for c in curves:
+    if c["task"] == task and c.get("eval_loss") is not None:
+      means.setdefault((c["variant"], c["step"]), []).append(c["eval_loss"])
+  steps = sorted({step for variant, step in means if variant == "ssgd"})
+  rows = []
+  for variant in variants:
+    row = {"variant": variant}
+    for step in steps:
+      if (variant, step) in means:
+        ratio = statistics.mean(means[variant, step]) / statistics.mean(
+            means["ssgd", step]
+        )
+        row[f"step {step}"] = 100 * (ratio - 1)
+    rows.append(row)
+  return rows
+
+
 COLUMNS = {
     "task": "task",
     "variant": "variant",

@@ -196,12 +196,32 @@ def _convergence_section(finals, curves, out: pathlib.Path) -> list[str]:
       "",
       records.table(stalls, {k: k for k in stalls[0]}) if stalls else "",
       "",
+      "The char LM's held-out loss against S-SGD's (%, means over seeds)"
+      " at each evaluation: a gap that still closes at the end is one the"
+      " step budget leaves open.",
+      "",
+      _gap_table(curves),
+      "",
       "Wall time of the whole benchmark:"
       f" {sum(r['wall_seconds'] for r in finals) / 60:.0f} minutes of"
       f" training over {len(finals)} runs.",
       "",
   ]
   return lines
+
+
+def _gap_table(curves) -> str:
+  variants = tuple(
+      v
+      for v in ("power_sgd", "acp_sgd", "acp_sgd_2r", "power_sgd_warm",
+                "acp_sgd_warm", "acp_sgd_2r_warm")
+      if any(c["variant"] == v and c["task"] == "char_lm" for c in curves)
+  )
+  rows = convergence.gaps(curves, "char_lm", variants)
+  if not rows:
+    return ""
+  columns = {k: k for row in rows for k in row}
+  return records.table(rows, columns)
 
 
 def _workload_text(model: dict[str, Any]) -> str:

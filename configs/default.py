@@ -53,12 +53,18 @@ def get_config() -> ml_collections.ConfigDict:
           "power_sgd": {
               "rank": 4,
               "min_compression_rate": 2.0,
+              "use_error_feedback": True,
+              "warm_start": True,
+              "comm_dtype": None,  # e.g. "bfloat16"
               "warmup_steps": 0,
               "warmup_factors": True,
           },
           "acp_sgd": {
               "rank": 4,
               "min_compression_rate": 2.0,
+              "use_error_feedback": True,
+              "warm_start": True,
+              "comm_dtype": None,  # e.g. "bfloat16"
               "warmup_steps": 0,
               "warmup_factors": True,
           },

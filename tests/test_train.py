@@ -252,3 +252,34 @@ def test_throughput_is_measured_on_eval_and_checkpoint_steps(tmp_path):
   steady = [v for k, v in speeds.items() if k > 2]  # two phases compile
   # Eval (3, 6) and checkpoint (4, 8) steps once logged 100x the others.
   assert max(steady) < 5 * np.median(steady), speeds
+
+
+def warmup_config(steps):
+  config = small_config(steps=steps)
+  config.compressor.acp_sgd.warmup_steps = 3
+  return config
+
+
+def test_warmup_logs_dense_bytes_compiles_each_phase_and_resumes_exactly(
+    tmp_path,
+):
+  """Three dense steps, then P, Q, P: each step logs its own phase's bytes,
+  each phase's compiled step sends them, and a run stopped inside the
+  warm-up or just after it resumes bit for bit."""
+  experiment = experiment_lib.build(warmup_config(6))
+  by_phase = experiment.bytes_per_phase()
+  assert list(by_phase) == ["dense", "p", "q"]
+  assert _compiled_bytes(experiment) == list(by_phase.values())
+  reference = str(tmp_path / "reference")
+  summary = train.train_and_evaluate(warmup_config(6), reference)
+  train_lines, _ = read_metrics(reference)
+  expected = ["dense"] * 3 + ["p", "q", "p"]
+  assert [l["bytes_sent"] for l in train_lines] == [by_phase[p] for p in expected]
+  assert summary["bytes_sent"] == sum(by_phase[p] for p in expected)
+  assert train_lines[-1]["bytes_sent_total"] == summary["bytes_sent"]
+  for stop in (2, 4):
+    workdir = str(tmp_path / f"stop{stop}")
+    train.train_and_evaluate(warmup_config(stop), workdir)
+    resumed = train.train_and_evaluate(warmup_config(6), workdir)
+    assert losses(workdir) == losses(reference)
+    assert resumed["params_sha256"] == summary["params_sha256"]
