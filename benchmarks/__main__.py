@@ -2,9 +2,9 @@
 cluster, project, sign_scaling, gpu, report.
 
 Each measuring subcommand prints a table and writes
-``benchmarks/results/SUBCOMMAND.json``, a list of flat records that carry
-the machine, date and command; ``report`` turns them into
-``benchmarks/results/REPORT.md`` with plots.
+``benchmarks/results/SUBCOMMAND.json`` (``comm`` also ``overlap.json``), a
+list of flat records that carry the machine, date and command; ``report``
+turns them into ``benchmarks/results/REPORT.md`` with plots.
 """
 
 import argparse
@@ -13,6 +13,7 @@ import importlib.util
 import pathlib
 import signal
 import sys
+import time
 
 from benchmarks import records
 
@@ -41,6 +42,12 @@ def _parser() -> argparse.ArgumentParser:
       "comm", parents=[quick], help="bytes and collectives per step"
   )
   comm.add_argument("--models", help="comma-separated workloads")
+  comm.add_argument(
+      "--overlap_models",
+      help="comma-separated workloads whose whole train step is compiled for"
+      " its overlap with backprop, '' for none (default: resnet50,bert_base;"
+      " small_cnn with --quick)",
+  )
   overhead = sub.add_parser(
       "overhead", parents=[quick], help="compute each compressor adds"
   )
@@ -308,6 +315,16 @@ def main(argv: list[str] | None = None) -> None:
   elif args.command == "comm":
     rows = comm.measure(_models(args.models, args.quick))
     columns, outputs = comm.COLUMNS, {"comm": rows}
+    overlap_models = args.overlap_models
+    if overlap_models is None:
+      overlap_models = "small_cnn" if args.quick else ",".join(
+          comm.OVERLAP_MODELS
+      )
+    if overlap_models:
+      start = time.perf_counter()
+      outputs["overlap"] = comm.overlap(_models(overlap_models, args.quick))
+      print(records.table(outputs["overlap"], comm.OVERLAP_COLUMNS))
+      print(f"overlap: compiled in {time.perf_counter() - start:.0f} s")
   elif args.command == "sign_scaling":
     counts = args.devices or ("1,2" if args.quick else "1,2,4,8")
     try:

@@ -5,14 +5,25 @@ parameter is allocated, so BERT-Large costs no memory) under ``shard_map``
 over the simulated devices, compiled with XLA:CPU's all-reduce combiner off,
 and its collectives read back from the compiled text. They must equal what
 ``acp_jax.comm_bytes`` says, phase by phase.
+
+For the overlap with backprop, the whole train step of ``train/train.py``
+(forward, backward, compressor, optimizer, metrics) is compiled the same
+way, on abstract state and batch, in every phase, once with the
+compressor's default buckets and once with all leaves in one bucket; and
+``acp_jax.overlap_potential`` reads from each how much of the step's
+compute its collectives could run beside.
 """
 
+import math
+import time
 from typing import Any
 
 import jax
 
 import acp_jax
 from benchmarks import workloads
+from train import experiment as experiment_lib
+from train import train
 
 # Without it XLA:CPU merges every independent all-reduce into one, which
 # hides how many a method issues.
@@ -103,6 +114,87 @@ def measure(models: list[str]) -> list[dict[str, Any]]:
     acp["vs_power_sgd"] = acp["bytes_per_step"] / power["bytes_per_step"]
     records.extend(rows.values())
   return records
+
+
+# The paper's models whose whole train step ``overlap`` compiles.
+OVERLAP_MODELS = ("resnet50", "bert_base")
+# Bucket layouts: the default, and every leaf in one packed bucket.
+LAYOUTS = {"before": math.inf, "after": None}
+
+
+def step_overlap(
+    model: str, compressor: str, bucket_bytes: float | None
+) -> tuple[acp_jax.Compressor, dict[str, acp_jax.hlo.OverlapReport]]:
+  """The compressor of ``model``'s train step with ``bucket_bytes`` (None:
+  its default) and, for each phase, the overlap report of that step,
+  compiled with XLA:CPU's all-reduce combiner off."""
+  cfg = workloads.config(model, compressor)
+  if bucket_bytes is not None:
+    cfg.compressor[compressor].bucket_bytes = bucket_bytes
+  experiment = experiment_lib.build(cfg)
+  train_fn, _ = train.compile_steps(experiment)
+  batch = experiment_lib.abstract_batch(experiment)
+  reports = {}
+  for phase, state in experiment_lib.abstract_phase_states(experiment).items():
+    text = (
+        train_fn.lower(state, batch)
+        .compile(compiler_options=NO_COMBINER)
+        .as_text()
+    )
+    reports[phase] = acp_jax.overlap_potential(text)
+  return experiment.compressor, reports
+
+
+def overlap(models: list[str]) -> list[dict[str, Any]]:
+  """One record per model, compressor and phase: the buckets, the step's
+  collectives and their bytes-weighted independent and upstream shares,
+  ``before`` (one bucket) and ``after`` (the default buckets)."""
+  records = []
+  for model in models:
+    params = workloads.experiment(model).abstract_params
+    for name in workloads.COMPRESSORS:
+      start = time.perf_counter()
+      rows = {}
+      for layout, bucket_bytes in LAYOUTS.items():
+        tx, reports = step_overlap(model, name, bucket_bytes)
+        for phase, report in reports.items():
+          rows.setdefault(
+              phase,
+              {
+                  "model": model,
+                  "compressor": name,
+                  "phase": phase,
+                  "num_devices": jax.device_count(),
+              },
+          ).update({
+              f"buckets_{layout}": len(tx.buckets(params)),
+              f"collectives_{layout}": len(report.collectives),
+              f"bytes_{layout}": sum(c.bytes for c in report.collectives),
+              f"independent_{layout}": report.bytes_weighted_potential,
+              f"upstream_{layout}": (
+                  report.bytes_weighted_upstream_potential
+              ),
+          })
+      seconds = time.perf_counter() - start
+      for row in rows.values():
+        row["compile_s"] = seconds / len(rows)
+      records.extend(rows.values())
+  return records
+
+
+OVERLAP_COLUMNS = {
+    "model": "model",
+    "compressor": "compressor",
+    "phase": "phase",
+    "buckets_before": "buckets before",
+    "buckets_after": "after",
+    "collectives_before": "collectives before",
+    "collectives_after": "after",
+    "independent_before": "independent before",
+    "independent_after": "after",
+    "upstream_before": "upstream before",
+    "upstream_after": "after",
+}
 
 
 COLUMNS = {

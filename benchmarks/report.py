@@ -96,6 +96,84 @@ def _comm_section(rows, out: pathlib.Path) -> list[str]:
   return lines
 
 
+def _overlap_section(out: pathlib.Path) -> list[str]:
+  """The structure of each paper model's train step: how much backprop its
+  collectives could hide behind, in one bucket and in the default buckets."""
+  rows = records.read("overlap", out)
+  if not rows:
+    return [
+        "_The overlap with backprop has not been measured: `python -m"
+        " benchmarks comm`._",
+        "",
+    ]
+  percent = lambda x: f"{x:.1%}"
+  shown = [
+      {
+          **r,
+          "compressor": plots.LABELS[r["compressor"]],
+          "phase": r["phase"].upper() if r["phase"] != "step" else "",
+          **{
+              f"{share}_{layout}": percent(r[f"{share}_{layout}"])
+              for share in ("independent", "upstream")
+              for layout in comm.LAYOUTS
+          },
+      }
+      for r in rows
+  ]
+  devices = sorted({r["num_devices"] for r in rows})
+  seconds = sum(r["compile_s"] for r in rows)
+  return [
+      "### Overlap with backprop",
+      "",
+      _provenance(rows),
+      "",
+      "Each model's whole train step (`train/train.py`: forward, backward,"
+      " compressor, the config's optimizer and the step's metrics) compiled"
+      f" for {', '.join(map(str, devices))} simulated devices on abstract"
+      " state and batch, with XLA:CPU's all-reduce combiner off, in every"
+      " phase, twice: *before*, every leaf in one bucket (one packed buffer"
+      " per round, which waits for every gradient); *after*, the default"
+      " buckets of 25 MiB of uncompressed gradient, cut in the reverse of"
+      " the params' leaf order as a proxy for the order in which backprop"
+      " produces them. For each collective, `acp_jax.overlap_potential`"
+      " splits the step's compute (each instruction weighed by its output"
+      " bytes) into what the collective waits for, what waits for it, and"
+      " the rest: *independent* is that rest, *upstream* the part of it that"
+      " feeds some collective (forward, backward, compression), the backprop"
+      " it could hide behind; the rest of *independent* comes after the"
+      " exchanges (another leaf's optimizer update, a residual that needs"
+      " only local values). Both are means over the step's collectives"
+      " weighted by their bytes. A bucket sends one collective per dtype"
+      " (Sign-SGD and Top-k two: bits or indices beside floats), and every"
+      " step adds one small all-reduce of its metrics. Power-SGD sends one"
+      " bucket on a CPU backend (`collectives.for_dependent_rounds`): a"
+      " bucket's Q round needs its P round, and XLA:CPU's all-reduce"
+      " combiner, on by default, would merge one bucket's Q with the next"
+      " one's P into a chain of rounds. Its two layouts are one program"
+      " here; on other backends it takes the default buckets. Lowering and"
+      f" compiling both layouts took {seconds:.0f} s in all.",
+      "",
+      records.table(shown, comm.OVERLAP_COLUMNS),
+      "",
+      "What this cannot show. It is the program's dependency structure, not"
+      " a schedule nor a timing: XLA:CPU runs a collective after the"
+      " computation before it and overlaps nothing at run time, and how"
+      " much of the potential a GPU uses is up to its scheduler (`python -m"
+      " benchmarks gpu` reads XLA:GPU's schedule). Output bytes stand in for"
+      " time: a convolution's or a matmul's cost is not proportional to its"
+      " output. And the leaf order is only a proxy for backward order:"
+      " dicts sort their keys, and a leaf whose gradient backprop completes"
+      " last but that sorts late is sent first, in a bucket that then waits"
+      " for all of backprop. ResNet's `stem_layer` sorts after `blocks` and"
+      " `fc` and joins the last block in the first bucket; BERT's word"
+      " embedding, tied to the output layer and complete only once its input"
+      " lookup is differentiated, last, fills the first bucket alone, and"
+      " the position and token-type embeddings join the output head and the"
+      " last layer in the second.",
+      "",
+  ]
+
+
 def _overhead_section(rows, out: pathlib.Path) -> list[str]:
   plots.bars(
       rows,
@@ -522,7 +600,7 @@ def write(results_dir: os.PathLike) -> str:
         " convergence first"
     )
   sections = {
-      "comm": lambda rows: _comm_section(rows, out),
+      "comm": lambda rows: _comm_section(rows, out) + _overlap_section(out),
       "overhead": lambda rows: _overhead_section(rows, out),
       "convergence": lambda rows: _convergence_section(
           rows, found["convergence_curves"], out

@@ -126,6 +126,25 @@ def test_comm_hlo_equals_accounting(results):
     assert acp["ratio_vs_ssgd"] > power["ratio_vs_ssgd"] > 1
 
 
+def test_comm_compiles_the_train_step_for_its_overlap(results):
+  rows = _records(results, "overlap")
+  assert {(r["model"], r["compressor"], r["phase"]) for r in rows} == {
+      ("small_cnn", c, p)
+      for c in COMPRESSORS
+      for p in (("p", "q") if c == "acp_sgd" else ("step",))
+  }
+  for row in rows:
+    # Its 115 KB of gradients fit one default bucket: the layouts agree.
+    assert row["buckets_before"] == row["buckets_after"] == 1
+    for layout in ("before", "after"):
+      assert row[f"collectives_{layout}"] >= 2  # and the metrics' all-reduce
+      assert 0 <= row[f"upstream_{layout}"] <= row[f"independent_{layout}"] < 1
+    assert row["upstream_before"] == row["upstream_after"]
+    assert row["compile_s"] > 0
+  report = (results / "REPORT.md").read_text()
+  assert "### Overlap with backprop" in report
+
+
 def test_overhead_times_every_compressor(results):
   rows = _records(results, "overhead")
   for model in {r["model"] for r in rows}:
