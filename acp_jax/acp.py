@@ -53,7 +53,7 @@ def acp_sgd(
     use_error_feedback: bool = True,
     warm_start: bool = True,
     comm_dtype=None,
-    warmup_steps: int = 0,
+    warmup_steps: int | None = None,
     warmup_factors: bool = True,
 ) -> compressor.Compressor:
   """ACP-SGD: alternate compressed Power-SGD, one all-reduce a step.
@@ -104,7 +104,9 @@ def acp_sgd(
       the gradient's dtype and takes the rounding too; leaves sent dense go
       in their own dtype.
     warmup_steps: number of dense S-SGD steps before compression starts
-      (PyTorch's ``start_powerSGD_iter``); 0 compresses from the first step.
+      (PyTorch's ``start_powerSGD_iter``); None (so that
+      ``optax.inject_hyperparams`` leaves it static) or 0 compresses from the
+      first step.
     warmup_factors: during the warm-up, take a power-iteration step on the
       mean gradient for each Q (no extra bytes), so that compression starts
       from the gradient's leading subspace rather than a random one.

@@ -145,7 +145,7 @@ def settings(
     use_error_feedback: Any = True,
     warm_start: Any = True,
     comm_dtype: Any = None,
-    warmup_steps: Any = 0,
+    warmup_steps: Any = None,
     warmup_factors: Any = True,
 ) -> LowRank:
   """Checks a low-rank factory's arguments."""
@@ -168,6 +168,8 @@ def settings(
         "min_compression_rate must be a non-negative number, got"
         f" {min_compression_rate!r}"
     )
+  if warmup_steps is None:
+    warmup_steps = 0
   if (
       isinstance(warmup_steps, bool)
       or not isinstance(warmup_steps, int)

@@ -43,7 +43,7 @@ def power_sgd(
     use_error_feedback: bool = True,
     warm_start: bool = True,
     comm_dtype=None,
-    warmup_steps: int = 0,
+    warmup_steps: int | None = None,
     warmup_factors: bool = True,
 ) -> compressor.Compressor:
   """Power-SGD: error-feedback low-rank compression, two all-reduces a step.
@@ -89,7 +89,9 @@ def power_sgd(
       ``jnp.bfloat16``), or None for the leaves' dtype. The residual stays in
       the gradient's dtype; leaves sent dense go in their own dtype.
     warmup_steps: number of dense S-SGD steps before compression starts
-      (PyTorch's ``start_powerSGD_iter``); 0 compresses from the first step.
+      (PyTorch's ``start_powerSGD_iter``); None (so that
+      ``optax.inject_hyperparams`` leaves it static) or 0 compresses from the
+      first step.
     warmup_factors: during the warm-up, take a power-iteration step on the
       mean gradient for each Q (no extra bytes), so that compression starts
       from the gradient's leading subspace rather than a random one.

@@ -55,8 +55,9 @@ def _comm_section(rows, out: pathlib.Path) -> list[str]:
       " the compiled HLO of the compressor's update under `shard_map` (lowered"
       " on abstract shapes, so the large models need no memory). Op counts"
       " are taken with XLA:CPU's all-reduce combiner off, so they show what"
-      " each method issues: one all-reduce per dense leaf plus one packed"
-      " buffer of factors per round. *Rounds* is the longest chain of"
+      " each method issues: one collective per bucket (of 25 MiB of"
+      " gradient, see `acp_jax.collectives`), dtype and round, Power-SGD's"
+      " buckets merged into one on a CPU. *Rounds* is the longest chain of"
       " collectives that wait on each other (`acp_jax.collective_rounds`):"
       " what a step cannot overlap with its own backprop. ACP-SGD needs one,"
       " like S-SGD; Power-SGD needs two.",

@@ -165,7 +165,8 @@ def test_checkpoint_stores_only_the_residuals_per_device(tmp_path):
         (
             lambda: acp_jax.topk_sgd(0.5),
             lambda: acp_jax.acp_sgd(2),
-            r"only in the live state: \['comm.p.w', 'comm.phase', 'comm.q.w'\]",
+            r"only in the live state: \['comm.count', 'comm.p.w', 'comm.phase',"
+            r" 'comm.q.w'\]",
         ),
     ],
 )
