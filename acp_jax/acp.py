@@ -215,29 +215,20 @@ def acp_sgd(
     phase_volume = lambda rows: compressor.CommVolume(
         all_reduce=lowrank.volume(lr, params, rows)
     )
-    volumes = {
-        "p": phase_volume(lambda spec: spec.n),
-        "q": phase_volume(lambda spec: spec.m),
-    }
-    if lr.warmup_steps:
-      dense = compressor.CommVolume(all_reduce=lowrank.dense_volume(params))
-      volumes = {Phase.DENSE.value: dense, **volumes}
-    return volumes
+    return lowrank.with_warmup(
+        lr,
+        params,
+        {
+            "p": phase_volume(lambda spec: spec.n),
+            "q": phase_volume(lambda spec: spec.m),
+        },
+    )
 
   def phases(state):
-    # Abstract markers, for lowering each phase's step.
     names = [Phase.P, Phase.Q]
     if lr.warmup_steps:
       names.insert(0, Phase.DENSE)
-    abstract = jax.ShapeDtypeStruct(
-        state.phase.shape,
-        jnp.uint8,
-        sharding=getattr(state.phase, "sharding", None),
-    )
-    return {
-        phase.value: state._replace(phase=lowrank.marker_as(abstract, phase))
-        for phase in names
-    }
+    return lowrank.phase_states(state, {p.value: p for p in names})
 
   return compressor.Compressor(
       init_fn,

@@ -92,6 +92,20 @@ def to_phase(compressing: Phase) -> Callable[[Any, bool], Any]:
   return switch
 
 
+def phase_states(state: Any, phases: dict[str, Phase]) -> dict[str, Any]:
+  """``Compressor.phases``: ``state`` with an abstract marker of each of
+  ``phases``, by phase name, for lowering each phase's step."""
+  abstract = jax.ShapeDtypeStruct(
+      state.phase.shape,
+      jnp.uint8,
+      sharding=getattr(state.phase, "sharding", None),
+  )
+  return {
+      name: state._replace(phase=marker_as(abstract, phase))
+      for name, phase in phases.items()
+  }
+
+
 class MatrixSpec(NamedTuple):
   """How a leaf is compressed: viewed as an n x m matrix, sent at rank r."""
 
@@ -519,8 +533,14 @@ def volume(
   return total
 
 
-def dense_volume(params: Any) -> int:
-  """Bytes of a warm-up step's all-reduce: every leaf, whole."""
-  return sum(
+def with_warmup(
+    lr: LowRank, params: Any, volumes: dict[str, compressor.CommVolume]
+) -> dict[str, compressor.CommVolume]:
+  """``volumes`` of the compressing phases, preceded with a warm-up by the
+  dense phase's: every leaf all-reduced whole."""
+  if not lr.warmup_steps:
+    return volumes
+  dense = sum(
       collectives.nbytes(x.shape, x.dtype) for x in jax.tree.leaves(params)
   )
+  return {Phase.DENSE.value: compressor.CommVolume(all_reduce=dense), **volumes}

@@ -195,24 +195,16 @@ def power_sgd(
   def volume(params, num_devices):
     del num_devices
     step = lowrank.volume(lr, params, lambda spec: spec.n + spec.m)
-    volumes = {"step": compressor.CommVolume(all_reduce=step)}
-    if lr.warmup_steps:
-      dense = compressor.CommVolume(all_reduce=lowrank.dense_volume(params))
-      volumes = {Phase.DENSE.value: dense, **volumes}
-    return volumes
+    return lowrank.with_warmup(
+        lr, params, {"step": compressor.CommVolume(all_reduce=step)}
+    )
 
   def phases(state):
     if not lr.warmup_steps:
       return {"step": state}
-    abstract = jax.ShapeDtypeStruct(
-        state.phase.shape,
-        jnp.uint8,
-        sharding=getattr(state.phase, "sharding", None),
+    return lowrank.phase_states(
+        state, {Phase.DENSE.value: Phase.DENSE, "step": Phase.P}
     )
-    return {
-        name: state._replace(phase=lowrank.marker_as(abstract, phase))
-        for name, phase in ((Phase.DENSE.value, Phase.DENSE), ("step", Phase.P))
-    }
 
   return compressor.Compressor(
       init_fn,
