@@ -51,7 +51,8 @@ def bars(rows, value: str, ylabel: str, title: str, path) -> None:
 def convergence(curves, path) -> None:
   """Held-out metric (mean over seeds) against steps and against bytes
   sent, per task and variant: a variant's colour is its compressor's,
-  dashed without warm-up, thick at twice the rank."""
+  dashed without warm-up, dotted with unwarmed factors, thick at twice the
+  rank."""
   tasks = list(dict.fromkeys(c["task"] for c in curves))
   metric = {"mnist": "eval_accuracy", "char_lm": "eval_loss"}
   fig, axes = plt.subplots(
@@ -72,7 +73,9 @@ def convergence(curves, path) -> None:
       style = {
           "color": COLORS[first["compressor"]],
           "linestyle": (
-              "--"
+              ":"
+              if variant.endswith("_cold")
+              else "--"
               if first["rank"] is not None and not first["warmup_steps"]
               else "-"
           ),
