@@ -164,11 +164,7 @@ def acp_sgd(
     phase = phase_of(state.phase)
     count = state.count + 1
     if phase is Phase.DENSE:
-      mean, error, qs = lowrank.dense_step(
-          lr, s, lowrank.leaves_of(s, state.q), axis_name
-      )
-      masked = [optax.MaskedNode()] * len(s.dense)
-      q = lowrank.merge(s, qs, masked, reshape=False)
+      mean, error, q = lowrank.dense_step(lr, s, state.q, axis_name)
       return mean, state._replace(error=error, q=q, count=count)
     # P-step: F = M B, approximation F B^T. Q-step: F^T = B^T M (kept
     # transposed, see lowrank.project_transposed), approximation B F^T.

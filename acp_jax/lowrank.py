@@ -405,8 +405,8 @@ def errors_tree(lr: LowRank, s: Split, errors: list[jax.Array]) -> Any:
 
 
 def dense_step(
-    lr: LowRank, s: Split, qs: list[jax.Array], axis_name: str
-) -> tuple[Any, Any, list[jax.Array]]:
+    lr: LowRank, s: Split, q: Any, axis_name: str
+) -> tuple[Any, Any, Any]:
   """A warm-up step: S-SGD's exchange, and the factors warmed on its result.
 
   Every leaf is sent whole (M = G + E for a compressed one, so whatever
@@ -418,22 +418,23 @@ def dense_step(
   projects on the mean gradient's leading subspace, not on a random one.
 
   Returns:
-    ``(mean, errors, qs)``: the mean gradient tree, the residual tree (zero:
-    nothing is left unsent) and the new Q factors.
+    ``(mean, errors, q)``: the mean gradient tree, the residual tree (zero:
+    nothing is left unsent) and the new tree of Q factors (``q``, the
+    state's, if not warmed).
   """
   leaves = _leaves(s, s.matrices, s.dense, reshape=True)
   mean = collectives.bucketed_pmean(leaves, s.buckets, axis_name)
   tree = jax.tree.unflatten(s.treedef, mean)
-  if lr.warmup_factors:
-    means = [
-        x.reshape(spec.n, spec.m) for x, spec in zip(mean, s.specs) if spec
-    ]
-    qs = [
-        project_transposed(m, orthogonalize(m @ orthogonalize(q))).T
-        for m, q in zip(means, qs)
-    ]
   errors = errors_tree(lr, s, [jnp.zeros_like(m) for m in s.matrices])
-  return tree, errors, qs
+  if not lr.warmup_factors:
+    return tree, errors, q
+  means = [x.reshape(spec.n, spec.m) for x, spec in zip(mean, s.specs) if spec]
+  qs = [
+      project_transposed(m, orthogonalize(m @ orthogonalize(f))).T
+      for m, f in zip(means, leaves_of(s, q))
+  ]
+  masked = [optax.MaskedNode()] * len(s.dense)
+  return tree, errors, merge(s, qs, masked, reshape=False)
 
 
 def psum_round(

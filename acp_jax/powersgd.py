@@ -146,10 +146,7 @@ def power_sgd(
     count = state.count + 1
     masked = [optax.MaskedNode()] * len(s.dense)
     if lowrank.phase_of(state.phase) is Phase.DENSE:
-      mean, error, qs = lowrank.dense_step(
-          lr, s, lowrank.leaves_of(s, state.q), axis_name
-      )
-      q = lowrank.merge(s, qs, masked, reshape=False)
+      mean, error, q = lowrank.dense_step(lr, s, state.q, axis_name)
       return mean, state._replace(error=error, q=q, count=count)
     s = s._replace(buckets=collectives.for_dependent_rounds(s.buckets))
     if lr.warm_start:

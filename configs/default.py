@@ -44,30 +44,24 @@ def get_config() -> ml_collections.ConfigDict:
   # dict of its own (e.g. --config.compressor.acp_sgd.rank=8), so that
   # --config.compressor.name=ssgd works here as is and no argument is ever
   # silently ignored.
+  # Power-SGD and ACP-SGD take the same arguments (see their factories).
+  low_rank = {
+      "rank": 4,
+      "min_compression_rate": 2.0,
+      "use_error_feedback": True,
+      "warm_start": True,
+      "comm_dtype": None,  # e.g. "bfloat16"
+      "warmup_steps": 0,  # dense S-SGD steps before compressing
+      "warmup_factors": True,
+  }
   config.compressor = ml_collections.ConfigDict(
       {
           "name": "acp_sgd",
           "ssgd": {},
           "sign_sgd": {"majority_vote": False},
           "topk_sgd": {"density": 0.01},
-          "power_sgd": {
-              "rank": 4,
-              "min_compression_rate": 2.0,
-              "use_error_feedback": True,
-              "warm_start": True,
-              "comm_dtype": None,  # e.g. "bfloat16"
-              "warmup_steps": 0,
-              "warmup_factors": True,
-          },
-          "acp_sgd": {
-              "rank": 4,
-              "min_compression_rate": 2.0,
-              "use_error_feedback": True,
-              "warm_start": True,
-              "comm_dtype": None,  # e.g. "bfloat16"
-              "warmup_steps": 0,
-              "warmup_factors": True,
-          },
+          "power_sgd": dict(low_rank),
+          "acp_sgd": dict(low_rank),
       }
   )
 
