@@ -171,10 +171,7 @@ def acp_sgd(
     p_step = phase is Phase.P
     if p_step:
       project, expand = (lambda m, b: m @ b), (lambda f, b: f @ b.T)
-      if lr.warm_start:
-        previous = lowrank.leaves_of(s, state.q)
-      else:
-        previous = lowrank.fresh_factors(lr, s, state.count)
+      previous = lowrank.start_factors(lr, s, state.q, state.count)
     else:
       project, expand = lowrank.project_transposed, (lambda ft, b: b @ ft)
       previous = lowrank.leaves_of(s, state.p)

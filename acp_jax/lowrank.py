@@ -343,9 +343,14 @@ def init_trees(lr: LowRank, params: Any) -> tuple[Any, Any, Any]:
   return tuple(jax.tree.unflatten(treedef, t) for t in (errors, ps, qs))
 
 
-def fresh_factors(lr: LowRank, s: "Split", count: jax.Array) -> list[jax.Array]:
-  """New random m x r factors for step ``count``, the same on every replica:
-  the factors to project on without warm start."""
+def start_factors(
+    lr: LowRank, s: "Split", q: Any, count: jax.Array
+) -> list[jax.Array]:
+  """The m x r factors a step starts its projection from: the state's ``q``
+  with warm start, else new random ones for step ``count``, the same on
+  every replica."""
+  if lr.warm_start:
+    return leaves_of(s, q)
   key = jax.random.fold_in(jax.random.key(lr.seed), count)
   return _normal_factors(
       key,

@@ -149,10 +149,7 @@ def power_sgd(
       mean, error, q = lowrank.dense_step(lr, s, state.q, axis_name)
       return mean, state._replace(error=error, q=q, count=count)
     s = s._replace(buckets=collectives.for_dependent_rounds(s.buckets))
-    if lr.warm_start:
-      previous = lowrank.leaves_of(s, state.q)
-    else:
-      previous = lowrank.fresh_factors(lr, s, state.count)
+    previous = lowrank.start_factors(lr, s, state.q, state.count)
     # The warm-start Q, a mean of M^T P, carries the gradient's scale, so
     # M Q carries its square: in float16 that overflows (inf, then NaN) on a
     # 512 x 512 leaf with entries near 3. Only the span of Q matters, since P
