@@ -78,7 +78,11 @@ def _parser() -> argparse.ArgumentParser:
       parents=[quick],
       help="worker processes on shaped network links (needs root)",
   )
-  cluster.add_argument("--workers", type=int, default=4)
+  cluster.add_argument(
+      "--workers",
+      help="comma-separated worker counts (default: 2,4; with"
+      " --hierarchical, one count, default 2)",
+  )
   cluster.add_argument(
       "--model",
       default="bert_base_2l",
@@ -183,8 +187,19 @@ def _cluster(args, cluster):
       raise SystemExit(
           f"--compressors: unknown {name!r}; choose from {', '.join(known)}"
       )
-  if args.workers < 2:
+  default = "2" if args.hierarchical else "2,4"
+  try:
+    workers = [int(w) for w in (args.workers or default).split(",")]
+  except ValueError:
+    raise SystemExit(
+        f"--workers must be comma-separated integers, got {args.workers!r}"
+    ) from None
+  if min(workers) < 2:
     raise SystemExit(f"--workers must be at least 2, got {args.workers}")
+  if args.hierarchical and len(workers) != 1:
+    raise SystemExit(
+        f"--workers: --hierarchical takes one count, got {args.workers}"
+    )
   steps = args.steps or (6 if args.quick else 10)
   if steps < 4:
     raise SystemExit(f"--steps must be at least 4, got {steps}")
@@ -198,7 +213,7 @@ def _cluster(args, cluster):
       )
     runs, failures = cluster.measure_hierarchical(
         args.model,
-        args.workers,
+        workers[0],
         args.devices_per_worker,
         bandwidths,
         steps,
@@ -214,7 +229,7 @@ def _cluster(args, cluster):
     print("cluster: torch is not installed, the PyTorch peer is skipped")
   runs, calibration, failures = cluster.measure(
       args.model,
-      args.workers,
+      workers,
       bandwidths,
       steps,
       args.timeout,
@@ -286,11 +301,10 @@ def main(argv: list[str] | None = None) -> None:
       return
   from train import runtime
 
-  # The cluster's orchestrator compiles the workers' step on as many
-  # simulated devices as there are workers, to read its collectives.
-  # sign_scaling's runs start processes of their own device counts.
+  # The cluster's workers and sign_scaling's runs are processes of their
+  # own device counts.
   devices = {
-      "cluster": getattr(args, "workers", None),
+      "cluster": 1,
       "project": 1,
       "sign_scaling": 1,
   }.get(args.command)

@@ -3,13 +3,21 @@ namespace on a switched link of 1 Gb/s, 10 Gb/s or unshaped
 (``benchmarks/links.py``), training with ``jax.distributed`` over gloo, and
 PyTorch DDP (plain and with its PowerSGD hook) on the very same links.
 
-Per bandwidth, a psum microbenchmark calibrates the cost model's alpha and
-beta; each compressor then trains the cluster workload for a few steps and
-reports its steady-state examples/s (the median step). Before any link is
-built, every compressor also runs compute-only: N lone processes at once,
-one device each, so the collectives move nothing but the cores are shared as
-in the cluster run. Those times and the calibrated links predict each
-cluster figure (``predicted_examples_per_sec`` beside the measured one).
+Per worker count and bandwidth, a psum microbenchmark calibrates the cost
+model's alpha and beta twice: on idle workers, and right after a pass over
+memory, as a step's collectives follow its compute (``calibrate``). Each
+compressor then runs the workload's data-parallel step (``worker parts``):
+the fused step's median, its parts (forward and backward, the compressor
+with and without its collectives, the optimizer, the host's dispatch) and
+the same fused step on each worker's device alone, all workers in lockstep:
+the compute-only step. The model predicts the step as the compute-only step
+plus the step's compiled collectives on the busy link
+(``predicted_step_s``; ``predicted_idle_step_s`` on the idle link).
+
+Compute-only is measured in lockstep because free-running lone processes
+are not the cluster's compute when there are more workers than cores:
+four lone train loops on two cores took 1.0 s a step where the same four
+in the cluster took 0.62 s.
 
 ``measure_hierarchical`` makes each process a node of several devices and
 compares hierarchical compression (a dense mean within the node, the
@@ -39,6 +47,9 @@ TORCH = ("ssgd", "power_sgd")
 # losing to S-SGD.
 FASTEST_LINK_ONLY = ("sign_sgd", "topk_sgd")
 PSUM_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)
+# The pass over memory before each busy all-reduce of the calibration: about
+# as long as a part of the cluster workload's step.
+BUSY_MB = 40
 _COORDINATOR_PORT = 8476
 
 
@@ -142,83 +153,127 @@ def _attempt(failures: list[str], what: str, run):
     return None
 
 
-def compute_only(
-    model: str, compressors, workers: int, steps: int, timeout: float
-) -> dict[str, dict[str, Any]]:
-  """Per compressor, the step seconds of ``workers`` lone processes run at
-  once, one device each: the slowest one's median step."""
-  out = {}
-  for name in compressors:
-    args = [f"--workload={model}", f"--compressor={name}", f"--steps={steps}"]
-    results = _launch([_jax_cmd("train", *args)] * workers, timeout)
-    # A synchronous step waits for the slowest worker.
-    batch = workloads.CLUSTER_MODELS[model]["batch_size"]
-    seconds = max(batch / r["examples_per_sec"] for r in results)
-    out[name] = seconds
-    print(f"  compute only, {name}: {seconds * 1e3:.0f} ms/step", flush=True)
-  return out
-
-
 def calibrate(
     network: links.Network, timeout: float
-) -> tuple[costmodel.Link, list[float]]:
-  """Fits alpha and beta to psum times on ``network``; returns the link and
-  the slowest worker's seconds per size of ``PSUM_SIZES``."""
+) -> tuple[costmodel.Link, costmodel.Link, list[dict[str, Any]]]:
+  """Fits alpha and beta to all-reduce times on ``network``, on idle
+  workers and on busy ones; returns both links and a record per size of
+  ``PSUM_SIZES``: the slowest worker's seconds, idle and busy, and the
+  fitted links.
+
+  *Busy* is the all-reduce's share of a program that first makes a pass
+  over ``BUSY_MB`` of memory, every worker at once, as a train step's
+  collectives follow its compute. On oversubscribed cores a ring's every
+  hop then waits for its receiver to be scheduled: the latency the idle
+  calibration does not see.
+  """
   sizes = ",".join(str(s) for s in PSUM_SIZES)
   results = _on_network(
       network,
-      lambda i: _jax_cmd("psum", f"--sizes={sizes}", *_distributed(network, i)),
+      lambda i: _jax_cmd(
+          "psum",
+          f"--sizes={sizes}",
+          f"--busy_mb={BUSY_MB}",
+          *_distributed(network, i),
+      ),
       timeout,
   )
-  seconds = [
-      max(r["psum_seconds"][str(s)] for r in results) for s in PSUM_SIZES
-  ]
-  link = costmodel.fit_all_reduce(PSUM_SIZES, seconds, len(network.names))
-  return link, seconds
+  p = len(network.names)
+  fitted, rows = [], [{"size_bytes": s} for s in PSUM_SIZES]
+  for key in ("psum_seconds", "busy_psum_seconds"):
+    seconds = [max(r[key][str(s)] for r in results) for s in PSUM_SIZES]
+    link = costmodel.fit_all_reduce(PSUM_SIZES, seconds, p)
+    fitted.append(link)
+    prefix = "busy_" if key.startswith("busy") else ""
+    for row, t in zip(rows, seconds):
+      row.update(
+          {
+              f"{prefix}psum_seconds": t,
+              f"{prefix}alpha_s": link.alpha,
+              f"{prefix}beta_s_per_byte": link.beta,
+          }
+      )
+  return fitted[0], fitted[1], rows
 
 
-def traffic(model: str, compressor: str) -> list[costmodel.Traffic]:
-  """What each phase of the train step sends, read from its compiled HLO
-  (XLA:CPU's combiner fuses the all-reduces, as in the cluster run).
-
-  Compiles for this process's devices, which must number the workers: the
-  program is the same SPMD program the worker processes run.
-  """
-  import acp_jax
-  from train import experiment as experiment_lib
-  from train import train
-
-  experiment = experiment_lib.build(
-      workloads.cluster_config(model, compressor, 1)
+def predict(step_local: float, phases, workers: int, link) -> float:
+  """The model's step: the compute-only step plus each phase's
+  communication on ``link``, averaged over the phases. XLA:CPU runs a
+  step's thunks in order, so nothing is hidden behind backprop."""
+  return statistics.mean(
+      step_local + costmodel.Traffic(**t).seconds(workers, link)
+      for t in phases
   )
-  train_fn, _ = train.compile_steps(experiment)
-  batch = experiment_lib.abstract_batch(experiment)
-  phases = []
-  for state in experiment_lib.abstract_phase_states(experiment).values():
-    stats = acp_jax.collective_stats(
-        train_fn.lower(state, batch).compile().as_text()
-    )
-    if set(stats) - {"all-reduce", "all-gather"}:
-      raise ValueError(f"unmodelled collectives in the step: {stats}")
-    reduce_ops, reduce_bytes = stats.get("all-reduce", (0, 0))
-    gather_ops, gather_bytes = stats.get("all-gather", (0, 0))
-    phases.append(
-        costmodel.Traffic(reduce_bytes, reduce_ops, gather_bytes, gather_ops)
-    )
-  return phases
 
 
-def _predict(step: float, phases, workers: int, link, batch: int) -> float:
-  """Examples/s the model predicts: the compute-only step plus each phase's
-  communication, averaged over phases. XLA:CPU runs a step's thunks in
-  order, so nothing is hidden behind backprop."""
-  seconds = statistics.mean(step + t.seconds(workers, link) for t in phases)
-  return batch * workers / seconds
+def _jax_run(network, model, name, steps, timeout, idle, busy):
+  """One compressor's ``parts`` run on ``network``, as a record."""
+  results = _on_network(
+      network,
+      lambda i: _jax_cmd(
+          "parts",
+          f"--workload={model}",
+          f"--compressor={name}",
+          f"--steps={steps}",
+          *_distributed(network, i),
+      ),
+      timeout,
+  )
+  workers = len(network.names)
+  batch = workloads.CLUSTER_MODELS[model]["batch_size"] * workers
+  # A synchronous step waits for its slowest worker.
+  seconds = {
+      k: max(r["seconds"][k] for r in results) for k in results[0]["seconds"]
+  }
+  phases = results[0]["traffic"]
+  step, local = seconds["step"], seconds["step_local"]
+  predicted = predict(local, phases, workers, busy)
+  return {
+      "system": "acp_jax",
+      "compressor": name,
+      "examples_per_sec": batch / step,
+      "compute_only_examples_per_sec": batch / local,
+      "predicted_examples_per_sec": batch / predicted,
+      "step_s": step,
+      "predicted_step_s": predicted,
+      "predicted_idle_step_s": predict(local, phases, workers, idle),
+      "error_pct": 100 * (predicted - step) / step,
+      **{f"{k}_s": v for k, v in seconds.items() if k != "step"},
+      "bytes_per_step": statistics.mean(
+          t["all_reduce"] + t["all_gather"] / workers for t in phases
+      ),
+      "params_identical": len({r["params_sha256"] for r in results}) == 1,
+  }
+
+
+def _torch_run(network, model, name, steps, timeout):
+  workers = len(network.names)
+  results = _on_network(
+      network,
+      lambda i: [sys.executable]
+      + _torch_args(model, name, steps)
+      + [
+          f"--master_addr={network.address(0)}",
+          "--master_port=29500",
+          f"--world_size={workers}",
+          f"--process_id={i}",
+          # As torchrun: one thread per process when the cores are shared
+          # (torch's spinning threads oversubscribe).
+          f"--threads={max(1, os.cpu_count() // workers)}",
+      ],
+      timeout,
+  )
+  return {
+      "system": "torch",
+      "compressor": name,
+      "examples_per_sec": results[0]["examples_per_sec"],
+      "params_identical": len({r["params_sha256"] for r in results}) == 1,
+  }
 
 
 def measure(
     model: str,
-    workers: int,
+    workers: list[int],
     bandwidths: list[str],
     steps: int,
     timeout: float,
@@ -226,112 +281,75 @@ def measure(
     compressors=workloads.COMPRESSORS,
     fastest_link_only=FASTEST_LINK_ONLY,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
-  """Cluster records (one per system, compressor and bandwidth), link
-  calibration records (one per bandwidth and psum size) and the runs that
-  failed, each with its reason. The
-  ``fastest_link_only`` compressors run on the last bandwidth only."""
-  batch = workloads.CLUSTER_MODELS[model]["batch_size"]
-  print(f"{workers} processes, compute only:", flush=True)
-  alone = compute_only(model, compressors, workers, steps, timeout)
-  phases = {c: traffic(model, c) for c in compressors}
+  """Cluster records (one per worker count, bandwidth, system and
+  compressor), link calibration records (one per worker count, bandwidth
+  and psum size) and the runs that failed, each with its reason. The
+  ``fastest_link_only`` compressors run on the last bandwidth only.
+
+  The workers share one persistent compilation cache, made here and
+  removed after: each program compiles once per worker count, not once
+  per link.
+  """
   runs, calibration, failures = [], [], []
-  for bandwidth in bandwidths:
-    with links.switched(workers, BANDWIDTHS[bandwidth]) as network:
-      link, seconds = calibrate(network, timeout)
-      print(
-          f"{bandwidth}: alpha {link.alpha * 1e6:.0f} us, beta"
-          f" {1 / link.beta / 1e6:.0f} MB/s",
-          flush=True,
-      )
-      calibration.extend(
-          {
-              "bandwidth": bandwidth,
-              "workers": workers,
-              "size_bytes": size,
-              "psum_seconds": s,
-              "alpha_s": link.alpha,
-              "beta_s_per_byte": link.beta,
-          }
-          for size, s in zip(PSUM_SIZES, seconds)
-      )
-      base = {"bandwidth": bandwidth, "workers": workers, "model": model}
-      last = bandwidth == bandwidths[-1]
-      for name in compressors:
-        if name in fastest_link_only and not last:
-          continue
-        with tempfile.TemporaryDirectory() as workdir:
-          results = _attempt(
-              failures,
-              f"{bandwidth} acp_jax {name}",
-              lambda: _on_network(
-                  network,
-                  lambda i: _jax_cmd(
-                      "train",
-                      f"--workload={model}",
-                      f"--compressor={name}",
-                      f"--steps={steps}",
-                      f"--workdir={workdir}",
-                      *_distributed(network, i),
-                  ),
-                  timeout,
-              ),
+  with tempfile.TemporaryDirectory() as cache, _compilation_cache(cache):
+    for p in workers:
+      for bandwidth in bandwidths:
+        with links.switched(p, BANDWIDTHS[bandwidth]) as network:
+          idle, busy, rows = calibrate(network, timeout)
+          print(
+              f"{p} workers, {bandwidth}: alpha {idle.alpha * 1e6:.0f} us"
+              f" idle, {busy.alpha * 1e6:.0f} us busy; beta"
+              f" {1 / idle.beta / 1e6:.0f} MB/s idle,"
+              f" {1 / busy.beta / 1e6:.0f} MB/s busy",
+              flush=True,
           )
-        if results is None:
-          continue
-        step = alone[name]
-        predicted = _predict(step, phases[name], workers, link, batch)
-        runs.append(
-            {
-                **base,
-                "system": "acp_jax",
-                "compressor": name,
-                "examples_per_sec": results[0]["examples_per_sec"],
-                "predicted_examples_per_sec": predicted,
-                "compute_only_examples_per_sec": batch * workers / step,
-                "bytes_per_step": statistics.mean(
-                    results[0]["bytes_per_phase"]
+          base = {"bandwidth": bandwidth, "workers": p, "model": model}
+          calibration.extend({**base, **row} for row in rows)
+          last = bandwidth == bandwidths[-1]
+          for name in compressors:
+            if name in fastest_link_only and not last:
+              continue
+            run = _attempt(
+                failures,
+                f"{p} workers {bandwidth} acp_jax {name}",
+                lambda: _jax_run(
+                    network, model, name, steps, timeout, idle, busy
                 ),
-                "params_identical": (
-                    len({r["params_sha256"] for r in results}) == 1
-                ),
-            }
-        )
-        _show(runs[-1])
-      for name in TORCH if with_torch else ():
-        results = _attempt(
-            failures,
-            f"{bandwidth} torch {name}",
-            lambda: _on_network(
-                network,
-                lambda i: [sys.executable]
-                + _torch_args(model, name, steps)
-                + [
-                    f"--master_addr={network.address(0)}",
-                    "--master_port=29500",
-                    f"--world_size={workers}",
-                    f"--process_id={i}",
-                    # As torchrun: one thread per process when the cores
-                    # are shared (torch's spinning threads oversubscribe).
-                    f"--threads={max(1, os.cpu_count() // workers)}",
-                ],
-                timeout,
-            ),
-        )
-        if results is None:
-          continue
-        runs.append(
-            {
-                **base,
-                "system": "torch",
-                "compressor": name,
-                "examples_per_sec": results[0]["examples_per_sec"],
-                "params_identical": (
-                    len({r["params_sha256"] for r in results}) == 1
-                ),
-            }
-        )
-        _show(runs[-1])
+            )
+            if run is not None:
+              runs.append({**base, **run})
+              _show(runs[-1])
+          for name in TORCH if with_torch else ():
+            run = _attempt(
+                failures,
+                f"{p} workers {bandwidth} torch {name}",
+                lambda: _torch_run(network, model, name, steps, timeout),
+            )
+            if run is not None:
+              runs.append({**base, **run})
+              _show(runs[-1])
   return runs, calibration, failures
+
+
+@contextlib.contextmanager
+def _compilation_cache(path: str):
+  """JAX's persistent compilation cache in ``path`` for the workers this
+  process starts, every program cached however fast it compiled."""
+  keys = {
+      "JAX_COMPILATION_CACHE_DIR": path,
+      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+      "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+  }
+  saved = {k: os.environ.get(k) for k in keys}
+  os.environ.update(keys)
+  try:
+    yield
+  finally:
+    for k, v in saved.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
 
 
 # (compressor, hierarchical): hierarchical ACP-SGD against flat ACP-SGD,
@@ -423,12 +441,14 @@ def _show(run: dict[str, Any]) -> None:
 
 
 COLUMNS = {
+    "workers": "workers",
     "bandwidth": "link",
     "system": "system",
     "compressor": "compressor",
     "examples_per_sec": "examples/s",
     "predicted_examples_per_sec": "model",
     "compute_only_examples_per_sec": "compute only",
+    "error_pct": "model error, %",
     "params_identical": "same params",
 }
 

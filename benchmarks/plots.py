@@ -97,34 +97,41 @@ def convergence(curves, path) -> None:
 
 
 def cluster(rows, path) -> None:
-  bandwidths = list(dict.fromkeys(r["bandwidth"] for r in rows))
-  systems = list(dict.fromkeys((r["system"], r["compressor"]) for r in rows))
-  cell = {
-      (r["bandwidth"], r["system"], r["compressor"]): r["examples_per_sec"]
-      for r in rows
-  }
-  width = 0.8 / len(systems)
-  fig, ax = plt.subplots(figsize=(8, 4))
-  for i, (system, name) in enumerate(systems):
-    xs = [
-        b + (i - len(systems) / 2 + 0.5) * width for b in range(len(bandwidths))
-    ]
-    ys = [cell.get((b, system, name), 0) for b in bandwidths]
-    torch = system == "torch"
-    ax.bar(
-        xs,
-        ys,
-        width,
-        label=("PyTorch DDP " if torch else "") + LABELS[name],
-        color=COLORS[name],
-        hatch="//" if torch else None,
-        edgecolor="white" if torch else None,
-    )
-  ax.set_xticks(range(len(bandwidths)), bandwidths)
-  ax.grid(axis="y", alpha=0.3)
-  ax.legend(fontsize=8)
-  ax.set_ylabel("examples/s (all workers)")
-  ax.set_title(f"{rows[0]['workers']} workers on switched links")
+  groups = {}
+  for r in rows:
+    groups.setdefault(r["workers"], []).append(r)
+  fig, axes = plt.subplots(
+      1, len(groups), figsize=(7 * len(groups), 4), squeeze=False
+  )
+  for ax, (workers, group) in zip(axes[0], groups.items()):
+    bandwidths = list(dict.fromkeys(r["bandwidth"] for r in group))
+    systems = list(dict.fromkeys((r["system"], r["compressor"]) for r in group))
+    cell = {
+        (r["bandwidth"], r["system"], r["compressor"]): r["examples_per_sec"]
+        for r in group
+    }
+    width = 0.8 / len(systems)
+    for i, (system, name) in enumerate(systems):
+      xs = [
+          b + (i - len(systems) / 2 + 0.5) * width
+          for b in range(len(bandwidths))
+      ]
+      ys = [cell.get((b, system, name), 0) for b in bandwidths]
+      torch = system == "torch"
+      ax.bar(
+          xs,
+          ys,
+          width,
+          label=("PyTorch DDP " if torch else "") + LABELS[name],
+          color=COLORS[name],
+          hatch="//" if torch else None,
+          edgecolor="white" if torch else None,
+      )
+    ax.set_xticks(range(len(bandwidths)), bandwidths)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_ylabel("examples/s (all workers)")
+    ax.set_title(f"{workers} workers on switched links")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

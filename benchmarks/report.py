@@ -348,145 +348,195 @@ def _workload_text(model: dict[str, Any]) -> str:
         f" Its matrices are BERT-Base's, so each compresses as in the"
         f" paper's BERT-Base; {size['num_layers']} of its 12 layers and"
         " short sequences keep the compute within 2 cores, so that the"
-        " link decides the step time, as on the paper's GPUs."
+        " link sets S-SGD's step at 1 Gb/s, as on the paper's GPUs."
     )
   return text
 
 
-_SPEEDS = (
-    "examples_per_sec",
-    "predicted_examples_per_sec",
-    "compute_only_examples_per_sec",
-)
+def _step_parts(r: dict[str, Any]) -> dict[str, Any]:
+  """A JAX cluster record's step taken apart, in milliseconds."""
+  ms = {k: 1e3 * r[k] for k in r if k.endswith("_s")}
+  return {
+      "workers": r["workers"],
+      "bandwidth": r["bandwidth"],
+      "compressor": r["compressor"],
+      "step": ms["step_s"],
+      "compute": ms["step_local_s"],
+      "forward_backward": ms["forward_backward_s"],
+      "compression": ms["compress_local_s"],
+      "collectives": ms["compress_s"] - ms["compress_local_s"],
+      "optimizer": ms["optimizer_s"],
+      "dispatch": ms["dispatch_s"],
+      "comm_busy": ms["predicted_step_s"] - ms["step_local_s"],
+      "comm_idle": ms["predicted_idle_step_s"] - ms["step_local_s"],
+      "error_pct": r["error_pct"],
+  }
+
+
+def _cluster_reading(mine) -> str:
+  """Where ACP-SGD's step goes on the slowest link, computed."""
+  text = []
+  for r in mine:
+    if r["compressor"] != "acp_sgd" or r["bandwidth"] != targets.SLOW_LINK:
+      continue
+    parts = _step_parts(r)
+    step = parts["step"]
+    text.append(
+        f"At {r['workers']} workers and 1 Gb/s, ACP-SGD's step takes"
+        f" {step:.0f} ms against {parts['compute']:.0f} ms compute-only"
+        f" (+{100 * (step / parts['compute'] - 1):.1f}%). Taken apart:"
+        f" forward and backward {parts['forward_backward']:.0f} ms, the"
+        f" compressor's arithmetic {parts['compression']:.0f} ms, its"
+        f" collectives {parts['collectives']:.0f} ms, the optimizer"
+        f" {parts['optimizer']:.0f} ms, the host's dispatch"
+        f" {parts['dispatch']:.1f} ms; the model gives the collectives"
+        f" {parts['comm_busy']:.0f} ms on the busy link and"
+        f" {parts['comm_idle']:.0f} ms on the idle one."
+    )
+  return " ".join(text)
 
 
 def _cluster_section(rows, calibration, out: pathlib.Path) -> list[str]:
   plots.cluster(rows, out / "cluster.png")
-  first = rows[0]
-  model = workloads.CLUSTER_MODELS[first["model"]]
-  workers = first["workers"]
-  examples = model["batch_size"] * workers  # per step, all workers
-  for r in rows:
-    error = targets.model_error(r)
-    if error is not None:
-      r["error_pct"] = 100 * error
-      step = {k: examples / r[k] for k in _SPEEDS}
-      r["step_ms"] = 1e3 * step["examples_per_sec"]
-      r["compute_ms"] = 1e3 * step["compute_only_examples_per_sec"]
-      r["comm_ms"] = 1e3 * (
-          step["predicted_examples_per_sec"]
-          - step["compute_only_examples_per_sec"]
-      )
-      r["unmodelled_ms"] = 1e3 * (
-          step["examples_per_sec"] - step["predicted_examples_per_sec"]
-      )
+  model = workloads.CLUSTER_MODELS[rows[0]["model"]]
   mine = [r for r in rows if r["system"] == "acp_jax"]
-  bandwidths = list(dict.fromkeys(r["bandwidth"] for r in rows))
-  ssgd_slow = [
-      r
-      for r in mine
-      if r["compressor"] == "ssgd" and r["bandwidth"] == targets.SLOW_LINK
-  ]
-  share_text = ""
-  if ssgd_slow:
-    r = ssgd_slow[0]
-    share = r["examples_per_sec"] / r["compute_only_examples_per_sec"]
-    share_text = (
-        f" At 1 Gb/s, S-SGD's compute is {share:.0%} of its step (its"
-        " compute-only step over its cluster step): the rest is the link."
-    )
+  groups = targets.by_workers(rows)
   links_rows = {}
   for r in calibration:
-    links_rows[r["bandwidth"]] = {
+    links_rows[r["workers"], r["bandwidth"]] = {
+        "workers": r["workers"],
         "bandwidth": r["bandwidth"],
         "alpha_us": r["alpha_s"] * 1e6,
         "mb_per_s": 1 / r["beta_s_per_byte"] / 1e6,
+        "busy_alpha_us": r["busy_alpha_s"] * 1e6,
+        "busy_mb_per_s": 1 / r["busy_beta_s_per_byte"] / 1e6,
     }
-  return [
+  lines = [
       "## 4. A cluster on shaped links",
       "",
       _provenance(rows),
       "",
-      f"{workers} worker processes on this machine, each in its own network"
-      " namespace with one veth link to a bridge (the switch), every link"
-      " limited in both directions by `tc tbf` (`benchmarks/links.py`). A"
-      " bandwidth is per link and full duplex, as a host's port on a switch:"
-      " a ring all-reduce can use all of it on every link at once. Each JAX"
-      " worker runs the real train loop on one CPU device and joins the"
-      " others through `jax.distributed`, collectives over gloo; the PyTorch"
-      " peer runs the same model shapes, batch and optimizer with DDP over"
-      " gloo (plain, and with `powerSGD_hook` at the same rank) in the same"
-      " namespaces. Examples/s is the median step's, after warm-up;"
-      " *compute only* is the same workers' step with no link (each"
-      " process alone, all at once, so the cores are shared as in the"
-      " cluster run).",
+      f"{' and '.join(str(w) for w in groups)} worker processes on this"
+      " machine's 2 cores (2 workers: one per core, the control; 4: two per"
+      " core), each in its own network namespace with one veth link to a"
+      " bridge (the switch), every link limited in both directions by `tc"
+      " tbf` (`benchmarks/links.py`). A bandwidth is per link and full"
+      " duplex, as a host's port on a switch. Each JAX worker runs the"
+      " workload's data-parallel step on one CPU device (`DataParallel`,"
+      " the way a user's own loop runs it) and joins the others through"
+      " `jax.distributed`, collectives over gloo; the PyTorch peer runs the"
+      " same model shapes, batch and optimizer with DDP over gloo (plain,"
+      " and with `powerSGD_hook` at the same rank) in the same namespaces."
+      " Examples/s is the median step's, after warm-up, every step started"
+      " by a barrier. *Compute only* is the same fused step on each"
+      " worker's own device, taken in the same run and in lockstep, so"
+      " that the cores are shared as in the cluster step.",
       "",
-      _workload_text(model) + share_text,
+      _workload_text(model),
+      "",
+      "The model (`benchmarks/costmodel.py`, `cluster.predict`): the"
+      " compute-only step plus the step's compiled collectives on the"
+      " calibrated link, alpha-beta per ring all-reduce. The link is"
+      " calibrated twice by the psum microbenchmark (all-reduces of 4 KiB"
+      " to 16 MiB, least squares on 2(p-1) alpha + 2(p-1)/p B beta): on"
+      " idle workers, and *busy*, each all-reduce right after every worker"
+      f" made a pass over {cluster.BUSY_MB} MB of memory, as a step's"
+      " collectives follow its compute. The busy link is the term the"
+      " idle model lacked: on oversubscribed cores a ring's every hop waits"
+      " for its receiver to be scheduled. Neither calibration is fitted to"
+      " the steps it predicts.",
       "",
       "![cluster](cluster.png)",
       "",
-      records.table(rows, {**cluster.COLUMNS, "error_pct": "model error, %"}),
+  ]
+  for workers, group in groups.items():
+    lines += [
+        f"### {workers} workers",
+        "",
+        records.table(group, cluster.COLUMNS),
+        "",
+        "Speedups of ACP-SGD, per link:",
+        "",
+        records.table(
+            [
+                {
+                    "bandwidth": b,
+                    **{
+                        label: targets.ratio(
+                            group, ("acp_jax", "acp_sgd"), (system, name), b
+                        )
+                        for label, system, name, _ in targets.CLUSTER_SPEEDUPS
+                    },
+                    "PyTorch DDP": targets.ratio(
+                        group, ("acp_jax", "acp_sgd"), ("torch", "ssgd"), b
+                    ),
+                }
+                for b in dict.fromkeys(r["bandwidth"] for r in group)
+            ],
+            {
+                "bandwidth": "link",
+                **{
+                    label: f"x {label}"
+                    for label, *_ in targets.CLUSTER_SPEEDUPS
+                },
+                "PyTorch DDP": "x PyTorch DDP",
+            },
+        ),
+        "",
+    ]
+  lines += [
+      "### Where the step goes",
       "",
-      "Each JAX step taken apart, in milliseconds: *compute* is the"
-      " compute-only step (the slowest of the lone workers), *comm* the"
-      " model's communication time for the step's compiled collectives on"
-      " the calibrated link, *unmodelled* what the measured step has on top"
-      " of both.",
+      "Each JAX step taken apart, in milliseconds, the slowest worker's"
+      " median. *step* is the fused step; *compute* the same step on each"
+      " worker's device alone. The parts run as separate programs, each"
+      " after a barrier: *forward+backward*, the compressor's"
+      " *arithmetic* (the same compressor on a one-device mesh, its"
+      " collectives moving nothing), its *collectives* (the compressor on"
+      " the cluster less its arithmetic), the *optimizer* (AdamW and the"
+      " update), and the host's *dispatch* of the fused step (its call's"
+      " return, before the host waits). Separately compiled, the parts need"
+      " not add up to the fused step. *model comm* is the model's"
+      " communication on the busy link and on the idle one; the error is"
+      " the model's (busy link) against the measured step.",
       "",
       records.table(
-          mine,
+          [_step_parts(r) for r in mine],
           {
+              "workers": "workers",
               "bandwidth": "link",
               "compressor": "compressor",
-              "step_ms": "step",
-              "compute_ms": "compute",
-              "comm_ms": "comm (model)",
-              "unmodelled_ms": "unmodelled",
+              "step": "step",
+              "compute": "compute only",
+              "forward_backward": "forward+backward",
+              "compression": "arithmetic",
+              "collectives": "collectives",
+              "optimizer": "optimizer",
+              "dispatch": "dispatch",
+              "comm_busy": "model comm, busy",
+              "comm_idle": "model comm, idle",
+              "error_pct": "model error, %",
           },
       ),
       "",
-      "Speedups of ACP-SGD, per link:",
+      _cluster_reading(mine),
       "",
-      records.table(
-          [
-              {
-                  "bandwidth": b,
-                  **{
-                      label: targets.ratio(
-                          rows, ("acp_jax", "acp_sgd"), (system, name), b
-                      )
-                      for label, system, name, _ in targets.CLUSTER_SPEEDUPS
-                  },
-                  "PyTorch DDP": targets.ratio(
-                      rows, ("acp_jax", "acp_sgd"), ("torch", "ssgd"), b
-                  ),
-              }
-              for b in bandwidths
-          ],
-          {
-              "bandwidth": "link",
-              **{
-                  label: f"x {label}"
-                  for label, *_ in targets.CLUSTER_SPEEDUPS
-              },
-              "PyTorch DDP": "x PyTorch DDP",
-          },
-      ),
-      "",
-      "The links as the psum microbenchmark saw them (ring all-reduce of"
-      " 4 KiB to 16 MiB between all workers, least squares on"
-      " 2(p-1) alpha + 2(p-1)/p B beta):",
+      "The links as the psum microbenchmark saw them:",
       "",
       records.table(
           list(links_rows.values()),
           {
+              "workers": "workers",
               "bandwidth": "link",
-              "alpha_us": "alpha, us",
-              "mb_per_s": "1/beta, MB/s",
+              "alpha_us": "alpha idle, us",
+              "mb_per_s": "1/beta idle, MB/s",
+              "busy_alpha_us": "alpha busy, us",
+              "busy_mb_per_s": "1/beta busy, MB/s",
           },
       ),
       "",
   ]
+  return lines
 
 
 def _projection_section(rows, out: pathlib.Path):

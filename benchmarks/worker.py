@@ -2,19 +2,20 @@
 N of them, one per network namespace, and reads the ``RESULT`` line each
 prints.
 
-  python -m benchmarks.worker train --workload W --compressor C --steps S \
-      [--coordinator_address A --num_processes N --process_id I]
-  python -m benchmarks.worker psum --sizes 4096,1048576 --repeats 5 \
+  python -m benchmarks.worker parts --workload W --compressor C --steps S \
       --coordinator_address A --num_processes N --process_id I
+  python -m benchmarks.worker psum --sizes 4096,1048576 --repeats 5 \
+      [--busy_mb MB] --coordinator_address A --num_processes N --process_id I
   python -m benchmarks.worker nodes --workload W --compressor C --steps S \
       --devices D [--hierarchical] [--link eth0] \
       --coordinator_address A --num_processes N --process_id I
 
-``train`` runs the real train loop (``train.train_and_evaluate``) on one
-CPU device per process; without a coordinator each process trains alone,
-so its collectives move nothing: that is the compute-only baseline the cost
-model starts from. ``psum`` times all-reduces of float32 buffers of the
-given byte sizes, for calibrating the cost model on the links. ``nodes``
+``parts`` times a data-parallel step, its
+parts, and the same step on each process's device alone (the compute-only
+step the cost model starts from), all in lockstep. ``psum`` times
+all-reduces of float32 buffers of the given byte sizes, on idle processes
+and right after a pass over memory, for calibrating the cost model on the
+links. ``nodes``
 trains on ``D`` devices per process, each process a node of a (processes x
 D) mesh: hierarchically (a dense mean within the process, the compressor
 across processes) or flat (the compressor over all devices); with
@@ -27,7 +28,6 @@ import hashlib
 import json
 import pathlib
 import statistics
-import tempfile
 import time
 
 _DIST = ("coordinator_address", "num_processes", "process_id")
@@ -40,13 +40,6 @@ def _parser() -> argparse.ArgumentParser:
   common.add_argument("--coordinator_address")
   common.add_argument("--num_processes", type=int)
   common.add_argument("--process_id", type=int)
-  train = sub.add_parser("train", parents=[common])
-  train.add_argument("--workload", required=True)
-  train.add_argument("--compressor", required=True)
-  train.add_argument("--steps", type=int, required=True)
-  train.add_argument(
-      "--workdir", help="shared by the processes of a run (orbax)"
-  )
   nodes = sub.add_parser("nodes", parents=[common])
   nodes.add_argument("--workload", required=True)
   nodes.add_argument("--compressor", required=True)
@@ -60,24 +53,20 @@ def _parser() -> argparse.ArgumentParser:
   nodes.add_argument(
       "--link", help="network interface whose bytes to count, e.g. eth0"
   )
+  parts = sub.add_parser("parts", parents=[common])
+  parts.add_argument("--workload", required=True)
+  parts.add_argument("--compressor", required=True)
+  parts.add_argument("--steps", type=int, required=True)
   psum = sub.add_parser("psum", parents=[common])
   psum.add_argument("--sizes", required=True, help="comma-separated bytes")
   psum.add_argument("--repeats", type=int, default=5)
+  psum.add_argument(
+      "--busy_mb",
+      type=float,
+      default=0.0,
+      help="also time each all-reduce right after a pass over this many MB",
+  )
   return parser
-
-
-def _train(args) -> dict:
-  from benchmarks import workloads
-  from train import train
-
-  config = workloads.cluster_config(args.workload, args.compressor, args.steps)
-  if args.workdir:
-    summary = train.train_and_evaluate(config, args.workdir)
-  else:
-    with tempfile.TemporaryDirectory() as workdir:
-      summary = train.train_and_evaluate(config, workdir)
-  keys = ("examples_per_sec", "params_sha256", "bytes_per_phase", "loss")
-  return {k: summary[k] for k in keys}
 
 
 def _link_bytes(interface: str | None) -> tuple[int, int] | None:
@@ -88,7 +77,10 @@ def _link_bytes(interface: str | None) -> tuple[int, int] | None:
   return tuple(int((stats / f).read_text()) for f in ("tx_bytes", "rx_bytes"))
 
 
-def _nodes(args) -> dict:
+def _data_parallel(args, hierarchical: bool):
+  """The workload's data-parallel pieces on this run's devices: the
+  ``DataParallel``, the base optimizer, replicated params, the same global
+  batch for every step, and the per-device loss."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -106,7 +98,7 @@ def _nodes(args) -> dict:
   # The model, data and optimizer of the workload; its 1-D mesh goes unused.
   experiment = experiment_lib.build(config)
   devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-  if args.hierarchical:
+  if hierarchical:
     mesh = jax.sharding.Mesh(
         np.array(devices).reshape(jax.process_count(), -1), ("data", "local")
     )
@@ -116,15 +108,14 @@ def _nodes(args) -> dict:
     # as rarely as a ring can.
     mesh = jax.sharding.Mesh(np.array(devices), ("data",))
     dp = acp_jax.DataParallel(experiment.compressor, mesh)
-  tx = dp.chain(config_lib.optimizer(config, experiment.schedule))
+  inner = config_lib.optimizer(config, experiment.schedule)
   graphdef, batch_stats = experiment.graphdef, experiment.abstract_batch_stats
 
-  replicated = NamedSharding(mesh, P())
   params = jax.jit(
       lambda: nnx.to_pure_dict(
           nnx.split(experiment.create_model(), nnx.Param, ...)[1]
       ),
-      out_shardings=replicated,
+      out_shardings=NamedSharding(mesh, P()),
   )()
   # The same global batch every step, stacked [devices, per_device, ...];
   # each process puts its own devices' rows.
@@ -153,12 +144,67 @@ def _nodes(args) -> dict:
     weights = batch["weights"]
     return (loss * weights).sum() / jnp.maximum(weights.sum(), 1.0)
 
+  return experiment, dp, inner, params, batch, loss_fn
+
+
+def _digest(params) -> str:
+  import jax
+  import numpy as np
+
+  digest = hashlib.sha256()
+  for leaf in jax.tree.leaves(params):
+    digest.update(np.asarray(leaf.addressable_data(0)).tobytes())
+  return digest.hexdigest()
+
+
+def _step_fn(dp, tx, loss_fn):
+  """The jitted data-parallel step: local gradients, their compressed mean
+  fed to ``tx`` (a ``dp.chain``), the update applied."""
+  import jax
+  import optax
+
   @jax.jit
   def step(params, state, batch):
     loss, grads = dp.value_and_grad(loss_fn)(params, batch)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state, loss
 
+  return step
+
+
+def step_traffic(step, dp, params, state, batch) -> list[dict[str, int]]:
+  """What each phase of ``step`` sends, from its compiled HLO: all-reduce
+  and all-gather bytes (each device's buffers) and collective counts, as
+  ``costmodel.Traffic``'s fields."""
+  import acp_jax
+
+  phases = []
+  for comm in dp.phase_states(state.comm).values():
+    text = step.lower(params, state._replace(comm=comm), batch).compile()
+    stats = acp_jax.collective_stats(text.as_text())
+    if set(stats) - {"all-reduce", "all-gather"}:
+      raise ValueError(f"unmodelled collectives in the step: {stats}")
+    reduce_ops, reduce_bytes = stats.get("all-reduce", (0, 0))
+    gather_ops, gather_bytes = stats.get("all-gather", (0, 0))
+    phases.append(
+        {
+            "all_reduce": reduce_bytes,
+            "all_reduce_ops": reduce_ops,
+            "all_gather": gather_bytes,
+            "all_gather_ops": gather_ops,
+        }
+    )
+  return phases
+
+
+def _nodes(args) -> dict:
+  import jax
+
+  experiment, dp, inner, params, batch, loss_fn = _data_parallel(
+      args, args.hierarchical
+  )
+  tx = dp.chain(inner)
+  step = _step_fn(dp, tx, loss_fn)
   state = tx.init(params)
   for _ in range(2):  # compiles each phase's program
     params, state, loss = jax.block_until_ready(step(params, state, batch))
@@ -173,13 +219,10 @@ def _nodes(args) -> dict:
       axis: statistics.mean(v.total for v in phases.values())
       for axis, phases in volumes.items()
   }
-  digest = hashlib.sha256()
-  for leaf in jax.tree.leaves(params):
-    digest.update(np.asarray(leaf.addressable_data(0)).tobytes())
   result = {
       "examples_per_sec": experiment.global_batch / statistics.median(times),
       "loss": float(loss),
-      "params_sha256": digest.hexdigest(),
+      "params_sha256": _digest(params),
       "node_axis_bytes_per_device": per_axis["data"],
       "local_axis_bytes_per_device": per_axis.get("local", 0),
   }
@@ -189,25 +232,167 @@ def _nodes(args) -> dict:
   return result
 
 
+# What ``parts`` times, each a median over the steps: the step's parts in
+# order, the compressor's arithmetic alone, the fused step, the time its
+# call takes to return, and the fused step on this process's device alone.
+TIMES = (
+    "forward_backward",
+    "compress",
+    "optimizer",
+    "compress_local",
+    "step",
+    "dispatch",
+    "step_local",
+)
+
+
+def _parts(args) -> dict:
+  """Times a step and each of its parts, every process at once.
+
+  Each part is its own jitted program, run on the output of the one before,
+  after a barrier (an all-reduce of one float) so that every process starts
+  it together: its time is its own, not the wait for a slower process. The
+  compressor's arithmetic alone (``compress_local``) runs the same
+  compressor on a mesh of this process's device only, where its
+  collectives move nothing. The whole step runs fused, as a user's loop
+  runs it, after a barrier too; ``dispatch`` is the time its call takes to
+  return, before the host waits for the result. ``step_local`` is that
+  fused step on this process's device alone: the compute-only step, taken
+  in lockstep with the other processes, so that the cores are shared as in
+  the cluster step.
+  """
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import acp_jax
+
+  experiment, dp, inner, params, batch, loss_fn = _data_parallel(args, False)
+  local = acp_jax.DataParallel(
+      experiment.compressor,
+      jax.sharding.Mesh(jax.local_devices()[:1], dp.mesh.axis_names),
+  )
+  tx = dp.chain(inner)
+  grad_fn = jax.jit(dp.value_and_grad(loss_fn))
+  compress = jax.jit(dp.compress, donate_argnums=(1,))
+  compress_local = jax.jit(local.compress, donate_argnums=(1,))
+
+  @jax.jit
+  def optimizer(mean, inner_state, params):
+    updates, inner_state = inner.update(mean, inner_state, params)
+    return optax.apply_updates(params, updates), inner_state
+
+  step = _step_fn(dp, tx, loss_fn)
+  tx_local = local.chain(inner)
+  step_local = _step_fn(local, tx_local, loss_fn)
+
+  def to_local(tree, spec):
+    return jax.device_put(
+        jax.tree.map(lambda x: x.addressable_data(0), tree),
+        NamedSharding(local.mesh, spec),
+    )
+
+  one = jax.device_put(jnp.ones(()), NamedSharding(dp.mesh, P()))
+  barrier = jax.jit(
+      jax.shard_map(
+          lambda x: jax.lax.psum(x, dp.mesh.axis_names),
+          mesh=dp.mesh,
+          in_specs=P(),
+          out_specs=P(),
+          check_vma=False,
+      )
+  )
+
+  def timed(f, *xs):
+    jax.block_until_ready(barrier(one))
+    start = time.perf_counter()
+    out = f(*xs)
+    returned = time.perf_counter()
+    jax.block_until_ready(out)
+    return out, returned - start, time.perf_counter() - start
+
+  state = tx.init(params)
+  comm, inner_state = dp.init_comm(params), state.inner
+  comm_local = local.init_comm(params)
+  part_params = params
+  local_batch = to_local(batch, local.device_spec)
+  local_params = to_local(params, P())
+  local_state = tx_local.init(local_params)
+  times = {k: [] for k in TIMES}
+  cycle = len(experiment.compressor.cycle)
+  for i in range(2 * cycle + args.steps):  # the first cycles compile
+    t = {}
+    (_, grads), _, t["forward_backward"] = timed(grad_fn, part_params, batch)
+    local_grads = to_local(grads, local.device_spec)
+    (_, comm_local), _, t["compress_local"] = timed(
+        compress_local, local_grads, comm_local
+    )
+    (mean, comm), _, t["compress"] = timed(compress, grads, comm)
+    (part_params, inner_state), _, t["optimizer"] = timed(
+        optimizer, mean, inner_state, part_params
+    )
+    (params, state, loss), t["dispatch"], t["step"] = timed(
+        step, params, state, batch
+    )
+    (local_params, local_state, _), _, t["step_local"] = timed(
+        step_local, local_params, local_state, local_batch
+    )
+    if i >= 2 * cycle:
+      for key, value in t.items():
+        times[key].append(value)
+  return {
+      "seconds": {k: statistics.median(v) for k, v in times.items()},
+      "traffic": step_traffic(step, dp, params, state, batch),
+      "loss": float(loss),
+      "params_sha256": _digest(params),
+  }
+
+
 def _psum(args) -> dict:
+  """Median seconds of an all-reduce of each size: on idle processes
+  (``psum_seconds``), and, with ``--busy_mb``, right after every process
+  computed a pass over that many megabytes (``busy_psum_seconds``: the
+  all-reduce's share of compute-then-all-reduce, as inside a train step)."""
   import jax
   from jax import lax
+  import jax.numpy as jnp
   import numpy as np
 
   sizes = [int(s) for s in args.sizes.split(",")]
-  local = jax.local_devices()
+  n = len(jax.local_devices())
   allreduce = jax.pmap(lambda x: lax.psum(x, "i"), axis_name="i")
-  seconds = {}
-  for size in sizes:
-    x = np.ones((len(local), size // 4), np.float32)
-    jax.block_until_ready(allreduce(x))  # compiles, connects
+  barrier = np.ones((n, 1), np.float32)
+  work = np.ones((n, int(args.busy_mb * 1e6) // 4), np.float32)
+
+  def compute(w, x):
+    return x.at[0].add(jnp.sum(jnp.sin(w)))
+
+  busy = jax.pmap(compute)
+  busy_then_reduce = jax.pmap(
+      lambda w, x: lax.psum(compute(w, x), "i"), axis_name="i"
+  )
+
+  def median_seconds(f, *xs):
+    f(*xs).block_until_ready()  # compiles, connects
     times = []
     for _ in range(args.repeats):
+      allreduce(barrier).block_until_ready()  # every process starts at once
       start = time.perf_counter()
-      jax.block_until_ready(allreduce(x))
+      f(*xs).block_until_ready()
       times.append(time.perf_counter() - start)
-    seconds[str(size)] = statistics.median(times)
-  return {"psum_seconds": seconds}
+    return statistics.median(times)
+
+  result = {"psum_seconds": {}, "busy_psum_seconds": {}}
+  for size in sizes:
+    x = np.ones((n, size // 4), np.float32)
+    result["psum_seconds"][str(size)] = median_seconds(allreduce, x)
+    if args.busy_mb:
+      result["busy_psum_seconds"][str(size)] = median_seconds(
+          busy_then_reduce, work, x
+      ) - median_seconds(busy, work, x)
+  return result
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -216,7 +401,8 @@ def main(argv: list[str] | None = None) -> None:
 
   devices = args.devices if args.mode == "nodes" else 1
   runtime.setup(num_cpu_devices=devices, **{k: getattr(args, k) for k in _DIST})
-  result = {"train": _train, "nodes": _nodes, "psum": _psum}[args.mode](args)
+  modes = {"nodes": _nodes, "parts": _parts, "psum": _psum}
+  result = modes[args.mode](args)
   print("RESULT " + json.dumps({"process_id": args.process_id, **result}))
 
 

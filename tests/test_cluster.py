@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks import __main__ as cli
 from benchmarks import links
+from benchmarks import worker
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 needs_root = pytest.mark.skipif(
@@ -107,11 +108,15 @@ def test_two_workers_train_on_a_shaped_link(tmp_path):
         < run["predicted_examples_per_sec"]
         < run["compute_only_examples_per_sec"]
     )
+    assert run["examples_per_sec"] == pytest.approx(2 * 4 / run["step_s"])
+    for part in worker.TIMES:
+      if part != "step":
+        assert run[f"{part}_s"] > 0, part
   calibration = json.loads((tmp_path / "cluster_links.json").read_text())
   assert len(calibration) == 5
-  beta = calibration[0]["beta_s_per_byte"]
-  # A 1 Gb/s link moves at most 125 MB/s.
-  assert 1 / beta < 125e6 * 1.05, 1 / beta
+  for key in ("beta_s_per_byte", "busy_beta_s_per_byte"):
+    # A 1 Gb/s link moves at most 125 MB/s, busy or not.
+    assert 1 / calibration[0][key] < 125e6 * 1.05, key
 
 
 def test_report_tables_the_hierarchical_cluster():

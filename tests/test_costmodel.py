@@ -1,10 +1,13 @@
 """The cost model's formulas against hand-computed cases."""
 
+import argparse
+
 import numpy as np
 import pytest
 
 from benchmarks import cluster
 from benchmarks import costmodel
+from benchmarks import worker
 
 LINK = costmodel.Link(alpha=1e-3, beta=1e-8)
 
@@ -80,8 +83,29 @@ def test_fit_needs_two_sizes_and_two_workers():
 
 
 @pytest.mark.parametrize("compressor", ["ssgd", "power_sgd", "acp_sgd"])
-def test_fused_rounds_match_the_compiled_train_step(compressor):
-  """The projection fuses each round into one all-reduce: so does XLA."""
-  for phase in cluster.traffic("tiny", compressor):
-    assert phase.all_reduce_ops == costmodel.ROUNDS.get(compressor, 1)
-    assert phase.all_gather_ops == 0
+def test_fused_rounds_match_the_compiled_step(compressor):
+  """The projection fuses each round into one all-reduce: so does XLA, in
+  the step the cluster workers run (here on the test's 8 devices)."""
+  args = argparse.Namespace(workload="tiny", compressor=compressor, steps=1)
+  _, dp, inner, params, batch, loss_fn = worker._data_parallel(args, False)
+  tx = dp.chain(inner)
+  step = worker._step_fn(dp, tx, loss_fn)
+  phases = worker.step_traffic(step, dp, params, tx.init(params), batch)
+  assert len(phases) == (2 if compressor == "acp_sgd" else 1)
+  for phase in phases:
+    assert phase["all_reduce_ops"] == costmodel.ROUNDS.get(compressor, 1)
+    assert phase["all_gather_ops"] == 0
+    # The compressor's bytes (each device's) and the loss's 4.
+    assert phase["all_reduce"] > 4
+
+
+def test_prediction_adds_each_phases_communication_to_compute():
+  phases = [
+      {"all_reduce": 1e6, "all_reduce_ops": 1},
+      {"all_reduce": 3e6, "all_reduce_ops": 1},
+  ]
+  # 4 workers: 2 (p - 1) alpha + 2 (p - 1) / p B beta per phase.
+  comm = [6e-3 + 1.5 * b * 1e-8 for b in (1e6, 3e6)]
+  assert cluster.predict(0.5, phases, 4, LINK) == pytest.approx(
+      0.5 + sum(comm) / 2
+  )
