@@ -11,13 +11,14 @@ the fused step's median, its parts (forward and backward, the compressor
 with and without its collectives, the optimizer, the host's dispatch) and
 the same fused step on each worker's device alone, all workers in lockstep:
 the compute-only step. The model predicts the step as the compute-only step
-plus the step's compiled collectives on the busy link
-(``predicted_step_s``; ``predicted_idle_step_s`` on the idle link).
+plus the step's compiled collectives on the idle link
+(``predicted_step_s``); ``predicted_busy_step_s`` prices them on the busy
+link instead, the hypothesis that a collective on busy cores pays a
+scheduling latency per hop, which the measured steps do not bear out.
 
 Compute-only is measured in lockstep because free-running lone processes
-are not the cluster's compute when there are more workers than cores:
-four lone train loops on two cores took 1.0 s a step where the same four
-in the cluster took 0.62 s.
+are not the cluster's compute when there are more workers than cores: they
+contend for the cores in a way the lockstepped cluster workers do not.
 
 ``measure_hierarchical`` makes each process a node of several devices and
 compares hierarchical compression (a dense mean within the node, the
@@ -227,7 +228,7 @@ def _jax_run(network, model, name, steps, timeout, idle, busy):
   }
   phases = results[0]["traffic"]
   step, local = seconds["step"], seconds["step_local"]
-  predicted = predict(local, phases, workers, busy)
+  predicted = predict(local, phases, workers, idle)
   return {
       "system": "acp_jax",
       "compressor": name,
@@ -236,7 +237,7 @@ def _jax_run(network, model, name, steps, timeout, idle, busy):
       "predicted_examples_per_sec": batch / predicted,
       "step_s": step,
       "predicted_step_s": predicted,
-      "predicted_idle_step_s": predict(local, phases, workers, idle),
+      "predicted_busy_step_s": predict(local, phases, workers, busy),
       "error_pct": 100 * (predicted - step) / step,
       **{f"{k}_s": v for k, v in seconds.items() if k != "step"},
       "bytes_per_step": statistics.mean(
