@@ -3,8 +3,10 @@
 ``python -m train.tokenizer --text=input.txt --vocab_size=8192
 --out=tokenizer.json`` trains one offline; the ``masked_text`` loader reads
 it from ``config.data.tokenizer``, or trains one from its training split
-when none is given (the same tokenizer each time: training is
-deterministic).
+and saves it there at the first run. Training is not reproducible to the
+token: the trainer breaks ties between equally frequent merges in hash
+order, which changes from run to run. A saved tokenizer is what makes later
+runs, and resumed ones, read the same tokens.
 """
 
 import argparse
@@ -46,9 +48,8 @@ def train(lines: Iterable[str], vocab_size: int) -> tokenizers.Tokenizer:
       show_progress=False,
   )
   tokenizer.train_from_iterator(lines, trainer)
-  # The trainer numbers tokens of equal counts in hash order, which changes
-  # from run to run; numbering them in sorted order makes the ids a function
-  # of the text alone (WordPiece matches by string, not by id).
+  # The trainer numbers tokens in hash order; numbered in sorted order, the
+  # ids are a function of the token set (WordPiece matches by string).
   learned = sorted(set(tokenizer.get_vocab()) - set(SPECIAL_TOKENS))
   tokenizer.model = models.WordPiece(
       {t: i for i, t in enumerate(SPECIAL_TOKENS + tuple(learned))},
