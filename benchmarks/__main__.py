@@ -1,5 +1,5 @@
 """``python -m benchmarks SUBCOMMAND [--quick]``: comm, overhead, convergence,
-cluster, project, sign_scaling, gpu, report.
+cluster, project, sign_scaling, gpu, pipeline, report.
 
 Each measuring subcommand prints a table and writes
 ``benchmarks/results/SUBCOMMAND.json`` (``comm`` also ``overlap.json``), a
@@ -142,6 +142,12 @@ def _parser() -> argparse.ArgumentParser:
   )
   gpu.add_argument(
       "--models", help="comma-separated workloads (default: resnet50,bert_base)"
+  )
+  sub.add_parser(
+      "pipeline",
+      parents=[quick],
+      help="images/s of the input pipeline at 0-2 workers, beside the train"
+      " step's",
   )
   sub.add_parser("report", help="REPORT.md with tables and plots")
   return parser
@@ -311,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
   if args.command != "gpu":  # the GPU check runs on the GPU
     runtime.setup(num_cpu_devices=devices or args.num_cpu_devices)
   from benchmarks import cluster, comm, convergence, gpu, overhead, project
-  from benchmarks import sign_scaling
+  from benchmarks import pipeline, sign_scaling
 
   meta = {**records.provenance(argv), "quick": args.quick}
   failures = []
@@ -358,6 +364,9 @@ def main(argv: list[str] | None = None) -> None:
     models = _models(args.models or ",".join(gpu.MODELS), False)
     outputs = {"gpu": gpu.measure(models, args.quick)}
     rows, columns = gpu.summary(outputs["gpu"]), gpu.COLUMNS
+  elif args.command == "pipeline":
+    rows = pipeline.measure(args.quick)
+    columns, outputs = pipeline.COLUMNS, {"pipeline": rows}
   elif args.command == "overhead":
     repeats = args.repeats or (3 if args.quick else 10)
     if repeats < 1:

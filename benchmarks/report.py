@@ -689,6 +689,25 @@ def _hierarchical_section(rows) -> list[str]:
   ]
 
 
+def _pipeline_section(rows) -> list[str]:
+  from benchmarks import pipeline
+
+  return [
+      "## Input pipeline",
+      "",
+      f"ImageNet-style batches of {rows[0]['global_batch']}"
+      f" {rows[0]['image_size']}-pixel crops (decode, random-resized crop,"
+      " flip, normalize) of small JPEGs, made by the grain pipeline with 0-2"
+      " worker processes, beside the rate at which the train step consumes"
+      " them. The pipeline keeps up where its images/s exceed the step's.",
+      "",
+      _provenance(rows),
+      "",
+      records.table(rows, pipeline.COLUMNS),
+      "",
+  ]
+
+
 def write(results_dir: os.PathLike) -> str:
   """Writes ``REPORT.md`` and its plots into ``results_dir``; returns a line
   saying where."""
@@ -704,6 +723,7 @@ def write(results_dir: os.PathLike) -> str:
           "cluster_links",
           "projection",
           "cluster_hierarchical",
+          "pipeline",
       )
   }
   if not any(found[k] for k in ("comm", "overhead", "convergence", "cluster")):
@@ -722,6 +742,7 @@ def write(results_dir: os.PathLike) -> str:
       ),
       "projection": lambda rows: _projection_section(rows, out),
       "cluster_hierarchical": _hierarchical_section,
+      "pipeline": _pipeline_section,
   }
   body = []
   for name, section in sections.items():
@@ -749,7 +770,7 @@ def write(results_dir: os.PathLike) -> str:
       "  && python -m benchmarks convergence && python -m benchmarks cluster \\",
       "  && python -m benchmarks project \\",
       "  && python -m benchmarks cluster --hierarchical \\",
-      "  && python -m benchmarks report",
+      "  && python -m benchmarks pipeline && python -m benchmarks report",
       "```",
       "",
   ]

@@ -32,6 +32,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.nonfinite = "stop"
   # Random flips and 4-pixel pad-and-crop of training images.
   config.augment = False
+  # Worker processes that read and preprocess batches ahead of the train
+  # step (0: the train loop reads each batch itself), and the batches each
+  # keeps ready.
+  config.data_workers = 0
+  config.data_prefetch = 2
 
   # The model by name (train/models.py) with its arguments beside it; the
   # number of classes or the vocabulary comes from the data.

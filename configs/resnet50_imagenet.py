@@ -1,7 +1,11 @@
 """ResNet-50 on ImageNet: the paper's setting (64 images per GPU, rank 4).
 
-Real data: `tfds build imagenet2012 --file_format=array_record` (needs the
-manually downloaded archives). For throughput runs as in the paper:
+Real data: download ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar from
+image-net.org into ~/tensorflow_datasets/downloads/manual, then
+  tfds build imagenet2012 --file_format=array_record \
+    --data_dir ~/tensorflow_datasets
+and point --config.data.data_dir at that folder. For throughput runs as in
+the paper, with nothing to download:
   --config.data.name=synthetic_images
 """
 
@@ -19,8 +23,21 @@ def get_config():
           "data_dir": "~/tensorflow_datasets",
           "train_split": "train",
           "eval_split": "validation",
-          # Used by --config.data.name=synthetic_images:
+          # Images of any size: random-resized crops and flips for
+          # training, resize and central crop for evaluation.
+          "preprocess": "imagenet",
+          # The crops' side; also the side of --config.data.name=
+          # synthetic_images.
           "image_size": 224,
+          # A training crop's area (fraction of the image) and aspect ratio.
+          "crop_scale": (0.08, 1.0),
+          "crop_ratio": (3 / 4, 4 / 3),
+          # Evaluation resizes the shorter side to image_size / crop_fraction.
+          "crop_fraction": 0.875,
+          # Per-channel statistics of ImageNet's training set, on [0, 1].
+          "mean": (0.485, 0.456, 0.406),
+          "std": (0.229, 0.224, 0.225),
+          # Used by --config.data.name=synthetic_images:
           "num_classes": 1000,
       }
   )
@@ -29,6 +46,8 @@ def get_config():
   )
   config.batch_size = 0
   config.per_device_batch_size = 64
+  # JPEG decoding and cropping in worker processes, ahead of the step.
+  config.data_workers = 8
   config.compressor.power_sgd.rank = 4
   config.compressor.acp_sgd.rank = 4
   config.num_train_steps = 450_000

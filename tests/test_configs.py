@@ -80,6 +80,21 @@ def test_real_data_configs_name_their_missing_data():
                 "per_device_batch_size": 2,
             },
         ),
+        (
+            "bert_shakespeare",
+            {
+                "data.path": f"{SHARED}/tinyshakespeare/input.txt",
+                "data.seq_len": 16,
+                "data.vocab_size": 256,
+                "model.size": {
+                    "num_layers": 1,
+                    "hidden": 32,
+                    "heads": 2,
+                    "ffn": 64,
+                },
+                "model.max_len": 16,
+            },
+        ),
     ],
 )
 def test_small_configs_train(name, overrides, tmp_path):
@@ -96,6 +111,8 @@ def test_small_configs_train(name, overrides, tmp_path):
   config.schedule.warmup_steps = 1
   if "path" in config.data and not os.path.exists(config.data.path):
     pytest.skip(f"{config.data.path} is not here")
+  if "tokenizer" in config.data:  # trained here, not beside the shared text
+    config.data.tokenizer = str(tmp_path / "tokenizer.json")
   summary = train.train_and_evaluate(config, str(tmp_path))
   assert summary["step"] == 3
   assert np.isfinite(summary["loss"]) and np.isfinite(summary["eval_loss"])

@@ -10,6 +10,7 @@ import ml_collections
 import optax
 
 import acp_jax
+from train import pipeline
 
 COMPRESSORS = {
     "ssgd": acp_jax.ssgd,
@@ -33,6 +34,8 @@ KEYS = frozenset(
         "batch_norm",
         "nonfinite",
         "augment",
+        "data_workers",
+        "data_prefetch",
         "model",
         "data",
         "compressor",
@@ -94,6 +97,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   ):
     _positive_int(f"config.{key}", config[key], zero_ok=True)
   global_batch_size(config, num_devices)
+  pipeline.check(config.data_workers, config.data_prefetch)
 
   _check_choice("config.compressor.name", config.compressor.name, COMPRESSORS)
   _check_keys("config.compressor", set(config.compressor) - {"name"}, COMPRESSORS)

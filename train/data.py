@@ -23,6 +23,8 @@ import zlib
 import ml_collections
 import numpy as np
 
+from train import images as images_lib
+
 TASKS = ("classification", "causal_lm", "masked_lm")
 # [MASK] in BERT's uncased WordPiece vocabulary, so synthetic masked-LM batches
 # look like the ones a BERT model is benchmarked on.
@@ -30,6 +32,9 @@ MASK_ID = 103
 MASK_RATE = 0.15
 # CIFAR-style augmentation, as in the ResNet papers.
 _PAD = 4
+# Tells the per-example random streams (seed, position, 2) apart from the
+# epoch orders (seed, epoch) and the batch augmentations (seed, step, 1).
+_EXAMPLE_STREAM = 2
 
 
 class Source(Protocol):
@@ -38,8 +43,16 @@ class Source(Protocol):
   def __len__(self) -> int:
     ...
 
-  def get(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-    """A batch holding examples ``indices``, rows in the given order."""
+  def get(
+      self, indices: np.ndarray, seeds: np.ndarray | None = None
+  ) -> dict[str, np.ndarray]:
+    """A batch holding examples ``indices``, rows in the given order.
+
+    ``seeds``, int64 [B, 3], is each row's entropy for
+    ``np.random.default_rng``, for sources that draw random crops or masks
+    per example; without it such a source draws from the example's index, so
+    that evaluation is the same on every pass.
+    """
     ...
 
 
@@ -86,7 +99,10 @@ class ImageSource:
   def __len__(self) -> int:
     return len(self._images)
 
-  def get(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+  def get(
+      self, indices: np.ndarray, seeds: np.ndarray | None = None
+  ) -> dict[str, np.ndarray]:
+    del seeds  # deterministic
     indices = _indices(indices, len(self))
     return {
         "inputs": self._images[indices].astype(np.float32) / self._max_value,
@@ -105,7 +121,10 @@ class ArraySource:
   def __len__(self) -> int:
     return self._size
 
-  def get(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+  def get(
+      self, indices: np.ndarray, seeds: np.ndarray | None = None
+  ) -> dict[str, np.ndarray]:
+    del seeds  # deterministic
     indices = _indices(indices, len(self))
     return {k: v[indices] for k, v in self._arrays.items()}
 
@@ -127,7 +146,10 @@ class TextSource:
   def __len__(self) -> int:
     return (len(self._tokens) - 1) // self._seq_len
 
-  def get(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+  def get(
+      self, indices: np.ndarray, seeds: np.ndarray | None = None
+  ) -> dict[str, np.ndarray]:
+    del seeds  # deterministic
     indices = _indices(indices, len(self))
     chunks = self._tokens[indices[:, None] * self._seq_len + self._offsets]
     return {
@@ -135,6 +157,62 @@ class TextSource:
         "targets": chunks[:, 1:],
         "weights": np.ones((len(indices), self._seq_len), np.float32),
     }
+
+
+class MaskedTextSource:
+  """BERT's masked-LM examples over one long token stream.
+
+  Example i is ``tokens[i * seq_len : (i + 1) * seq_len]``. Its targets are
+  those tokens; round(15% of seq_len) positions (at least one), drawn from
+  the row's seeds, have weight 1, and of them 80% read ``[MASK]`` in the
+  inputs, 10% a random non-special token and 10% the token itself.
+  """
+
+  def __init__(
+      self, tokens: np.ndarray, seq_len: int, vocab_size: int, mask_id: int
+  ):
+    self._tokens = tokens
+    self._seq_len = seq_len
+    self._vocab_size = vocab_size
+    self._mask_id = mask_id
+    self._num_masked = max(1, round(MASK_RATE * seq_len))
+
+  def __len__(self) -> int:
+    return len(self._tokens) // self._seq_len
+
+  def get(
+      self, indices: np.ndarray, seeds: np.ndarray | None = None
+  ) -> dict[str, np.ndarray]:
+    indices = _indices(indices, len(self))
+    targets = self._tokens[
+        indices[:, None] * self._seq_len + np.arange(self._seq_len)
+    ]
+    inputs = targets.copy()
+    weights = np.zeros(targets.shape, np.float32)
+    for row, rng in enumerate(_rngs(indices, seeds)):
+      chosen = rng.permutation(self._seq_len)[: self._num_masked]
+      weights[row, chosen] = 1
+      kind = rng.random(len(chosen))
+      inputs[row, chosen[kind < 0.8]] = self._mask_id
+      randomized = chosen[(kind >= 0.8) & (kind < 0.9)]
+      inputs[row, randomized] = rng.integers(
+          self._mask_id + 1, self._vocab_size, len(randomized)
+      )
+    return {"inputs": inputs, "targets": targets, "weights": weights}
+
+
+def _read(source, keys: list[int]) -> list[Any]:
+  if hasattr(source, "__getitems__"):
+    # One batched read instead of a file seek per record.
+    return source.__getitems__(keys)
+  return [source[k] for k in keys]
+
+
+def _rngs(indices: np.ndarray, seeds: np.ndarray | None):
+  """One generator per row, from its seeds or else from its index."""
+  if seeds is None:
+    return [np.random.default_rng(i) for i in indices.tolist()]
+  return [np.random.default_rng(s) for s in seeds.tolist()]
 
 
 class TfdsSource:
@@ -148,13 +226,12 @@ class TfdsSource:
   def __len__(self) -> int:
     return len(self._source)
 
-  def get(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+  def get(
+      self, indices: np.ndarray, seeds: np.ndarray | None = None
+  ) -> dict[str, np.ndarray]:
+    del seeds  # deterministic
     keys = _indices(indices, len(self)).tolist()
-    if hasattr(self._source, "__getitems__"):
-      # One batched read instead of a file seek per record.
-      records = self._source.__getitems__(keys)
-    else:
-      records = [self._source[k] for k in keys]
+    records = _read(self._source, keys)
     images = np.stack([np.asarray(r[self._image_key]) for r in records])
     if images.ndim == 3:
       images = images[..., None]
@@ -168,6 +245,59 @@ class TfdsSource:
         "weights": np.ones(len(keys), np.float32),
     }
 
+
+class TfdsImageSource:
+  """A ``tfds.data_source`` split of encoded images of any size, cropped.
+
+  Training crops (``train=True``) are random per row, drawn from the row's
+  seeds (``images.train_image``); evaluation crops are central
+  (``images.eval_image``).
+  """
+
+  def __init__(
+      self,
+      source,
+      image_key: str,
+      label_key: str,
+      preprocess: images_lib.Preprocess,
+      train: bool,
+  ):
+    self._source = source  # reads the images undecoded
+    self._image_key = image_key
+    self._label_key = label_key
+    self._preprocess = preprocess
+    self._train = train
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def get(
+      self, indices: np.ndarray, seeds: np.ndarray | None = None
+  ) -> dict[str, np.ndarray]:
+    indices = _indices(indices, len(self))
+    records = _read(self._source, indices.tolist())
+    encoded = [r[self._image_key] for r in records]
+    if self._train:
+      inputs = [
+          images_lib.train_image(e, self._preprocess, rng)
+          for e, rng in zip(encoded, _rngs(indices, seeds))
+      ]
+    else:
+      inputs = [images_lib.eval_image(e, self._preprocess) for e in encoded]
+    size = self._preprocess.image_size
+    return {
+        "inputs": np.stack(inputs).reshape(len(indices), size, size, 3),
+        "targets": (
+            np.array([r[self._label_key] for r in records], np.int32).reshape(
+                len(indices)
+            )
+        ),
+        "weights": np.ones(len(indices), np.float32),
+    }
+
+
+# How the tfds loader reads images: as they are, or cropped as for ImageNet.
+PREPROCESS = ("none", "imagenet")
 
 # Loaders: each takes its config arguments as keywords and returns a Dataset.
 
@@ -316,13 +446,7 @@ def _load_text(path: str, seq_len: int) -> Dataset:
   The vocabulary is the sorted set of the file's characters, so token ids
   depend on the file alone.
   """
-  try:
-    with open(path, encoding="utf-8") as f:
-      text = f.read()
-  except UnicodeDecodeError as e:
-    raise ValueError(
-        f"{path} is not UTF-8 text (byte {e.start}: {e.reason})"
-    ) from None
+  text = _read_text(path)
   # Code points sort like Python's characters, so the unique code points are
   # the sorted character set.
   codes = np.frombuffer(text.encode("utf-32-le"), np.uint32)
@@ -346,6 +470,73 @@ def _load_text(path: str, seq_len: int) -> Dataset:
   )
 
 
+def _read_text(path: str) -> str:
+  try:
+    with open(path, encoding="utf-8") as f:
+      return f.read()
+  except UnicodeDecodeError as e:
+    raise ValueError(
+        f"{path} is not UTF-8 text (byte {e.start}: {e.reason})"
+    ) from None
+
+
+def _load_masked_text(
+    path: str, seq_len: int, vocab_size: int, tokenizer: str
+) -> Dataset:
+  """BERT's masked LM on a text file: the lines of its first 90% train, the
+  rest eval.
+
+  The WordPiece tokenizer is read from ``tokenizer`` (by default
+  ``PATH.wordpiece-VOCAB_SIZE.json`` beside the text); when that file does
+  not exist, it is trained on the training lines and written there, so that
+  later runs and resumed ones tokenize alike. In runs of several processes,
+  train it beforehand with ``python -m train.tokenizer``.
+  """
+  from train import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+
+  text = _read_text(path)
+  cut = text.rfind("\n", 0, int(0.9 * len(text))) + 1
+  splits = {"train": text[:cut], "eval": text[cut:]}
+  tokenizer = os.path.expanduser(
+      tokenizer or f"{path}.wordpiece-{vocab_size}.json"
+  )
+  if os.path.exists(tokenizer):
+    words = tokenizer_lib.load(tokenizer)
+  else:
+    words = tokenizer_lib.train(splits["train"].splitlines(True), vocab_size)
+    partial = f"{tokenizer}.{os.getpid()}.partial"
+    words.save(partial)
+    os.replace(partial, tokenizer)
+  if words.get_vocab_size() != vocab_size:
+    raise ValueError(
+        f"config.data.tokenizer={tokenizer} holds"
+        f" {words.get_vocab_size()} tokens, but config.data.vocab_size is"
+        f" {vocab_size}"
+    )
+  sources = {}
+  for split, split_text in splits.items():
+    encoded = words.encode_batch(split_text.splitlines(True))
+    tokens = np.array([t for e in encoded for t in e.ids], np.int32)
+    if len(tokens) < seq_len:
+      raise ValueError(
+          f"config.data.seq_len={seq_len} is longer than the {split} split of"
+          f" config.data.path={path} ({len(tokens)} tokens)"
+      )
+    sources[split] = MaskedTextSource(
+        tokens,
+        seq_len,
+        vocab_size,
+        tokenizer_lib.SPECIAL_TOKENS.index("[MASK]"),
+    )
+  return Dataset(
+      train=sources["train"],
+      eval=sources["eval"],
+      task="masked_lm",
+      num_classes=vocab_size,
+      input_shape=(seq_len,),
+  )
+
+
 def _load_tfds(
     tfds_name: str,
     data_dir: str,
@@ -353,13 +544,40 @@ def _load_tfds(
     eval_split: str,
     image_key: str,
     label_key: str,
+    preprocess: str,
+    image_size: int,
+    crop_scale: tuple[float, float],
+    crop_ratio: tuple[float, float],
+    crop_fraction: float,
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
 ) -> Dataset:
   """An image classification data set prepared by TFDS as array_record.
 
   Nothing is downloaded: prepare it first with ``tfds build NAME
   --data_dir=DATA_DIR --file_format=array_record``. Decoding PNG or JPEG
   ``Image`` features needs Pillow or OpenCV.
+
+  ``preprocess="none"`` reads images of one fixed shape as they are, scaled
+  to [0, 1]. ``preprocess="imagenet"`` reads images of any size: random
+  resized crops and flips for training, central crops for evaluation, both
+  ``image_size`` square and normalized by ``mean`` and ``std`` (see
+  ``images.Preprocess`` for the other arguments).
   """
+  if preprocess not in PREPROCESS:
+    raise ValueError(
+        f"config.data.preprocess must be one of {list(PREPROCESS)}, got"
+        f" {preprocess!r}"
+    )
+  if preprocess == "imagenet":
+    crops = images_lib.Preprocess(
+        image_size=image_size,
+        crop_scale=crop_scale,
+        crop_ratio=crop_ratio,
+        crop_fraction=crop_fraction,
+        mean=mean,
+        std=std,
+    )
   # Only this loader needs TFDS, and its import is slow.
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
@@ -371,32 +589,57 @@ def _load_tfds(
         f" run `tfds build {tfds_name} --data_dir={data_dir}"
         " --file_format=array_record`"
     )
-  sources = {
-      split: tfds.data_source(
-          tfds_name, split=split, data_dir=data_dir, download=False
-      )
-      for split in (train_split, eval_split)
-  }
-  features = sources[train_split].dataset_info.features
+
+  def source(split, decoders=None):
+    return tfds.data_source(
+        tfds_name,
+        split=split,
+        data_dir=data_dir,
+        download=False,
+        decoders=decoders,
+    )
+
+  features = source(train_split).dataset_info.features
   for field, key in (("image_key", image_key), ("label_key", label_key)):
     if key not in features:
       raise ValueError(
           f"config.data.{field}={key!r} is not a feature of {tfds_name};"
           f" features: {', '.join(features.keys())}"
       )
+  num_classes = features[label_key].num_classes
+  if preprocess == "imagenet":
+    if not isinstance(features[image_key], tfds.features.Image):
+      raise ValueError(
+          f"config.data.preprocess='imagenet' needs encoded images, but"
+          f" {tfds_name}'s {image_key!r} is a {type(features[image_key]).__name__}"
+      )
+    # The images come as bytes: decoding is part of the preprocessing.
+    skip = {image_key: tfds.decode.SkipDecoding()}
+    return Dataset(
+        train=TfdsImageSource(
+            source(train_split, skip), image_key, label_key, crops, True
+        ),
+        eval=TfdsImageSource(
+            source(eval_split, skip), image_key, label_key, crops, False
+        ),
+        task="classification",
+        num_classes=num_classes,
+        input_shape=(image_size, image_size, 3),
+    )
   shape = tuple(features[image_key].shape)
   if len(shape) == 2:
     shape += (1,)
   if None in shape:
     raise ValueError(
         f"{tfds_name} images have variable shape {shape}; batches need a"
-        " fixed one"
+        " fixed one: set config.data.preprocess='imagenet' to crop them to"
+        " config.data.image_size"
     )
   return Dataset(
-      train=TfdsSource(sources[train_split], image_key, label_key),
-      eval=TfdsSource(sources[eval_split], image_key, label_key),
+      train=TfdsSource(source(train_split), image_key, label_key),
+      eval=TfdsSource(source(eval_split), image_key, label_key),
       task="classification",
-      num_classes=features[label_key].num_classes,
+      num_classes=num_classes,
       input_shape=shape,
   )
 
@@ -506,6 +749,22 @@ LOADERS: dict[str, tuple[Callable[..., Dataset], dict[str, Any]]] = {
             "eval_split": "test",
             "image_key": "image",
             "label_key": "label",
+            "preprocess": "none",
+            "image_size": 224,
+            "crop_scale": (0.08, 1.0),
+            "crop_ratio": (3 / 4, 4 / 3),
+            "crop_fraction": 0.875,
+            "mean": images_lib.IMAGENET_MEAN,
+            "std": images_lib.IMAGENET_STD,
+        },
+    ),
+    "masked_text": (
+        _load_masked_text,
+        {
+            "path": _REQUIRED,
+            "seq_len": 128,
+            "vocab_size": 8192,
+            "tokenizer": "",
         },
     ),
     "synthetic_images": (
@@ -649,7 +908,8 @@ class Loader:
   identity with ``shuffle=False``). Global batch ``step`` is
   ``stream[step * global_batch : (step + 1) * global_batch]``: batches span
   epoch boundaries, so no example is dropped. Each process reads only its
-  contiguous ``global_batch / process_count`` rows of it.
+  contiguous ``global_batch / process_count`` rows of it. The example at
+  stream position p gets seeds (seed, p, 2) for its random crop or mask.
   """
 
   def __init__(
@@ -727,7 +987,12 @@ class Loader:
     for epoch in np.unique(epochs):
       rows = epochs == epoch
       indices[rows] = self._order(int(epoch))[offsets[rows]]
-    batch = self._source.get(indices)
+    # A row's random crop or mask depends on its place in the stream alone,
+    # not on which process or worker reads it.
+    seeds = np.stack(
+        np.broadcast_arrays(self._seed, positions, _EXAMPLE_STREAM), axis=1
+    )
+    batch = self._source.get(indices, seeds)
     if self._augment:
       # Drawn for the whole global batch, then sliced, so that the processes'
       # rows together equal the single-process batch.
@@ -748,6 +1013,32 @@ class Loader:
     return {"epoch": int(epoch), "index": int(index)}
 
 
+def num_eval_batches(source: Source, global_batch: int) -> int:
+  """How many global batches of ``global_batch`` cover ``source`` once."""
+  return -(-len(source) // global_batch)
+
+
+def eval_batch(
+    source: Source,
+    number: int,
+    *,
+    global_batch: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> dict[str, np.ndarray]:
+  """This process's rows of evaluation batch ``number`` (see
+  ``eval_batches``)."""
+  local_batch = global_batch // process_count
+  start = number * global_batch
+  positions = start + process_index * local_batch + np.arange(local_batch)
+  valid = positions < len(source)
+  batch = source.get(np.where(valid, positions, start))
+  weights = batch["weights"]
+  mask = valid.reshape((-1,) + (1,) * (weights.ndim - 1))
+  batch["weights"] = np.where(mask, weights, 0).astype(np.float32)
+  return batch
+
+
 def eval_batches(
     source: Source,
     *,
@@ -766,13 +1057,11 @@ def eval_batches(
     ValueError: if ``global_batch`` does not split evenly over the processes.
   """
   _check_split(global_batch, process_index, process_count)
-  size = len(source)
-  local_batch = global_batch // process_count
-  for start in range(0, size, global_batch):
-    positions = start + process_index * local_batch + np.arange(local_batch)
-    valid = positions < size
-    batch = source.get(np.where(valid, positions, start))
-    weights = batch["weights"]
-    mask = valid.reshape((-1,) + (1,) * (weights.ndim - 1))
-    batch["weights"] = np.where(mask, weights, 0).astype(np.float32)
-    yield batch
+  for number in range(num_eval_batches(source, global_batch)):
+    yield eval_batch(
+        source,
+        number,
+        global_batch=global_batch,
+        process_index=process_index,
+        process_count=process_count,
+    )

@@ -28,6 +28,7 @@ import acp_jax
 from train import checkpoint
 from train import data as data_lib
 from train import metrics as metrics_lib
+from train import pipeline
 from train import runtime
 from train.experiment import AXIS
 from train.experiment import batch_stats_spec
@@ -188,17 +189,27 @@ def compile_steps(experiment: Experiment):
 
 
 def evaluate(experiment, eval_fn, state) -> dict[str, float]:
-  totals = np.zeros(3)
-  for batch in data_lib.eval_batches(
-      experiment.dataset.eval,
+  config, source = experiment.config, experiment.dataset.eval
+  read = functools.partial(
+      data_lib.eval_batch,
+      source,
       global_batch=experiment.global_batch,
       process_index=jax.process_index(),
       process_count=jax.process_count(),
-  ):
-    sums = eval_fn(
-        state.params, state.batch_stats, put_batch(experiment, batch)
-    )
-    totals += np.asarray(jax.device_get(sums))
+  )
+  totals = np.zeros(3)
+  with pipeline.batches(
+      read,
+      0,
+      data_lib.num_eval_batches(source, experiment.global_batch),
+      workers=config.data_workers,
+      prefetch=config.data_prefetch,
+  ) as batches:
+    for batch in batches:
+      sums = eval_fn(
+          state.params, state.batch_stats, put_batch(experiment, batch)
+      )
+      totals += np.asarray(jax.device_get(sums))
   loss, correct, weight = totals
   return {"eval_loss": loss / weight, "eval_accuracy": correct / weight}
 
@@ -324,16 +335,25 @@ def train_and_evaluate(
       leave=False,
   )
   pending = None  # metrics are read one step late: the host never stalls
-  with runtime.StopRequests() as stops:
-    for index in range(start, last):
+  # Batch `index` is loader.batch(index), whoever computes it: a resumed run
+  # starts the pipeline at its step.
+  with (
+      runtime.StopRequests() as stops,
+      pipeline.batches(
+          loader.batch,
+          start,
+          last,
+          workers=config.data_workers,
+          prefetch=config.data_prefetch,
+      ) as batches,
+  ):
+    for index, batch in zip(range(start, last), batches):
       step = index + 1
       # Out of a compressor's dense warm-up when it ends (else a no-op).
       state = state._replace(
           opt_state=experiment.dp.at_step(state.opt_state, index)
       )
-      state, step_metrics = train_fn(
-          state, put_batch(experiment, loader.batch(index))
-      )
+      state, step_metrics = train_fn(state, put_batch(experiment, batch))
       if on_cpu:
         # XLA:CPU's simulated devices can deadlock in a collective's
         # rendezvous with several steps in flight on few cores.
