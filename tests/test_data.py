@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from train import data
+from train import images
 
 MNIST_DIR = "/work/shared/data/mnist-t10k"
 SHAKESPEARE = "/work/shared/data/tinyshakespeare/input.txt"
@@ -404,44 +405,22 @@ def tfds_dir(tmp_path_factory):
       "test": rng.integers(0, 256, (3, 4, 4, 3), dtype=np.uint8),
   }
 
-  # Not registered: the loader must find the data set from its files alone,
-  # as it would one prepared elsewhere.
-  with tfds.core.registered.skip_registration():
-
-    class AcpTinyImages(tfds.core.GeneratorBasedBuilder):
-      VERSION = tfds.core.Version("1.0.0")
-      # No checksums file to look for beside the code; the lookup from a
-      # package module would import importlib_resources, not installed here.
-      code_path = None
-
-      def _info(self):
-        # Tensor, not Image: encoding PNG needs TensorFlow, absent here.
-        return tfds.core.DatasetInfo(
-            builder=self,
-            features=tfds.features.FeaturesDict(
-                {
-                    "pixels": tfds.features.Tensor(
-                        shape=(4, 4, 3), dtype=np.uint8
-                    ),
-                    "label": tfds.features.ClassLabel(num_classes=5),
-                }
-            ),
-        )
-
-      def _split_generators(self, dl_manager):
-        del dl_manager
-        return {
-            split: self._generate_examples(images)
-            for split, images in splits.items()
-        }
-
-      def _generate_examples(self, images):
-        for i, image in enumerate(images):
-          yield i, {"pixels": image, "label": i % 5}
-
-  AcpTinyImages(
-      data_dir=root, file_format="array_record"
-  ).download_and_prepare()
+  # Tensor, not Image: encoding PNG needs TensorFlow, absent here.
+  images.write_tfds_dataset(
+      root,
+      "AcpTinyImages",
+      {
+          "pixels": tfds.features.Tensor(shape=(4, 4, 3), dtype=np.uint8),
+          "label": tfds.features.ClassLabel(num_classes=5),
+      },
+      {
+          split: [
+              {"pixels": image, "label": i % 5}
+              for i, image in enumerate(examples)
+          ]
+          for split, examples in splits.items()
+      },
+  )
   return root, splits
 
 

@@ -12,6 +12,7 @@ stream), so a batch does not depend on which process or thread decodes it.
 import dataclasses
 import io
 import math
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -163,6 +164,48 @@ def eval_image(encoded: bytes, preprocess: Preprocess) -> np.ndarray:
   return preprocess.normalize(np.asarray(image))
 
 
+def write_tfds_dataset(
+    data_dir: str,
+    class_name: str,
+    features: dict[str, Any],
+    splits: dict[str, list[dict[str, Any]]],
+) -> str:
+  """Writes ``splits`` (each a list of examples) with TFDS as array_record,
+  the data set's features ``features``; returns its name (``class_name`` in
+  snake case, as TFDS names builders).
+
+  The builder is not registered: readers find the data set from its files
+  alone, as they would one prepared elsewhere.
+  """
+  # TFDS is needed by this function alone, and its import is slow.
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+  def info(self):
+    return tfds.core.DatasetInfo(
+        builder=self, features=tfds.features.FeaturesDict(features)
+    )
+
+  def split_generators(self, dl_manager):
+    del dl_manager
+    return {name: enumerate(examples) for name, examples in splits.items()}
+
+  with tfds.core.registered.skip_registration():
+    builder = type(
+        class_name,
+        (tfds.core.GeneratorBasedBuilder,),
+        {
+            "VERSION": tfds.core.Version("1.0.0"),
+            # No checksums file to look for beside the code.
+            "code_path": None,
+            "_info": info,
+            "_split_generators": split_generators,
+            "_generate_examples": None,
+        },
+    )(data_dir=data_dir, file_format="array_record")
+  builder.download_and_prepare()
+  return builder.name
+
+
 def write_jpeg_dataset(
     data_dir: str,
     *,
@@ -178,55 +221,30 @@ def write_jpeg_dataset(
   label is its index modulo ``num_classes``. Nothing needs TensorFlow: the
   JPEGs are encoded with Pillow and handed to TFDS as bytes.
   """
-  # TFDS is needed by this function alone, and its import is slow.
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
   rng = np.random.default_rng(seed)
-  encoded = {}
+  examples = {}
   for split, count in splits.items():
-    encoded[split] = []
-    for _ in range(count):
+    examples[split] = []
+    for i in range(count):
       h, w = rng.integers(sizes[0], sizes[1] + 1, 2)
       corners = rng.integers(0, 256, (2, 3))
       t = (np.arange(h)[:, None, None] + np.arange(w)[None, :, None]) / (h + w)
       pixels = ((1 - t) * corners[0] + t * corners[1]).astype(np.uint8)
       out = io.BytesIO()
       Image.fromarray(pixels).save(out, format="JPEG", quality=90)
-      encoded[split].append(out.getvalue())
-
-  # Not registered: readers must find the data set from its files alone, as
-  # they would one prepared elsewhere.
-  with tfds.core.registered.skip_registration():
-
-    class AcpJpegImages(tfds.core.GeneratorBasedBuilder):
-      VERSION = tfds.core.Version("1.0.0")
-      # No checksums file to look for beside the code.
-      code_path = None
-
-      def _info(self):
-        return tfds.core.DatasetInfo(
-            builder=self,
-            features=tfds.features.FeaturesDict(
-                {
-                    "image": tfds.features.Image(
-                        shape=(None, None, 3), encoding_format="jpeg"
-                    ),
-                    "label": tfds.features.ClassLabel(num_classes=num_classes),
-                }
-            ),
-        )
-
-      def _split_generators(self, dl_manager):
-        del dl_manager
-        return {
-            split: self._generate_examples(images)
-            for split, images in encoded.items()
-        }
-
-      def _generate_examples(self, images):
-        for i, image in enumerate(images):
-          yield i, {"image": image, "label": i % num_classes}
-
-  builder = AcpJpegImages(data_dir=data_dir, file_format="array_record")
-  builder.download_and_prepare()
-  return builder.name
+      examples[split].append(
+          {"image": out.getvalue(), "label": i % num_classes}
+      )
+  return write_tfds_dataset(
+      data_dir,
+      "AcpJpegImages",
+      {
+          "image": tfds.features.Image(
+              shape=(None, None, 3), encoding_format="jpeg"
+          ),
+          "label": tfds.features.ClassLabel(num_classes=num_classes),
+      },
+      examples,
+  )
