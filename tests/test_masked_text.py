@@ -137,6 +137,9 @@ def small_bert_config(tmp_path, steps):
   config.data.tokenizer = str(tmp_path / "wordpiece.json")
   config.model.size = {"num_layers": 2, "hidden": 64, "heads": 2, "ffn": 128}
   config.model.max_len = SEQ_LEN
+  # Rank 4, so that ACP-SGD compresses this small BERT's 64-wide matrices
+  # (at the config's rank 32 they would not shrink and would go dense).
+  config.compressor.acp_sgd.rank = 4
   config.batch_size = 32
   config.num_train_steps = steps
   config.log_every_steps = 10
