@@ -409,19 +409,22 @@ def _model_reading(mine) -> str:
   def within(key):
     errors = [abs(r[key] / r["step_s"] - 1) for r in mine]
     hits = sum(e <= targets.MODEL_ERROR for e in errors)
-    return f"{hits} of {len(errors)} within {targets.MODEL_ERROR:.0%}" + (
-        f", largest error {max(errors):.0%}" if errors else ""
+    return (
+        f"{hits} of the {len(errors)} measured steps within"
+        f" {targets.MODEL_ERROR:.0%}"
+        + (f" (largest error {max(errors):.0%})" if errors else "")
     )
 
   return (
       f" With the compute-only step taken in lockstep, the model puts"
-      f" {within('predicted_step_s')} of the measured steps. Pricing the"
+      f" {within('predicted_step_s')}. Pricing the"
       " collectives on a *busy* link instead (calibrated with each"
       " all-reduce right after every worker's pass over memory, the"
       " hypothesis that on oversubscribed cores a ring's every hop waits"
       " for its receiver to be scheduled) puts"
       f" {within('predicted_busy_step_s')}: it charges that latency to"
-      " every collective, where a step pays it at most once per round."
+      " every collective, where a step would pay it at most once per"
+      " dependent round."
   )
 
 
