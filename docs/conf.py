@@ -39,4 +39,3 @@ napoleon_numpy_docstring = False
 html_theme = "sphinx_book_theme"
 html_title = "acp_jax"
 html_static_path = ["_static"]
-html_theme_options = {"repository_url": "", "use_repository_button": False}

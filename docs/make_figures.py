@@ -1,6 +1,6 @@
 """Draws the figures of the docs into docs/_static/ (committed).
 
-  python docs/make_figures.py
+  python docs/make_figures.py   # needs matplotlib (the [bench] extra)
 
 `acp_sgd_steps.svg`: two steps of Power-SGD and of ACP-SGD (which
 computation waits on which all-reduce), beside each method's bytes per step
