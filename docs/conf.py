@@ -20,7 +20,7 @@ extensions = [
     "myst_parser",
     "sphinx.ext.autodoc",
     "sphinx.ext.autosummary",
-    "sphinx.ext.napoleon",  # the docstrings' Args/Returns sections (Google style)
+    "sphinx.ext.napoleon",  # the docstrings' Args and Returns (Google style)
     "sphinx.ext.mathjax",
     "sphinx.ext.viewcode",
 ]

@@ -69,10 +69,14 @@ def draw_lanes(ax):
       ax.text(start + length / 2, y, label, ha="center", va="center",
               fontsize=6, rotation=0 if length >= 0.5 else 90)
   ax.set_yticks(range(len(LANES)), list(LANES)[::-1])
-  ax.set_xlabel("time: two steps of each; every box waits for the one before it")
+  ax.set_xlabel(
+      "time: two steps of each; every box waits for the one before it"
+  )
   ax.set_xticks([])
   ax.set_xlim(0, 5.3)
-  ax.set_title("Power-SGD: two dependent rounds a step; ACP-SGD: one", fontsize=9)
+  ax.set_title(
+      "Power-SGD: two dependent rounds a step; ACP-SGD: one", fontsize=9
+  )
   for side in ("top", "right"):
     ax.spines[side].set_visible(False)
 
@@ -94,6 +98,7 @@ def draw_bytes(ax):
 
 def main():
   plt.rcParams["svg.fonttype"] = "none"  # text stays text: a small file
+  plt.rcParams["svg.hashsalt"] = "acp_jax"  # the same file on every run
   fig, (lanes, volume) = plt.subplots(
       1, 2, figsize=(10, 2.4), gridspec_kw={"width_ratios": [3, 2]}
   )

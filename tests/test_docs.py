@@ -19,7 +19,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
 _FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```", re.S | re.M)
 # Fences that would read as Python to a reader but escape the run below.
-_UNRUN_PYTHON = re.compile(r"^(py|python3|ipython|pycon|\{code-block\}\s*python)\b")
+_UNRUN_PYTHON = re.compile(
+    r"^(py|python3|ipython|pycon|\{code-block\}\s*python)\b"
+)
 
 
 def pages():
@@ -137,6 +139,26 @@ def test_docs_build_with_warnings_as_errors(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   assert os.path.exists(tmp_path / "html" / "api.html")
 
+
+
+@pytest.mark.parametrize(
+    "page", ["README.md", "docs/guides/getting_started.md"]
+)
+def test_nnx_diff_is_the_diff_of_the_examples(page):
+  (diff,) = [body for info, body in fences(page) if info.strip() == "diff"]
+  examples = {}
+  for name in ("nnx_plain", "nnx_compressed"):
+    with open(os.path.join(ROOT, "examples", f"{name}.py")) as f:
+      examples[name] = f.read().splitlines()
+  for line in diff.splitlines():
+    mark, code = line[:1], line[1:]
+    if code.strip() in ("", "..."):
+      continue
+    wanted = {"-": ["nnx_plain"], "+": ["nnx_compressed"]}.get(
+        mark, ["nnx_plain", "nnx_compressed"]
+    )
+    for name in wanted:
+      assert code in examples[name], f"{page}: {line!r} is not in {name}.py"
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["nnx_plain", "nnx_compressed"])
