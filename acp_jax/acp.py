@@ -233,4 +233,5 @@ def acp_sgd(
       cycle=(Phase.P.value, Phase.Q.value),
       warmup_steps=lr.warmup_steps,
       to_phase=lowrank.to_phase(Phase.P),
+      made_by=("acp_sgd", {**lr._asdict(), "axis_name": axis_name}),
   )

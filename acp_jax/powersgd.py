@@ -210,4 +210,5 @@ def power_sgd(
       dependent_rounds=True,
       warmup_steps=lr.warmup_steps,
       to_phase=lowrank.to_phase(Phase.P),
+      made_by=("power_sgd", {**lr._asdict(), "axis_name": axis_name}),
   )

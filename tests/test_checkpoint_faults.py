@@ -19,6 +19,7 @@ from tests.conftest import NUM_DEVICES
 from tests.test_train import losses
 from tests.test_train import read_metrics
 from tests.test_train import small_config
+from acp_jax import checkpoint as acp_checkpoint
 from train import checkpoint
 from train import metrics as metrics_lib
 from train import train
@@ -158,7 +159,7 @@ def _saved(directory, steps, keep=0):
 def _assert_restored(restored, step):
   state, record = restored
   assert record == {"step": step}
-  assert checkpoint.checksums(state) == checkpoint.checksums(_state(step))
+  assert acp_checkpoint.checksums(state) == acp_checkpoint.checksums(_state(step))
 
 
 def test_checkpoint_of_another_run_is_refused_before_reading_arrays(
@@ -232,18 +233,18 @@ def test_failed_save_keeps_the_last_good_checkpoint(tmp_path):
 
 def test_checksums_follow_every_byte_and_position():
   state = _state()
-  sums = checkpoint.checksums(state)
-  assert checkpoint.checksums(_state()) == sums
+  sums = acp_checkpoint.checksums(state)
+  assert acp_checkpoint.checksums(_state()) == sums
   assert set(sums) == {"['step']", "['w']"}
   w = np.asarray(state["w"])
   # Independent of the layout: the same values on one device.
-  assert checkpoint.checksums({"w": jnp.asarray(w)})["['w']"] == sums["['w']"]
+  assert acp_checkpoint.checksums({"w": jnp.asarray(w)})["['w']"] == sums["['w']"]
   one_byte = w.copy()
   one_byte.reshape(-1).view(np.uint8)[37] ^= 1
   swapped = w.copy()
   swapped[[2, 9]] = swapped[[9, 2]]
   for changed in (one_byte, swapped):
-    now = checkpoint.checksums(dict(state, w=jnp.asarray(changed)))
+    now = acp_checkpoint.checksums(dict(state, w=jnp.asarray(changed)))
     assert now["['step']"] == sums["['step']"]
     assert now["['w']"] != sums["['w']"]
 
