@@ -316,3 +316,190 @@ def test_processes_agree_to_skip_what_one_cannot_read(tmp_path):
   assert test_multihost._digest(outputs[0]) == test_multihost._digest(
       outputs[1]
   )
+
+
+def _flip_bit_in(path, text, bit):
+  """Flips ``bit`` of the first byte of ``text``'s one occurrence in the
+  file at ``path``, as a failing disk would."""
+  with open(path, "rb") as f:
+    data = bytearray(f.read())
+  assert data.count(text.encode()) == 1, text
+  data[data.index(text.encode())] ^= 1 << bit
+  with open(path, "wb") as f:
+    f.write(data)
+
+
+# One flipped bit in checkpoint 4's record: the step (4 -> 0), the data
+# position (256 -> 356) or the run identity ('acp_sgd' -> 'acp_sge').
+RECORD_FLIPS = {
+    "step": ('4, "data"', 2),
+    "data position": ('256}', 0),
+    "run identity": ('d", "args"', 0),
+}
+
+
+@pytest.mark.parametrize("field", RECORD_FLIPS)
+def test_flipped_bit_in_a_record_falls_back_to_the_one_before(
+    field, reference, tmp_path, caplog
+):
+  workdir = _copy(reference, tmp_path)
+  latest = os.path.join(workdir, "checkpoints", str(STEPS))
+  _flip_bit_in(os.path.join(latest, "record", "metadata"), *RECORD_FLIPS[field])
+  with caplog.at_level(logging.WARNING):
+    summary = train.train_and_evaluate(config(), workdir)
+  assert f"checkpoint {latest} is damaged: its record differs" in caplog.text
+  assert losses(workdir) == losses(reference[0])
+  assert summary["params_sha256"] == reference[1]["params_sha256"]
+
+
+def test_another_optimizer_setting_is_refused_not_called_damaged(
+    reference, tmp_path
+):
+  workdir = _copy(reference, tmp_path)
+  before = sorted(os.listdir(os.path.join(workdir, "checkpoints")))
+  other = config()
+  other.optimizer.momentum = 0.0
+  with pytest.raises(ValueError, match="saved from another state") as error:
+    train.train_and_evaluate(other, workdir)
+  assert "trace" in str(error.value) and "damaged" not in str(error.value)
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == before
+
+
+def test_checkpoints_that_is_a_file_fails_at_start(tmp_path):
+  (tmp_path / "checkpoints").write_text("")
+  with pytest.raises(ValueError, match="must be a directory for the"):
+    train.train_and_evaluate(config(), str(tmp_path))
+  assert not (tmp_path / "metrics.jsonl").exists()  # not a step was taken
+
+
+def test_set_asides_of_one_step_within_a_second_never_collide(
+    tmp_path, monkeypatch
+):
+  monkeypatch.setattr(checkpoint.time, "strftime", lambda _: "20260101-000000")
+  ckpt = _saved(tmp_path, [1])
+  for _ in range(2):  # step 2 saved, damaged and set aside twice
+    ckpt.save(2, _state(2), {"step": 2})
+    _truncate(_data_file(tmp_path / "2"))
+    _assert_restored(ckpt.restore_latest(_state()), 1)
+  assert sorted(os.listdir(tmp_path)) == [
+      "1",
+      "2.damaged-20260101-000000",
+      "2.damaged-20260101-000000-2",
+  ]
+
+
+def test_set_aside_checkpoints_are_kept_to_a_bound(tmp_path, monkeypatch):
+  stamps = iter(f"20260101-00000{i}" for i in range(9))
+  monkeypatch.setattr(checkpoint.time, "strftime", lambda _: next(stamps))
+  ckpt = _saved(tmp_path, [1])
+  for step in range(2, 3 + checkpoint.KEEP_DAMAGED):
+    ckpt.save(step, _state(step), {"step": step})
+    _truncate(_data_file(tmp_path / str(step)))
+    _assert_restored(ckpt.restore_latest(_state()), 1)
+  damaged = sorted(n for n in os.listdir(tmp_path) if ".damaged-" in n)
+  # The newest KEEP_DAMAGED of the 4 set aside, each of its own stamp.
+  assert damaged == [
+      f"{step}.damaged-20260101-00000{step - 2}"
+      for step in range(3, 3 + checkpoint.KEEP_DAMAGED)
+  ]
+
+
+def _linked(tmp_path):
+  """Checkpoints 1 and 2, with 1 moved out and linked back."""
+  root, outside = tmp_path / "checkpoints", tmp_path / "outside"
+  outside.mkdir()
+  _saved(root, [1, 2]).close()
+  shutil.move(root / "1", outside / "1")
+  os.symlink(outside / "1", root / "1")
+  return root, outside
+
+
+def test_a_symlinked_checkpoint_is_never_followed(
+    tmp_path, caplog, monkeypatch
+):
+  monkeypatch.setattr(checkpoint.time, "strftime", lambda _: "20260101-000000")
+  root, outside = _linked(tmp_path)
+  shutil.copytree(root / "2", outside / "3")
+  os.symlink(outside / "3", root / "3")  # the latest, outside the workdir
+  ckpt = checkpoint.Checkpointer(str(root), keep=2, run=RUN)
+  with caplog.at_level(logging.WARNING):
+    _assert_restored(ckpt.restore_latest(_state()), 2)
+  assert f"checkpoint {root / '3'} is a symbolic link: not followed" in (
+      caplog.text
+  )
+  ckpt.save(3, _state(3), {"step": 3})  # not in the way of the new 3
+  assert sorted(os.listdir(root)) == [
+      "1.link-20260101-000000",
+      "2",
+      "3",
+      "3.link-20260101-000000",
+  ]
+  assert sorted(os.listdir(outside)) == ["1", "3"]
+
+
+def test_rotation_removes_a_symlinked_old_checkpoint_not_its_target(
+    tmp_path,
+):
+  root, outside = _linked(tmp_path)
+  ckpt = checkpoint.Checkpointer(str(root), keep=2, run=RUN)
+  ckpt.save(3, _state(3), {"step": 3})
+  assert sorted(os.listdir(root)) == ["2", "3"]
+  assert sorted(os.listdir(outside / "1")) == sorted(os.listdir(root / "2"))
+
+
+_FULL_DISK = """
+import os, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+sys.path.insert(0, os.getcwd())
+from tests import test_checkpoint_faults as t
+from train import checkpoint
+root = sys.argv[1]
+ckpt = t._saved(root, [1], keep=1)
+with open(os.path.join(root, "filler"), "wb") as f:  # the rest of the disk
+  try:
+    while True:
+      f.write(b"0" * 4096)
+      f.flush()
+  except OSError:
+    pass
+try:
+  ckpt.save(2, t._state(2), {"step": 2})
+except OSError as e:
+  print("ERROR:", e)
+os.remove(os.path.join(root, "filler"))
+t._assert_restored(ckpt.restore_latest(t._state()), 1)
+print("LEFT:", sorted(os.listdir(root)))
+"""
+
+
+@pytest.mark.slow
+def test_a_full_disk_gives_one_line_and_keeps_the_last_checkpoint(tmp_path):
+  if shutil.which("unshare") is None or subprocess.run(
+      ["unshare", "-rm", "true"], capture_output=True
+  ).returncode:
+    pytest.skip("needs unshare -rm to mount a small tmpfs")
+  mount = tmp_path / "disk"
+  mount.mkdir()
+  script = tmp_path / "full_disk.py"
+  script.write_text(_FULL_DISK)
+  # A 1 MiB file system of its own, in a user and mount namespace.
+  out = subprocess.run(
+      [
+          "unshare",
+          "-rm",
+          "sh",
+          "-c",
+          f"mount -t tmpfs -o size=1m tmpfs {mount} &&"
+          f" {sys.executable} {script} {mount}",
+      ],
+      cwd=test_multihost.ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  (error,) = [l for l in out.stdout.splitlines() if l.startswith("ERROR:")]
+  assert f"No space left on device: checkpoint 2 could not be written to {mount}" in error
+  assert "LEFT: ['1']" in out.stdout
+  assert "Event loop is closed" not in out.stderr

@@ -159,16 +159,21 @@ class Checkpointer:
       RuntimeError: if there are checkpoints but none of them verifies.
     """
     steps = sorted(self._manager.all_steps(), reverse=True)
+    root = self._manager.directory
+    links = [step for step in steps if os.path.islink(root / str(step))]
+    for step in links:
+      logging.warning(
+          "checkpoint %s is a symbolic link: not followed; renamed"
+          " %s.link-TIME, out of the way of the steps this run saves",
+          root / str(step),
+          step,
+      )
+    self._set_aside(links, "link")
     damaged = []
     for step in steps:
-      path = self._manager.directory / str(step)
-      if os.path.islink(path):
-        logging.warning(
-            "checkpoint %s is a symbolic link: not followed; trying an older"
-            " one",
-            path,
-        )
+      if step in links:
         continue
+      path = root / str(step)
       try:
         restored = self._restore(path, like)
       except acp_checkpoint.DamagedError as e:
@@ -273,18 +278,21 @@ class Checkpointer:
       if path.name.startswith(f"{step}.orbax-checkpoint-tmp"):
         shutil.rmtree(path, ignore_errors=True)
 
-  def _set_aside(self, steps: list[int]) -> None:
+  def _set_aside(self, steps: list[int], why: str = "damaged") -> None:
+    """Renames each of ``steps`` ``STEP.WHY-TIME`` (a link itself, never
+    what it points to), then deletes all but the newest ``KEEP_DAMAGED``
+    damaged ones."""
     if not steps:
       return
     if jax.process_index() == 0:
       stamp = time.strftime("%Y%m%d-%H%M%S")
       root = self._manager.directory
       for step in steps:
-        name, n = f"{step}.damaged-{stamp}", 1
-        while (root / name).exists() or os.path.islink(root / name):
+        name, n = f"{step}.{why}-{stamp}", 1
+        while os.path.lexists(root / name):
           n += 1
-          name = f"{step}.damaged-{stamp}-{n}"
-        (root / str(step)).rename(root / name)
+          name = f"{step}.{why}-{stamp}-{n}"
+        os.rename(root / str(step), root / name)
       set_aside = sorted(
           (p for p in root.iterdir() if ".damaged-" in p.name),
           key=lambda p: _stamp(p.name),
@@ -336,4 +344,22 @@ def _agree(path: epath.Path, error: str | None) -> None:
         path,
         f"process {', '.join(map(str, np.flatnonzero(failed)))} could not"
         " read it",
+    )
+
+
+def check_resume(
+    record: dict[str, Any], state_step: int, position: dict[str, int]
+) -> None:
+  """Raises ``ValueError`` unless a restored record agrees with its state's
+  step counter and with the data ``position`` this run computes for it."""
+  if record["step"] != state_step:
+    raise ValueError(
+        f"the checkpoint's record says step {record['step']}, its state"
+        f" holds step {state_step}; resume from another checkpoint"
+    )
+  if record["data"] != position:
+    raise ValueError(
+        f"the checkpoint of step {record['step']} was saved at data position"
+        f" {record['data']}, this run puts that step at {position}: the"
+        " dataset changed; resume with the same data, or use another workdir"
     )
