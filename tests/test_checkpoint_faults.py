@@ -8,11 +8,13 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import optax
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import acp_jax
 from tests import helpers
 from tests import test_multihost
 from tests.conftest import NUM_DEVICES
@@ -21,6 +23,7 @@ from tests.test_train import read_metrics
 from tests.test_train import small_config
 from acp_jax import checkpoint as acp_checkpoint
 from train import checkpoint
+from train import data as data_lib
 from train import metrics as metrics_lib
 from train import train
 
@@ -365,6 +368,21 @@ def test_another_optimizer_setting_is_refused_not_called_damaged(
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == before
 
 
+def test_resume_where_the_data_would_differ_is_refused(
+    reference, tmp_path, monkeypatch
+):
+  """Step 4's data position, as a dataset of another size would give it."""
+  workdir = _copy(reference, tmp_path)
+  position = data_lib.Loader.position
+  monkeypatch.setattr(
+      data_lib.Loader,
+      "position",
+      lambda self, step: dict(position(self, step), epoch=1),
+  )
+  with pytest.raises(ValueError, match="the dataset changed"):
+    train.train_and_evaluate(config(), workdir)
+
+
 def test_checkpoints_that_is_a_file_fails_at_start(tmp_path):
   (tmp_path / "checkpoints").write_text("")
   with pytest.raises(ValueError, match="must be a directory for the"):
@@ -456,13 +474,14 @@ from tests import test_checkpoint_faults as t
 from train import checkpoint
 root = sys.argv[1]
 ckpt = t._saved(root, [1], keep=1)
-with open(os.path.join(root, "filler"), "wb") as f:  # the rest of the disk
+filler = os.open(os.path.join(root, "filler"), os.O_WRONLY | os.O_CREAT)
+for block in (4096, 1):  # the rest of the disk
   try:
     while True:
-      f.write(b"0" * 4096)
-      f.flush()
+      os.write(filler, b"0" * block)
   except OSError:
     pass
+os.close(filler)
 try:
   ckpt.save(2, t._state(2), {"step": 2})
 except OSError as e:
@@ -503,3 +522,102 @@ def test_a_full_disk_gives_one_line_and_keeps_the_last_checkpoint(tmp_path):
   assert f"No space left on device: checkpoint 2 could not be written to {mount}" in error
   assert "LEFT: ['1']" in out.stdout
   assert "Event loop is closed" not in out.stderr
+
+
+# acp_jax.checkpoint, as a user's own loop meets it.
+
+
+def _public_state(compressor, seed=0):
+  """A DataParallel state of ``compressor`` with nonzero residuals."""
+  dp = acp_jax.DataParallel(compressor, jax.make_mesh((NUM_DEVICES,), ("data",)))
+  params = {"w": jnp.ones((64, 256))}
+  state = dp.chain(optax.sgd(0.1)).init(params)
+  noise = np.random.default_rng(seed).normal(size=state.comm.error["w"].shape)
+  comm = state.comm._replace(
+      error={"w": jax.device_put(noise.astype(np.float32), state.comm.error["w"].sharding)}
+  )
+  return dp, state._replace(comm=comm)
+
+
+def test_public_restore_refuses_flipped_bytes_naming_path_and_array(tmp_path):
+  dp, state = _public_state(acp_jax.topk_sgd(0.1))
+  path = tmp_path / "ckpt"
+  acp_checkpoint.save(path, state, compressor=dp.compressor)
+  restored = acp_checkpoint.restore(path, state, compressor=dp.compressor)
+  assert acp_checkpoint.checksums(restored) == acp_checkpoint.checksums(state)
+  chunks = path / "ocdbt.process_0" / "d"
+  _flip_bytes(max(chunks.iterdir(), key=os.path.getsize))
+  with pytest.raises(acp_checkpoint.DamagedError) as error:
+    acp_checkpoint.restore(path, state, compressor=dp.compressor)
+  message = str(error.value)
+  assert message.startswith(f"{path}: ") and "\n" not in message
+  assert "comm.error" in message  # the array, by orbax's name or its path
+
+
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_public_restore_of_a_broken_file_is_one_line_naming_the_array(
+    damage, tmp_path
+):
+  dp, state = _public_state(acp_jax.topk_sgd(0.1))
+  path = tmp_path / "ckpt"
+  acp_checkpoint.save(path, state, compressor=dp.compressor)
+  chunks = path / "ocdbt.process_0" / "d"
+  DAMAGES[damage](max(chunks.iterdir(), key=os.path.getsize))
+  with pytest.raises(acp_checkpoint.DamagedError) as error:
+    acp_checkpoint.restore(path, state, compressor=dp.compressor)
+  message = str(error.value)
+  assert message.startswith(f"{path}: its arrays cannot be read: array ")
+  assert "comm.error" in message and "\n" not in message
+
+
+# (saved, now): two compressors whose states have the same shapes.
+SAME_SHAPES = {
+    "sign_sgd -> topk_sgd": (
+        lambda: acp_jax.sign_sgd(),
+        lambda: acp_jax.topk_sgd(0.1),
+        "name='sign_sgd', now 'topk_sgd'",
+    ),
+    "topk density": (
+        lambda: acp_jax.topk_sgd(0.1),
+        lambda: acp_jax.topk_sgd(0.2),
+        "args.density=0.1, now 0.2",
+    ),
+    "acp_sgd seed": (
+        lambda: acp_jax.acp_sgd(2),
+        lambda: acp_jax.acp_sgd(2, seed=1),
+        "args.seed=0, now 1",
+    ),
+    "comm_dtype": (
+        lambda: acp_jax.power_sgd(2),
+        lambda: acp_jax.power_sgd(2, comm_dtype=jnp.bfloat16),
+        "args.comm_dtype=None, now 'bfloat16'",
+    ),
+    "warm-up into none": (
+        lambda: acp_jax.acp_sgd(2, warmup_steps=3),
+        lambda: acp_jax.acp_sgd(2),
+        "args.warmup_steps=3, now 0",
+    ),
+}
+
+
+@pytest.mark.parametrize("change", SAME_SHAPES)
+def test_public_restore_refuses_another_compressor_of_the_same_shapes(
+    change, tmp_path
+):
+  saved, now, message = SAME_SHAPES[change]
+  dp, state = _public_state(saved())
+  acp_checkpoint.save(tmp_path / "c", state, compressor=dp.compressor)
+  dp_now, like = _public_state(now(), seed=1)
+  assert acp_checkpoint.layout(like) == acp_checkpoint.layout(state) or (
+      change == "warm-up into none"  # only the phase marker differs
+  )
+  with pytest.raises(ValueError, match="saved with another compressor") as e:
+    acp_checkpoint.restore(tmp_path / "c", like, compressor=dp_now.compressor)
+  assert message in str(e.value)
+  with pytest.raises(ValueError, match=r"pass compressor= to restore"):
+    acp_checkpoint.restore(tmp_path / "c", like)
+  # Into the compressor it was saved with: the state as saved.
+  restored = acp_checkpoint.restore(
+      tmp_path / "c", _public_state(saved(), seed=1)[1], compressor=dp.compressor
+  )
+  assert acp_checkpoint.checksums(restored) == acp_checkpoint.checksums(state)

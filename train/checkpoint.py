@@ -347,16 +347,10 @@ def _agree(path: epath.Path, error: str | None) -> None:
     )
 
 
-def check_resume(
-    record: dict[str, Any], state_step: int, position: dict[str, int]
-) -> None:
-  """Raises ``ValueError`` unless a restored record agrees with its state's
-  step counter and with the data ``position`` this run computes for it."""
-  if record["step"] != state_step:
-    raise ValueError(
-        f"the checkpoint's record says step {record['step']}, its state"
-        f" holds step {state_step}; resume from another checkpoint"
-    )
+def check_resume(record: dict[str, Any], position: dict[str, int]) -> None:
+  """Raises ``ValueError`` unless a restored record's data position is the
+  ``position`` this run computes for its step: the same data, in the same
+  order."""
   if record["data"] != position:
     raise ValueError(
         f"the checkpoint of step {record['step']} was saved at data position"

@@ -280,7 +280,7 @@ def train_and_evaluate(
   if restored := ckpt.restore_latest(like=state):
     state, record = restored
     start = record["step"]
-    checkpoint.check_resume(record, int(state.step), loader.position(start))
+    checkpoint.check_resume(record, loader.position(start))
   log = metrics_lib.MetricsLog(workdir, start)
   bytes_per_step = experiment.bytes_per_step()
   bytes_per_phase = experiment.bytes_per_phase()
