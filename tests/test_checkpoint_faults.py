@@ -9,6 +9,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import optax
+import orbax.checkpoint as ocp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
@@ -620,4 +621,28 @@ def test_public_restore_refuses_another_compressor_of_the_same_shapes(
   restored = acp_checkpoint.restore(
       tmp_path / "c", _public_state(saved(), seed=1)[1], compressor=dp.compressor
   )
+  assert acp_checkpoint.checksums(restored) == acp_checkpoint.checksums(state)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_plain_orbax_into_a_fresh_init_fails_not_another_phase(
+    strict, tmp_path
+):
+  """ACP-SGD with a warm-up: a fresh init is dense, the checkpoint in Q."""
+  dp, fresh = _public_state(acp_jax.acp_sgd(2, warmup_steps=1))
+  comm = fresh.comm
+  state = fresh._replace(
+      comm=comm._replace(
+          phase=acp_jax.lowrank.marker_as(comm.phase, acp_jax.Phase.Q)
+      )
+  )
+  path = tmp_path / "ckpt"
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(path, state)
+  with ocp.StandardCheckpointer() as checkpointer:
+    with pytest.raises(ValueError):
+      checkpointer.restore(path, fresh, strict=strict)
+    # Through acp_jax.checkpoint.target: phase Q, every array as saved.
+    restored = checkpointer.restore(path, acp_checkpoint.target(path, fresh))
+  assert restored.comm.next_phase is acp_jax.Phase.Q
   assert acp_checkpoint.checksums(restored) == acp_checkpoint.checksums(state)
