@@ -194,13 +194,13 @@ def _plain(value: Any) -> Any:
     return {str(k): _plain(v) for k, v in value.items()}
   if isinstance(value, (list, tuple)):
     return [_plain(v) for v in value]
-  if callable(value) and hasattr(value, "__qualname__"):
-    if not isinstance(value, type) or not hasattr(value, "dtype"):
-      return f"{value.__module__}.{value.__qualname__}"
   try:
     return str(jnp.dtype(value))
   except TypeError:
-    return repr(value)
+    pass
+  if hasattr(value, "__qualname__"):  # repr would hold its address
+    return f"{value.__module__}.{value.__qualname__}"
+  return repr(value)
 
 
 def compressor_record(compressor: Any) -> dict[str, Any]:

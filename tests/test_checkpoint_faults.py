@@ -163,7 +163,8 @@ def _saved(directory, steps, keep=0):
 def _assert_restored(restored, step):
   state, record = restored
   assert record == {"step": step}
-  assert acp_checkpoint.checksums(state) == acp_checkpoint.checksums(_state(step))
+  sums = acp_checkpoint.checksums
+  assert sums(state) == sums(_state(step))
 
 
 def test_checkpoint_of_another_run_is_refused_before_reading_arrays(
@@ -242,7 +243,8 @@ def test_checksums_follow_every_byte_and_position():
   assert set(sums) == {"['step']", "['w']"}
   w = np.asarray(state["w"])
   # Independent of the layout: the same values on one device.
-  assert acp_checkpoint.checksums({"w": jnp.asarray(w)})["['w']"] == sums["['w']"]
+  on_one_device = acp_checkpoint.checksums({"w": jnp.asarray(w)})
+  assert on_one_device["['w']"] == sums["['w']"]
   one_byte = w.copy()
   one_byte.reshape(-1).view(np.uint8)[37] ^= 1
   swapped = w.copy()
@@ -520,7 +522,10 @@ def test_a_full_disk_gives_one_line_and_keeps_the_last_checkpoint(tmp_path):
   )
   assert out.returncode == 0, out.stderr[-3000:]
   (error,) = [l for l in out.stdout.splitlines() if l.startswith("ERROR:")]
-  assert f"No space left on device: checkpoint 2 could not be written to {mount}" in error
+  assert (
+      f"No space left on device: checkpoint 2 could not be written to {mount}"
+      in error
+  )
   assert "LEFT: ['1']" in out.stdout
   assert "Event loop is closed" not in out.stderr
 
@@ -530,13 +535,13 @@ def test_a_full_disk_gives_one_line_and_keeps_the_last_checkpoint(tmp_path):
 
 def _public_state(compressor, seed=0):
   """A DataParallel state of ``compressor`` with nonzero residuals."""
-  dp = acp_jax.DataParallel(compressor, jax.make_mesh((NUM_DEVICES,), ("data",)))
+  dp = acp_jax.DataParallel(compressor, helpers.mesh())
   params = {"w": jnp.ones((64, 256))}
   state = dp.chain(optax.sgd(0.1)).init(params)
-  noise = np.random.default_rng(seed).normal(size=state.comm.error["w"].shape)
-  comm = state.comm._replace(
-      error={"w": jax.device_put(noise.astype(np.float32), state.comm.error["w"].sharding)}
-  )
+  error = state.comm.error["w"]
+  noise = np.random.default_rng(seed).normal(size=error.shape)
+  noise = jax.device_put(noise.astype(np.float32), error.sharding)
+  comm = state.comm._replace(error={"w": noise})
   return dp, state._replace(comm=comm)
 
 
@@ -618,8 +623,9 @@ def test_public_restore_refuses_another_compressor_of_the_same_shapes(
   with pytest.raises(ValueError, match=r"pass compressor= to restore"):
     acp_checkpoint.restore(tmp_path / "c", like)
   # Into the compressor it was saved with: the state as saved.
+  fresh = _public_state(saved(), seed=1)[1]
   restored = acp_checkpoint.restore(
-      tmp_path / "c", _public_state(saved(), seed=1)[1], compressor=dp.compressor
+      tmp_path / "c", fresh, compressor=dp.compressor
   )
   assert acp_checkpoint.checksums(restored) == acp_checkpoint.checksums(state)
 
