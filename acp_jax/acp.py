@@ -27,7 +27,8 @@ class AcpSgdState(NamedTuple):
     q: (m, r) mean of the last Q-step's all-reduced Q, leaf dtype (before the
       first Q-step: random from the seed).
     phase: uint8 zeros whose shape says what the next step does: (1,) a
-      P-step, (2,) a Q-step, (3,) a dense warm-up step (see ``phase_of``).
+      P-step, (2, 2) a Q-step, (3, 3, 3) a dense warm-up step (see
+      ``phase_of``).
     count: int32 scalar, the number of steps taken.
   """
 
@@ -233,4 +234,5 @@ def acp_sgd(
       cycle=(Phase.P.value, Phase.Q.value),
       warmup_steps=lr.warmup_steps,
       to_phase=lowrank.to_phase(Phase.P),
+      made_by=("acp_sgd", {**lr._asdict(), "axis_name": axis_name}),
   )

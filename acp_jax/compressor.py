@@ -69,6 +69,9 @@ class Compressor(optax.GradientTransformation):
       order (``("step",)``, or ACP-SGD's ``("p", "q")``).
     warmup_steps: how many dense steps (S-SGD, phase ``"dense"``) come
       before the first compressed one; see ``at_step``.
+    made_by: ``(factory name, {argument: value})``, what made it: recorded
+      in a checkpoint so that a restore into another compressor, or the same
+      one with other arguments, is refused (``acp_jax.checkpoint``).
   """
 
   def __new__(
@@ -85,6 +88,7 @@ class Compressor(optax.GradientTransformation):
       cycle: Sequence[str] = ("step",),
       warmup_steps: int = 0,
       to_phase: Callable[[Any, bool], Any] | None = None,
+      made_by: tuple[str, dict[str, Any]] | None = None,
   ):
     self = super().__new__(cls, init, update)
     self.bucket_bytes = bucket_bytes
@@ -96,6 +100,7 @@ class Compressor(optax.GradientTransformation):
     self.cycle = tuple(cycle)
     self.warmup_steps = warmup_steps
     self._to_phase = to_phase
+    self.made_by = made_by
     return self
 
   def phase_at(self, step: int) -> str:

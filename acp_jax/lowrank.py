@@ -32,25 +32,28 @@ class Phase(enum.Enum):
 # Being an array, it survives every path that keeps only array values
 # (nnx.Optimizer, orbax), and paths that need a fixed state type (lax.scan
 # carries, lax.cond) refuse it when tracing instead of training something
-# else. (Orbax cannot save zero-size arrays, hence sizes from 1.)
-_PHASE_SIZE = {Phase.P: 1, Phase.Q: 2, Phase.DENSE: 3}
-MARKER_SHAPES = frozenset((size,) for size in _PHASE_SIZE.values())
+# else. (Orbax cannot save zero-size arrays, hence sizes from 1.) Each phase
+# has a rank of its own, (1,), (2, 2), (3, 3, 3): a plain orbax restore into
+# a target of another phase then fails even with strict=False, which pads or
+# truncates an array of one rank into another shape of that rank.
+_PHASE_SHAPE = {Phase.P: (1,), Phase.Q: (2, 2), Phase.DENSE: (3, 3, 3)}
+MARKER_SHAPES = frozenset(_PHASE_SHAPE.values())
 
 
 def phase_marker(phase: Phase) -> jax.Array:
   """The array whose shape records ``phase`` in a low-rank state."""
-  return jnp.zeros((_PHASE_SIZE[phase],), jnp.uint8)
+  return jnp.zeros(_PHASE_SHAPE[phase], jnp.uint8)
 
 
 def phase_of(marker) -> Phase:
   """The phase that a state's ``phase`` array (or its abstract shape)
   records."""
-  for phase, size in _PHASE_SIZE.items():
-    if tuple(marker.shape) == (size,):
+  for phase, shape in _PHASE_SHAPE.items():
+    if tuple(marker.shape) == shape:
       return phase
   raise ValueError(
-      "a low-rank compressor's phase marker has shape (1,), (2,) or (3,),"
-      f" got {marker.shape}"
+      "a low-rank compressor's phase marker has shape (1,), (2, 2) or"
+      f" (3, 3, 3), got {marker.shape}"
   )
 
 
@@ -58,14 +61,14 @@ def next_marker(marker: jax.Array, phase: Phase) -> jax.Array:
   """The marker of ``phase``, inside a step. It is made from the old marker,
   so that the step always reads one of its inputs (a shard_map whose inputs
   are all unused or empty fails to compile under Shardy, jax 0.10.2)."""
-  return jnp.broadcast_to(marker[:1], (_PHASE_SIZE[phase],))
+  return jnp.broadcast_to(marker.reshape(-1)[0], _PHASE_SHAPE[phase])
 
 
 def marker_as(marker, phase: Phase):
   """The marker of ``phase`` where ``marker`` lives, outside a step: an
   abstract one for an abstract marker, else made on ``marker``'s devices
   with its sharding (which works across processes too)."""
-  shape = (_PHASE_SIZE[phase],)
+  shape = _PHASE_SHAPE[phase]
   if tuple(marker.shape) == shape:
     return marker
   sharding = getattr(marker, "sharding", None)

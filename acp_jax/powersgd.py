@@ -22,7 +22,7 @@ class PowerSgdState(NamedTuple):
     q: warm-start factor Q per compressed leaf, (m, r), leaf dtype: the mean
       of the last step's all-reduced Q, identical on every device.
     phase: uint8 zeros whose shape says what the next step does: (1,)
-      compress, (3,) a dense warm-up step (see ``lowrank.phase_of``).
+      compress, (3, 3, 3) a dense warm-up step (see ``lowrank.phase_of``).
     count: int32 scalar, the number of steps taken.
   """
 
@@ -210,4 +210,5 @@ def power_sgd(
       dependent_rounds=True,
       warmup_steps=lr.warmup_steps,
       to_phase=lowrank.to_phase(Phase.P),
+      made_by=("power_sgd", {**lr._asdict(), "axis_name": axis_name}),
   )

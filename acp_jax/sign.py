@@ -165,5 +165,17 @@ def sign_sgd(
     }
 
   return compressor.Compressor(
-      init_fn, update_fn, volume, axis_name=axis_name, bucket_bytes=bucket_bytes
+      init_fn,
+      update_fn,
+      volume,
+      axis_name=axis_name,
+      bucket_bytes=bucket_bytes,
+      made_by=(
+          "sign_sgd",
+          {
+              "majority_vote": majority_vote,
+              "axis_name": axis_name,
+              "bucket_bytes": bucket_bytes,
+          },
+      ),
   )

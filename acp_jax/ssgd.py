@@ -73,4 +73,12 @@ def ssgd(
       axis_name=axis_name,
       local_fields=(),
       bucket_bytes=bucket_bytes,
+      made_by=(
+          "ssgd",
+          {
+              "axis_name": axis_name,
+              "comm_dtype": comm_dtype,
+              "bucket_bytes": bucket_bytes,
+          },
+      ),
   )

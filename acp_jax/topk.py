@@ -122,5 +122,17 @@ def topk_sgd(
     return {"step": compressor.CommVolume(all_gather=num_devices * received)}
 
   return compressor.Compressor(
-      init_fn, update_fn, volume, axis_name=axis_name, bucket_bytes=bucket_bytes
+      init_fn,
+      update_fn,
+      volume,
+      axis_name=axis_name,
+      bucket_bytes=bucket_bytes,
+      made_by=(
+          "topk_sgd",
+          {
+              "density": density,
+              "axis_name": axis_name,
+              "bucket_bytes": bucket_bytes,
+          },
+      ),
   )

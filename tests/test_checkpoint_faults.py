@@ -8,18 +8,23 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import optax
+import orbax.checkpoint as ocp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import acp_jax
 from tests import helpers
 from tests import test_multihost
 from tests.conftest import NUM_DEVICES
 from tests.test_train import losses
 from tests.test_train import read_metrics
 from tests.test_train import small_config
+from acp_jax import checkpoint as acp_checkpoint
 from train import checkpoint
+from train import data as data_lib
 from train import metrics as metrics_lib
 from train import train
 
@@ -158,7 +163,8 @@ def _saved(directory, steps, keep=0):
 def _assert_restored(restored, step):
   state, record = restored
   assert record == {"step": step}
-  assert checkpoint.checksums(state) == checkpoint.checksums(_state(step))
+  sums = acp_checkpoint.checksums
+  assert sums(state) == sums(_state(step))
 
 
 def test_checkpoint_of_another_run_is_refused_before_reading_arrays(
@@ -232,18 +238,19 @@ def test_failed_save_keeps_the_last_good_checkpoint(tmp_path):
 
 def test_checksums_follow_every_byte_and_position():
   state = _state()
-  sums = checkpoint.checksums(state)
-  assert checkpoint.checksums(_state()) == sums
+  sums = acp_checkpoint.checksums(state)
+  assert acp_checkpoint.checksums(_state()) == sums
   assert set(sums) == {"['step']", "['w']"}
   w = np.asarray(state["w"])
   # Independent of the layout: the same values on one device.
-  assert checkpoint.checksums({"w": jnp.asarray(w)})["['w']"] == sums["['w']"]
+  on_one_device = acp_checkpoint.checksums({"w": jnp.asarray(w)})
+  assert on_one_device["['w']"] == sums["['w']"]
   one_byte = w.copy()
   one_byte.reshape(-1).view(np.uint8)[37] ^= 1
   swapped = w.copy()
   swapped[[2, 9]] = swapped[[9, 2]]
   for changed in (one_byte, swapped):
-    now = checkpoint.checksums(dict(state, w=jnp.asarray(changed)))
+    now = acp_checkpoint.checksums(dict(state, w=jnp.asarray(changed)))
     assert now["['step']"] == sums["['step']"]
     assert now["['w']"] != sums["['w']"]
 
@@ -315,3 +322,333 @@ def test_processes_agree_to_skip_what_one_cannot_read(tmp_path):
   assert test_multihost._digest(outputs[0]) == test_multihost._digest(
       outputs[1]
   )
+
+
+def _flip_bit_in(path, text, bit):
+  """Flips ``bit`` of the first byte of ``text``'s one occurrence in the
+  file at ``path``, as a failing disk would."""
+  with open(path, "rb") as f:
+    data = bytearray(f.read())
+  assert data.count(text.encode()) == 1, text
+  data[data.index(text.encode())] ^= 1 << bit
+  with open(path, "wb") as f:
+    f.write(data)
+
+
+# One flipped bit in checkpoint 4's record: the step (4 -> 0), the data
+# position (256 -> 356) or the run identity ('acp_sgd' -> 'acp_sge').
+RECORD_FLIPS = {
+    "step": ('4, "data"', 2),
+    "data position": ('256}', 0),
+    "run identity": ('d", "args"', 0),
+}
+
+
+@pytest.mark.parametrize("field", RECORD_FLIPS)
+def test_flipped_bit_in_a_record_falls_back_to_the_one_before(
+    field, reference, tmp_path, caplog
+):
+  workdir = _copy(reference, tmp_path)
+  latest = os.path.join(workdir, "checkpoints", str(STEPS))
+  _flip_bit_in(os.path.join(latest, "record", "metadata"), *RECORD_FLIPS[field])
+  with caplog.at_level(logging.WARNING):
+    summary = train.train_and_evaluate(config(), workdir)
+  assert f"checkpoint {latest} is damaged: its record differs" in caplog.text
+  assert losses(workdir) == losses(reference[0])
+  assert summary["params_sha256"] == reference[1]["params_sha256"]
+
+
+def test_another_optimizer_setting_is_refused_not_called_damaged(
+    reference, tmp_path
+):
+  workdir = _copy(reference, tmp_path)
+  before = sorted(os.listdir(os.path.join(workdir, "checkpoints")))
+  other = config()
+  other.optimizer.momentum = 0.0
+  with pytest.raises(ValueError, match="saved from another state") as error:
+    train.train_and_evaluate(other, workdir)
+  assert "trace" in str(error.value) and "damaged" not in str(error.value)
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == before
+
+
+def test_resume_where_the_data_would_differ_is_refused(
+    reference, tmp_path, monkeypatch
+):
+  """Step 4's data position, as a dataset of another size would give it."""
+  workdir = _copy(reference, tmp_path)
+  position = data_lib.Loader.position
+  monkeypatch.setattr(
+      data_lib.Loader,
+      "position",
+      lambda self, step: dict(position(self, step), epoch=1),
+  )
+  with pytest.raises(ValueError, match="the dataset changed"):
+    train.train_and_evaluate(config(), workdir)
+
+
+def test_checkpoints_that_is_a_file_fails_at_start(tmp_path):
+  (tmp_path / "checkpoints").write_text("")
+  with pytest.raises(ValueError, match="must be a directory for the"):
+    train.train_and_evaluate(config(), str(tmp_path))
+  assert not (tmp_path / "metrics.jsonl").exists()  # not a step was taken
+
+
+def test_set_asides_of_one_step_within_a_second_never_collide(
+    tmp_path, monkeypatch
+):
+  monkeypatch.setattr(checkpoint.time, "strftime", lambda _: "20260101-000000")
+  ckpt = _saved(tmp_path, [1])
+  for _ in range(2):  # step 2 saved, damaged and set aside twice
+    ckpt.save(2, _state(2), {"step": 2})
+    _truncate(_data_file(tmp_path / "2"))
+    _assert_restored(ckpt.restore_latest(_state()), 1)
+  assert sorted(os.listdir(tmp_path)) == [
+      "1",
+      "2.damaged-20260101-000000",
+      "2.damaged-20260101-000000-2",
+  ]
+
+
+def test_set_aside_checkpoints_are_kept_to_a_bound(tmp_path, monkeypatch):
+  stamps = iter(f"20260101-00000{i}" for i in range(9))
+  monkeypatch.setattr(checkpoint.time, "strftime", lambda _: next(stamps))
+  ckpt = _saved(tmp_path, [1])
+  for step in range(2, 3 + checkpoint.KEEP_DAMAGED):
+    ckpt.save(step, _state(step), {"step": step})
+    _truncate(_data_file(tmp_path / str(step)))
+    _assert_restored(ckpt.restore_latest(_state()), 1)
+  damaged = sorted(n for n in os.listdir(tmp_path) if ".damaged-" in n)
+  # The newest KEEP_DAMAGED of the 4 set aside, each of its own stamp.
+  assert damaged == [
+      f"{step}.damaged-20260101-00000{step - 2}"
+      for step in range(3, 3 + checkpoint.KEEP_DAMAGED)
+  ]
+
+
+def _linked(tmp_path):
+  """Checkpoints 1 and 2, with 1 moved out and linked back."""
+  root, outside = tmp_path / "checkpoints", tmp_path / "outside"
+  outside.mkdir()
+  _saved(root, [1, 2]).close()
+  shutil.move(root / "1", outside / "1")
+  os.symlink(outside / "1", root / "1")
+  return root, outside
+
+
+def test_a_symlinked_checkpoint_is_never_followed(
+    tmp_path, caplog, monkeypatch
+):
+  monkeypatch.setattr(checkpoint.time, "strftime", lambda _: "20260101-000000")
+  root, outside = _linked(tmp_path)
+  shutil.copytree(root / "2", outside / "3")
+  os.symlink(outside / "3", root / "3")  # the latest, outside the workdir
+  ckpt = checkpoint.Checkpointer(str(root), keep=2, run=RUN)
+  with caplog.at_level(logging.WARNING):
+    _assert_restored(ckpt.restore_latest(_state()), 2)
+  assert f"checkpoint {root / '3'} is a symbolic link: not followed" in (
+      caplog.text
+  )
+  ckpt.save(3, _state(3), {"step": 3})  # not in the way of the new 3
+  assert sorted(os.listdir(root)) == [
+      "1.link-20260101-000000",
+      "2",
+      "3",
+      "3.link-20260101-000000",
+  ]
+  assert sorted(os.listdir(outside)) == ["1", "3"]
+
+
+def test_rotation_removes_a_symlinked_old_checkpoint_not_its_target(
+    tmp_path,
+):
+  root, outside = _linked(tmp_path)
+  ckpt = checkpoint.Checkpointer(str(root), keep=2, run=RUN)
+  ckpt.save(3, _state(3), {"step": 3})
+  assert sorted(os.listdir(root)) == ["2", "3"]
+  assert sorted(os.listdir(outside / "1")) == sorted(os.listdir(root / "2"))
+
+
+_FULL_DISK = """
+import os, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+sys.path.insert(0, os.getcwd())
+from tests import test_checkpoint_faults as t
+from train import checkpoint
+root = sys.argv[1]
+ckpt = t._saved(root, [1], keep=1)
+filler = os.open(os.path.join(root, "filler"), os.O_WRONLY | os.O_CREAT)
+for block in (4096, 1):  # the rest of the disk
+  try:
+    while True:
+      os.write(filler, b"0" * block)
+  except OSError:
+    pass
+os.close(filler)
+try:
+  ckpt.save(2, t._state(2), {"step": 2})
+except OSError as e:
+  print("ERROR:", e)
+os.remove(os.path.join(root, "filler"))
+t._assert_restored(ckpt.restore_latest(t._state()), 1)
+print("LEFT:", sorted(os.listdir(root)))
+"""
+
+
+@pytest.mark.slow
+def test_a_full_disk_gives_one_line_and_keeps_the_last_checkpoint(tmp_path):
+  if shutil.which("unshare") is None or subprocess.run(
+      ["unshare", "-rm", "true"], capture_output=True
+  ).returncode:
+    pytest.skip("needs unshare -rm to mount a small tmpfs")
+  mount = tmp_path / "disk"
+  mount.mkdir()
+  script = tmp_path / "full_disk.py"
+  script.write_text(_FULL_DISK)
+  # A 1 MiB file system of its own, in a user and mount namespace.
+  out = subprocess.run(
+      [
+          "unshare",
+          "-rm",
+          "sh",
+          "-c",
+          f"mount -t tmpfs -o size=1m tmpfs {mount} &&"
+          f" {sys.executable} {script} {mount}",
+      ],
+      cwd=test_multihost.ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  (error,) = [l for l in out.stdout.splitlines() if l.startswith("ERROR:")]
+  assert (
+      f"No space left on device: checkpoint 2 could not be written to {mount}"
+      in error
+  )
+  assert "LEFT: ['1']" in out.stdout
+  assert "Event loop is closed" not in out.stderr
+
+
+# acp_jax.checkpoint, as a user's own loop meets it.
+
+
+def _public_state(compressor, seed=0):
+  """A DataParallel state of ``compressor`` with nonzero residuals."""
+  dp = acp_jax.DataParallel(compressor, helpers.mesh())
+  params = {"w": jnp.ones((64, 256))}
+  state = dp.chain(optax.sgd(0.1)).init(params)
+  error = state.comm.error["w"]
+  noise = np.random.default_rng(seed).normal(size=error.shape)
+  noise = jax.device_put(noise.astype(np.float32), error.sharding)
+  comm = state.comm._replace(error={"w": noise})
+  return dp, state._replace(comm=comm)
+
+
+def test_public_restore_refuses_flipped_bytes_naming_path_and_array(tmp_path):
+  dp, state = _public_state(acp_jax.topk_sgd(0.1))
+  path = tmp_path / "ckpt"
+  acp_checkpoint.save(path, state, compressor=dp.compressor)
+  restored = acp_checkpoint.restore(path, state, compressor=dp.compressor)
+  assert acp_checkpoint.checksums(restored) == acp_checkpoint.checksums(state)
+  chunks = path / "ocdbt.process_0" / "d"
+  _flip_bytes(max(chunks.iterdir(), key=os.path.getsize))
+  with pytest.raises(acp_checkpoint.DamagedError) as error:
+    acp_checkpoint.restore(path, state, compressor=dp.compressor)
+  message = str(error.value)
+  assert message.startswith(f"{path}: ") and "\n" not in message
+  assert "comm.error" in message  # the array, by orbax's name or its path
+
+
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_public_restore_of_a_broken_file_is_one_line_naming_the_array(
+    damage, tmp_path
+):
+  dp, state = _public_state(acp_jax.topk_sgd(0.1))
+  path = tmp_path / "ckpt"
+  acp_checkpoint.save(path, state, compressor=dp.compressor)
+  chunks = path / "ocdbt.process_0" / "d"
+  DAMAGES[damage](max(chunks.iterdir(), key=os.path.getsize))
+  with pytest.raises(acp_checkpoint.DamagedError) as error:
+    acp_checkpoint.restore(path, state, compressor=dp.compressor)
+  message = str(error.value)
+  assert message.startswith(f"{path}: its arrays cannot be read: array ")
+  assert "comm.error" in message and "\n" not in message
+
+
+# (saved, now): two compressors whose states have the same shapes.
+SAME_SHAPES = {
+    "sign_sgd -> topk_sgd": (
+        lambda: acp_jax.sign_sgd(),
+        lambda: acp_jax.topk_sgd(0.1),
+        "name='sign_sgd', now 'topk_sgd'",
+    ),
+    "topk density": (
+        lambda: acp_jax.topk_sgd(0.1),
+        lambda: acp_jax.topk_sgd(0.2),
+        "args.density=0.1, now 0.2",
+    ),
+    "acp_sgd seed": (
+        lambda: acp_jax.acp_sgd(2),
+        lambda: acp_jax.acp_sgd(2, seed=1),
+        "args.seed=0, now 1",
+    ),
+    "comm_dtype": (
+        lambda: acp_jax.power_sgd(2),
+        lambda: acp_jax.power_sgd(2, comm_dtype=jnp.bfloat16),
+        "args.comm_dtype=None, now 'bfloat16'",
+    ),
+    "warm-up into none": (
+        lambda: acp_jax.acp_sgd(2, warmup_steps=3),
+        lambda: acp_jax.acp_sgd(2),
+        "args.warmup_steps=3, now 0",
+    ),
+}
+
+
+@pytest.mark.parametrize("change", SAME_SHAPES)
+def test_public_restore_refuses_another_compressor_of_the_same_shapes(
+    change, tmp_path
+):
+  saved, now, message = SAME_SHAPES[change]
+  dp, state = _public_state(saved())
+  acp_checkpoint.save(tmp_path / "c", state, compressor=dp.compressor)
+  dp_now, like = _public_state(now(), seed=1)
+  assert acp_checkpoint.layout(like) == acp_checkpoint.layout(state) or (
+      change == "warm-up into none"  # only the phase marker differs
+  )
+  with pytest.raises(ValueError, match="saved with another compressor") as e:
+    acp_checkpoint.restore(tmp_path / "c", like, compressor=dp_now.compressor)
+  assert message in str(e.value)
+  with pytest.raises(ValueError, match=r"pass compressor= to restore"):
+    acp_checkpoint.restore(tmp_path / "c", like)
+  # Into the compressor it was saved with: the state as saved.
+  fresh = _public_state(saved(), seed=1)[1]
+  restored = acp_checkpoint.restore(
+      tmp_path / "c", fresh, compressor=dp.compressor
+  )
+  assert acp_checkpoint.checksums(restored) == acp_checkpoint.checksums(state)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_plain_orbax_into_a_fresh_init_fails_not_another_phase(
+    strict, tmp_path
+):
+  """ACP-SGD with a warm-up: a fresh init is dense, the checkpoint in Q."""
+  dp, fresh = _public_state(acp_jax.acp_sgd(2, warmup_steps=1))
+  comm = fresh.comm
+  state = fresh._replace(
+      comm=comm._replace(
+          phase=acp_jax.lowrank.marker_as(comm.phase, acp_jax.Phase.Q)
+      )
+  )
+  path = tmp_path / "ckpt"
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(path, state)
+  with ocp.StandardCheckpointer() as checkpointer:
+    with pytest.raises(ValueError):
+      checkpointer.restore(path, fresh, strict=strict)
+    # Through acp_jax.checkpoint.target: phase Q, every array as saved.
+    restored = checkpointer.restore(path, acp_checkpoint.target(path, fresh))
+  assert restored.comm.next_phase is acp_jax.Phase.Q
+  assert acp_checkpoint.checksums(restored) == acp_checkpoint.checksums(state)

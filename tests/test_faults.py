@@ -65,6 +65,8 @@ def test_divergence_stops_before_saving_and_a_sane_rerun_resumes(tmp_path):
         ({"compressor.name": "sign_sgd"}, "compressor.name='topk_sgd', this run has 'sign_sgd'"),
         ({"compressor.topk_sgd.density": 0.5}, "compressor.args.density=0.1, this run has 0.5"),
         ({"model.width": 16}, "model.width=8, this run has 16"),
+        ({"batch_size": 32}, "batch_size=64, this run has 32"),
+        ({"seed": 1}, "seed=0, this run has 1"),
     ],
 )
 def test_resuming_another_run_is_refused_naming_saved_and_now(
@@ -74,7 +76,7 @@ def test_resuming_another_run_is_refused_naming_saved_and_now(
   config = small_config("topk_sgd", steps=4)
   for key, value in override.items():
     section, _, name = key.rpartition(".")
-    config[section][name] = value
+    (config[section] if section else config)[name] = value
   with pytest.raises(ValueError, match=re.escape(message)):
     train.train_and_evaluate(config, str(tmp_path))
 

@@ -233,4 +233,4 @@ def test_nnx_optimizer_leaves_the_warmup_in_place():
     assert dp.at_step(optimizer, i) is optimizer
     shapes.append(optimizer.opt_state.comm.phase.shape)
     step(model, optimizer, XS[i], YS[i])
-  assert shapes == [(3,), (1,), (2,)]
+  assert shapes == [(3, 3, 3), (1,), (2, 2)]

@@ -3,21 +3,26 @@
 A checkpoint holds the train state (params, batch statistics, the
 compressor's state with every device's residuals but its factors once, the
 optimizer's state, the step and the RNG key) and a JSON record: what the
-caller passes (step, data position), the run it belongs to, and a checksum of
-every array. Orbax writes each to a temporary directory and renames it when
-complete, so a crash mid-save leaves the previous checkpoint as the latest.
+caller passes (step, data position), the run it belongs to, the layout and a
+checksum of every array (``acp_jax.checkpoint``'s), and a digest of the
+record itself. Orbax writes each to a temporary directory and renames it
+when complete, so a crash mid-save leaves the previous checkpoint as the
+latest.
 
 ``Checkpointer.restore_latest`` resumes from the newest checkpoint that
-verifies. One saved by another run (another compressor, model or device
-count) is refused before any array is read; one whose files cannot be read
-or whose arrays no longer match their checksums is set aside with a warning,
-and the next older one is tried. The restore target comes from
-``acp_jax.checkpoint.target``: ACP-SGD's phase from the checkpoint,
-everything else checked against the live state.
+verifies. One whose record, files or arrays are not as saved is damaged: it
+is set aside with a warning, and the next older one is tried. One saved by
+another run (another compressor, model, batch size, seed or device count, or
+another state layout) is refused, naming saved and now, before any array is
+read. The restore target comes from ``acp_jax.checkpoint.target``: ACP-SGD's
+phase from the checkpoint, everything else checked against the live state.
+Checkpoints are never followed through a symbolic link.
 """
 
+import errno
 import json
 import os
+import shutil
 import time
 from typing import Any
 
@@ -25,99 +30,24 @@ from absl import logging
 from etils import epath
 import jax
 from jax.experimental import multihost_utils
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 from acp_jax import checkpoint as acp_checkpoint
 
 # Keys the Checkpointer adds to each record.
-_RESERVED = ("run", "checksums")
-
-
-def _fmix32(h: jax.Array) -> jax.Array:
-  """MurmurHash3's finalizer: a bijection of uint32 in which every input bit
-  flips each output bit with probability about 1/2."""
-  h ^= h >> 16
-  h *= jnp.uint32(0x85EBCA6B)
-  h ^= h >> 13
-  h *= jnp.uint32(0xC2B2AE35)
-  return h ^ (h >> 16)
-
-
-def _checksum(x: jax.Array) -> jax.Array:
-  """A uint32 checksum of ``x``'s bits: sum over elements of
-  fmix32(word ^ fmix32(flat index)), modulo 2**32.
-
-  Each term is a bijection of its word, so changing any one element always
-  changes the sum; changing several, or moving an element, leaves it
-  unchanged with probability about 2**-32. The flat index comes from iotas
-  rather than a reshape, so a sharded array is summed where it lies and only
-  the partial sums travel.
-  """
-  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-    x = jax.random.key_data(x)
-  if x.dtype == jnp.bool_:
-    words = x.astype(jnp.uint32)
-  else:
-    # 8-byte elements become two words along a new last axis.
-    unsigned = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize, jnp.uint32)
-    words = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
-  index = jnp.zeros(words.shape, jnp.uint32)
-  for axis, size in enumerate(words.shape):
-    index = index * jnp.uint32(size) + jax.lax.broadcasted_iota(
-        jnp.uint32, words.shape, axis
-    )
-  return jnp.sum(_fmix32(words ^ _fmix32(index)), dtype=jnp.uint32)
-
-
-@jax.jit
-def _checksum_leaves(leaves: list[jax.Array]) -> list[jax.Array]:
-  return [_checksum(x) for x in leaves]
-
-
-def checksums(tree: Any) -> dict[str, int]:
-  """A checksum of each array of ``tree``, keyed by its path.
-
-  Computed on the arrays' devices in one compiled call; each checksum is a
-  replicated scalar, so every process of a multi-process run gets the same
-  values without any array being gathered.
-
-  Args:
-    tree: a pytree of ``jax.Array`` (sharded or not, addressable or not).
-
-  Returns:
-    ``{jax.tree_util.keystr(path): checksum}`` with checksums in
-    ``[0, 2**32)``: equal for equal arrays, different with probability
-    about ``1 - 2**-32`` when any byte differs or elements trade places.
-  """
-  leaves = jax.tree_util.tree_leaves_with_path(tree)
-  sums = jax.device_get(_checksum_leaves([x for _, x in leaves]))
-  return {
-      jax.tree_util.keystr(path): int(s)
-      for (path, _), s in zip(leaves, sums)
-  }
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-  """Nested dicts as ``{"a.b": leaf}``; empty dicts add nothing."""
-  if not isinstance(tree, dict):
-    return {prefix: tree}
-  flat = {}
-  for key, value in tree.items():
-    flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-  return flat
-
-
-class _Damaged(Exception):
-  """A checkpoint that cannot be used; its message says why."""
+_RESERVED = ("run", "checksums", "layout")
+# Damaged checkpoints set aside and kept for inspection, the newest first.
+KEEP_DAMAGED = 3
 
 
 class Checkpointer:
   """Saves verified checkpoints of one run, keeps the last ``keep``.
 
   Args:
-    directory: where the checkpoints go, one subdirectory per step.
+    directory: where the checkpoints go, one subdirectory per step; a
+      directory, or a path where one can be made (not a file, not a
+      symbolic link).
     keep: how many of the newest checkpoints to keep (0: all of them).
     run: what a checkpoint must share with this run to be resumed by it
       (compressor, model, device count, the params' shapes...), as
@@ -136,9 +66,20 @@ class Checkpointer:
       raise ValueError(
           f"run must be JSON-serializable, got {run!r}: {e}"
       ) from e
+    directory = os.path.abspath(directory)
+    if os.path.islink(directory):
+      raise ValueError(
+          f"{directory} is a symbolic link: checkpoints are not followed out"
+          " of the workdir; make it a directory"
+      )
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+      raise ValueError(
+          f"{directory} must be a directory for the checkpoints, but it is a"
+          " file: move it away, or use another workdir"
+      )
     self._keep = keep
     self._manager = ocp.CheckpointManager(
-        os.path.abspath(directory),
+        directory,
         options=ocp.CheckpointManagerOptions(
             # Old checkpoints are deleted here, once the new one is complete
             # on disk, not by orbax's own count.
@@ -150,33 +91,57 @@ class Checkpointer:
     )
 
   def save(self, step: int, state: Any, record: dict[str, Any]) -> None:
-    """Writes ``state`` and ``record`` (with the run and checksums added) as
-    checkpoint ``step``, then deletes all but the newest ``keep``."""
+    """Writes ``state`` and ``record`` (with the run, layout and checksums
+    added, and sealed with a digest) as checkpoint ``step``, then deletes all
+    but the newest ``keep``.
+
+    Raises:
+      OSError: ENOSPC, one line naming the directory, if the disk is full;
+        the checkpoints saved before are kept as they were.
+    """
     if reserved := sorted(set(_RESERVED) & set(record)):
       raise ValueError(
           f"record must not hold {reserved}: the Checkpointer writes them"
       )
-    self._manager.save(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            record=ocp.args.JsonSave(
-                {**record, "run": self._run, "checksums": checksums(state)}
-            ),
-        ),
+    sealed = acp_checkpoint.sealed(
+        {
+            **record,
+            "run": self._run,
+            "checksums": acp_checkpoint.checksums(state),
+            "layout": acp_checkpoint.layout(state),
+        }
     )
-    self._manager.wait_until_finished()
+    try:
+      self._manager.save(
+          step,
+          args=ocp.args.Composite(
+              state=ocp.args.StandardSave(state),
+              record=ocp.args.JsonSave(sealed),
+          ),
+      )
+      self._manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      if not _no_space(e):
+        raise
+      self._remove_partial(step)
+      raise OSError(
+          errno.ENOSPC,
+          f"No space left on device: checkpoint {step} could not be written"
+          f" to {self._manager.directory}; the checkpoints saved before are"
+          " kept as they were. Free some space and run again to resume.",
+      ) from None
     if self._keep:
       for old in sorted(self._manager.all_steps())[: -self._keep]:
-        self._manager.delete(old)
+        self._delete(old)
 
   def restore_latest(self, like: Any) -> tuple[Any, dict[str, Any]] | None:
     """The newest checkpoint that verifies, laid out like ``like``.
 
-    Checkpoints whose files cannot be read or whose checksums differ are
-    skipped with a warning; when an older one verifies, the skipped ones are
-    renamed ``STEP.damaged-TIME`` (kept for inspection, out of the way of
-    the steps this run will save again).
+    Damaged checkpoints (a record, file or array not as saved) are skipped
+    with a warning; when an older one verifies, the skipped ones are renamed
+    ``STEP.damaged-TIME`` (kept for inspection, the newest ``KEEP_DAMAGED``
+    of them, out of the way of the steps this run will save again). A
+    checkpoint that is a symbolic link is skipped, never followed.
 
     Args:
       like: the live state, e.g. freshly initialized: its structure, shapes,
@@ -189,20 +154,33 @@ class Checkpointer:
 
     Raises:
       ValueError: if a checkpoint was saved by another run (each differing
-        key of ``run`` named with both values); nothing is read from it.
+        key of ``run`` named with both values) or of another state layout;
+        nothing is read from it.
       RuntimeError: if there are checkpoints but none of them verifies.
     """
     steps = sorted(self._manager.all_steps(), reverse=True)
+    root = self._manager.directory
+    links = [step for step in steps if os.path.islink(root / str(step))]
+    for step in links:
+      logging.warning(
+          "checkpoint %s is a symbolic link: not followed; renamed"
+          " %s.link-TIME, out of the way of the steps this run saves",
+          root / str(step),
+          step,
+      )
+    self._set_aside(links, "link")
     damaged = []
     for step in steps:
-      path = self._manager.directory / str(step)
+      if step in links:
+        continue
+      path = root / str(step)
       try:
         restored = self._restore(path, like)
-      except _Damaged as e:
+      except acp_checkpoint.DamagedError as e:
         logging.warning(
-            "checkpoint %s is damaged: %s; trying an older one", path, e
+            "checkpoint %s is damaged: %s; trying an older one", path, e.reason
         )
-        damaged.append((step, str(e)))
+        damaged.append((step, e.reason))
         continue
       self._set_aside([step for step, _ in damaged])
       state, record = restored
@@ -218,8 +196,8 @@ class Checkpointer:
     return None
 
   def _restore(self, path: epath.Path, like: Any) -> tuple[Any, dict]:
-    """The state and record at ``path``; raises ``_Damaged`` on every
-    process alike if either cannot be read or the state does not verify.
+    """The state and record at ``path``; raises ``DamagedError`` on every
+    process alike if either is not as saved.
 
     Read through orbax's handlers, not the manager: the manager's restore
     ends in a barrier that a process whose read failed would never reach.
@@ -227,67 +205,104 @@ class Checkpointer:
     """
     record, error = None, None
     try:
-      record = ocp.JsonCheckpointHandler().restore(
-          path / "record", args=ocp.args.JsonRestore()
+      record = acp_checkpoint.unsealed(
+          ocp.JsonCheckpointHandler().restore(
+              path / "record", args=ocp.args.JsonRestore()
+          ),
+          path,
       )
       if missing := [k for k in _RESERVED if k not in record]:
         error = f"its record lacks {missing}"
+    except acp_checkpoint.DamagedError as e:
+      error = e.reason
     except Exception as e:  # pylint: disable=broad-except
-      error = f"its record cannot be read: {_describe(e)}"
-    _agree(error)
+      error = (
+          "its record cannot be read:"
+          f" {acp_checkpoint.describe_read_error(e)}"
+      )
+    _agree(path, error)
+    # The record is as saved: what differs now is this run's doing.
     self._check_run(path, record["run"])
+    directory = path / "state"
+    try:
+      abstract = acp_checkpoint.target(
+          str(directory), like, saved=record["layout"]
+      )
+    except acp_checkpoint.DamagedError as e:
+      error = e.reason
+    _agree(path, error)
     handler = ocp.StandardCheckpointHandler()
     try:
-      state = handler.restore(
-          path / "state",
-          args=ocp.args.StandardRestore(
-              acp_checkpoint.target(str(path / "state"), like)
+      state = acp_checkpoint.read(
+          directory,
+          lambda: handler.restore(
+              directory, args=ocp.args.StandardRestore(abstract)
           ),
       )
-    except Exception as e:  # pylint: disable=broad-except
-      error = f"its arrays cannot be read: {_describe(e)}"
+    except acp_checkpoint.DamagedError as e:
+      error = e.reason
     finally:
       handler.close()
-    _agree(error)
+    _agree(path, error)
     # Computed collectively: the same on every process.
-    now = checksums(state)
-    saved = record["checksums"]
-    differ = sorted(
-        k for k in set(now) | set(saved) if now.get(k) != saved.get(k)
-    )
-    if differ:
-      raise _Damaged(
-          f"checksums differ for {len(differ)} of {len(saved)} arrays:"
-          f" {', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''}"
-      )
+    acp_checkpoint.verify(state, record["checksums"], path)
     return state, record
 
   def _check_run(self, path: epath.Path, saved: dict[str, Any]) -> None:
-    saved, now = _flatten(saved), _flatten(self._run)
-
-    def show(flat, key):
-      return repr(flat[key]) if key in flat else "none"
-
-    differ = [
-        f"{key}={show(saved, key)}, this run has {show(now, key)}"
-        for key in sorted(set(saved) | set(now))
-        if key not in saved or key not in now or saved[key] != now[key]
-    ]
-    if differ:
+    if differ := acp_checkpoint.differences(
+        saved, self._run, now_is="this run has"
+    ):
       raise ValueError(
           f"checkpoint {path} was saved with "
           + "; ".join(differ)
           + ". Resume with the same settings, or use another workdir."
       )
 
-  def _set_aside(self, steps: list[int]) -> None:
+  def _delete(self, step: int) -> None:
+    path = self._manager.directory / str(step)
+    if not os.path.islink(path):
+      self._manager.delete(step)
+      return
+    # Only the link goes: what it points to is not this run's.
+    if jax.process_index() == 0:
+      path.unlink()
+    multihost_utils.sync_global_devices("Checkpointer unlinked a step")
+    self._manager.reload()
+
+  def _remove_partial(self, step: int) -> None:
+    """Removes what a failed save of ``step`` left: orbax's temporary
+    directory, never a complete checkpoint."""
+    if jax.process_index() != 0:
+      return
+    for path in self._manager.directory.iterdir():
+      if path.name.startswith(f"{step}.orbax-checkpoint-tmp"):
+        shutil.rmtree(path, ignore_errors=True)
+
+  def _set_aside(self, steps: list[int], why: str = "damaged") -> None:
+    """Renames each of ``steps`` ``STEP.WHY-TIME`` (a link itself, never
+    what it points to), then deletes all but the newest ``KEEP_DAMAGED``
+    damaged ones."""
     if not steps:
       return
     if jax.process_index() == 0:
       stamp = time.strftime("%Y%m%d-%H%M%S")
       root = self._manager.directory
       for step in steps:
-        (root / str(step)).rename(root / f"{step}.damaged-{stamp}")
+        name, n = f"{step}.{why}-{stamp}", 1
+        while os.path.lexists(root / name):
+          n += 1
+          name = f"{step}.{why}-{stamp}-{n}"
+        os.rename(root / str(step), root / name)
+      set_aside = sorted(
+          (p for p in root.iterdir() if ".damaged-" in p.name),
+          key=lambda p: _stamp(p.name),
+          reverse=True,
+      )
+      for old in set_aside[KEEP_DAMAGED:]:
+        if os.path.islink(old) or not old.is_dir():
+          old.unlink()
+        else:
+          shutil.rmtree(old)
     multihost_utils.sync_global_devices("Checkpointer set aside damaged")
     self._manager.reload()
 
@@ -295,26 +310,50 @@ class Checkpointer:
     self._manager.close()
 
 
-def _describe(error: Exception) -> str:
-  """The first line of the error at the root of ``error``'s chain: where
-  TensorStore says what is wrong with which file, beneath orbax's wrapping."""
-  while (cause := error.__cause__ or error.__context__) is not None:
-    error = cause
-  first_line = str(error).partition("\n")[0]
-  return f"{type(error).__name__}: {first_line}"
+def _stamp(name: str) -> tuple[str, int]:
+  """Sort key of ``STEP.damaged-TIME[-N]``: the time, then N."""
+  rest = name.partition(".damaged-")[2]
+  n = rest[len("YYYYmmdd-HHMMSS-") :]
+  return rest[: len("YYYYmmdd-HHMMSS")], int(n) if n.isdigit() else 1
 
 
-def _agree(error: str | None) -> None:
-  """Raises ``_Damaged`` on every process if ``error`` is set on any.
+def _no_space(error: BaseException) -> bool:
+  """Whether a full disk is at the root of ``error``, however wrapped."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if getattr(error, "errno", None) == errno.ENOSPC or (
+        "No space left on device" in str(error)
+    ):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def _agree(path: epath.Path, error: str | None) -> None:
+  """Raises ``DamagedError`` on every process if ``error`` is set on any.
 
   A damaged shard may be read by one process only; the others must skip the
   checkpoint too, or they would wait forever in the next collective.
   """
   failed = multihost_utils.process_allgather(np.int32(error is not None))
   if error is not None:
-    raise _Damaged(error)
+    raise acp_checkpoint.DamagedError(path, error)
   if failed.any():
-    raise _Damaged(
+    raise acp_checkpoint.DamagedError(
+        path,
         f"process {', '.join(map(str, np.flatnonzero(failed)))} could not"
-        " read it"
+        " read it",
+    )
+
+
+def check_resume(record: dict[str, Any], position: dict[str, int]) -> None:
+  """Raises ``ValueError`` unless a restored record's data position is the
+  ``position`` this run computes for its step: the same data, in the same
+  order."""
+  if record["data"] != position:
+    raise ValueError(
+        f"the checkpoint of step {record['step']} was saved at data position"
+        f" {record['data']}, this run puts that step at {position}: the"
+        " dataset changed; resume with the same data, or use another workdir"
     )

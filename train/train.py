@@ -227,6 +227,9 @@ def run_identity(experiment: Experiment, state: TrainState) -> dict[str, Any]:
       "optimizer": config.optimizer.name,
       "model": config.model.to_dict(),
       "batch_norm": config.batch_norm,
+      # The data order: a record's data position holds only with both.
+      "batch_size": experiment.global_batch,
+      "seed": config.seed,
       "devices": experiment.num_devices,
       "processes": jax.process_count(),
       "params": {
@@ -277,6 +280,7 @@ def train_and_evaluate(
   if restored := ckpt.restore_latest(like=state):
     state, record = restored
     start = record["step"]
+    checkpoint.check_resume(record, loader.position(start))
   log = metrics_lib.MetricsLog(workdir, start)
   bytes_per_step = experiment.bytes_per_step()
   bytes_per_phase = experiment.bytes_per_phase()
