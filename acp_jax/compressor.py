@@ -111,17 +111,61 @@ class Compressor(optax.GradientTransformation):
 
     A compressor with ``warmup_steps`` records in its state whether the next
     step is dense, and a jitted step compiles one program for each, neither
-    with a collective under a run-time conditional. Only the host knows
-    which step comes next, so the training loop calls this before every
-    step: it switches the state to the dense phase before ``warmup_steps``
-    and out of it from then on (into the cycle's first phase), and returns
-    ``state`` itself otherwise, without touching a device. Without a
-    warm-up it is the identity.
+    with a collective under a run-time conditional. The training loop calls
+    this before every step, with the number of steps taken, and passes on
+    what it returns: it switches the state to the dense phase before
+    ``warmup_steps`` and out of it from then on (into the cycle's first
+    phase), and returns ``state`` itself otherwise, without touching a
+    device. Without a warm-up it is the identity.
+
+    At a switch it reads the state's step count (it waits for the last
+    step) and follows it: the warm-up ends once the state has taken
+    ``warmup_steps`` steps (a step skipped for a non-finite gradient does not
+    count), and a switch back into the warm-up of a state past it is
+    refused. A dense step run after the warm-up (this call forgotten, or its
+    result dropped) raises when it runs; a warm-up state given to a
+    compressor without ``warmup_steps`` is refused when the step is traced.
+
+    ``state`` may be stacked on a leading device axis, as ``jax.pmap`` keeps
+    it. A ``jax.pmap`` loop with a warm-up, the compressor first in its
+    chain (so ``state[0]`` is the compressor's state)::
+
+      compressor = acp_jax.acp_sgd(4, warmup_steps=100)
+      tx = optax.chain(compressor, optax.sgd(0.1))
+      state = jax.pmap(tx.init, axis_name="data")(stacked_params)
+      for step in range(num_steps):
+        state = (compressor.at_step(state[0], step), *state[1:])
+        params, state = pmapped_step(params, state, batch(step))
     """
     _check_step(step)
     if not self.warmup_steps:
       return state
-    return self._to_phase(state, self.phase_at(step) == DENSE)
+    if not all(hasattr(state, f) for f in ("phase", "count")):
+      raise TypeError(
+          "at_step takes this compressor's own state, got a"
+          f" {type(state).__name__}: for optax.chain(compressor, ...), pass"
+          " state[0] and put the result back; with DataParallel, call"
+          " dp.at_step(opt_state, step)."
+      )
+    dense = self.phase_at(step) == DENSE
+    switched = self._to_phase(state, dense)
+    if switched is state:
+      return state
+    taken = _steps_taken(state)
+    if taken is None:  # abstract: nothing to read
+      return switched
+    if dense and taken >= self.warmup_steps:
+      raise ValueError(
+          f"at_step(state, {step}): step {step} is in the dense warm-up"
+          f" (warmup_steps={self.warmup_steps}), but the state has taken"
+          f" {taken} steps, past it. Pass the number of steps taken so far"
+          f" ({taken} here), counted from 0."
+      )
+    if not dense and taken < self.warmup_steps:
+      # The state is behind the loop's count (steps skipped for non-finite
+      # gradients, or a step counted from 1): its warm-up is not over yet.
+      return state
+    return switched
 
   def buckets(self, params: Any) -> collectives.BucketPlan:
     """The buckets in which ``update`` sends the gradients of ``params``
@@ -157,6 +201,16 @@ def comm_bytes(
   if not isinstance(num_devices, int) or num_devices < 1:
     raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
   return compressor._volume(params, num_devices)
+
+
+def _steps_taken(state: Any) -> int | None:
+  """The step count of a state (its ``count``; the first device's when
+  stacked on device axes), read from the device; None when abstract."""
+  count = state.count
+  if not isinstance(count, jax.Array):
+    return None
+  first = count.addressable_shards[0].data
+  return int(np.asarray(jax.device_get(first)).ravel()[0])
 
 
 def _check_step(step: Any) -> None:
