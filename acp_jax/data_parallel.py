@@ -33,6 +33,7 @@ A node's link then carries the compressed bytes once, not once per device.
 
 import sys
 from typing import Any, Callable, NamedTuple
+import warnings
 
 import jax
 from jax import lax
@@ -75,7 +76,9 @@ class DataParallel:
     compressor: made by an ``acp_jax`` factory; its ``axis_name`` must be an
       axis of ``mesh``.
     mesh: the device mesh; batches are split along ``compressor.axis_name``
-      (and ``local_axis``).
+      (and ``local_axis``). Other axes (model parallelism) are not data
+      axes: params sharded over them are gathered whole for each step, by
+      collectives that ``comm_bytes`` does not count (it warns).
     local_axis: None, or an axis of ``mesh`` over which gradients are first
       averaged densely, before the compressor runs over its ``axis_name``
       (then the node axis): hierarchical compression, dense within a host
@@ -250,8 +253,11 @@ class DataParallel:
       the chunks back together: the collectives that the step's trace
       makes (``collectives.recording``), traced on shapes only. The loss
       that ``value_and_grad`` averages (4 bytes, over all axes) is not
-      counted.
+      counted, nor are collectives over the mesh's other axes: params
+      sharded over one (model parallelism) are all-gathered whole for the
+      step, which warns here.
     """
+    self._warn_if_sharded_elsewhere(params)
     if self.local_axis is None:
       return {
           self.axis_name: compressor_lib.comm_bytes(
@@ -275,6 +281,30 @@ class DataParallel:
           all_reduce=local.all_reduce + dense
       )
     return volumes
+
+  def _warn_if_sharded_elsewhere(self, params: Any) -> None:
+    """Warns if a param is sharded over a mesh axis that is not a device
+    axis: its all-gathers are traffic that ``comm_bytes`` does not count."""
+    others = set(self.mesh.axis_names) - set(self.device_axes)
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+      spec = getattr(getattr(x, "sharding", None), "spec", None) or ()
+      axes = {
+          a
+          for entry in spec
+          if entry is not None
+          for a in (entry if isinstance(entry, tuple) else (entry,))
+      }
+      if axes & others:
+        warnings.warn(
+            f"DataParallel.comm_bytes: param {jax.tree_util.keystr(path)} is"
+            f" sharded over mesh axis {sorted(axes & others)[0]!r}, which is"
+            " not a data axis. The step takes every param whole on each"
+            " device, so XLA adds collectives over that axis (all-gathers of"
+            " such params) that these bytes do not count. Replicate the"
+            " params, NamedSharding(mesh, P()), for them to count all.",
+            stacklevel=3,
+        )
+        return
 
   def at_step(self, opt_state: Any, step: int) -> Any:
     """``opt_state`` set to run step ``step`` (counted from 0): for a
