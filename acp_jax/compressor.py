@@ -465,7 +465,8 @@ def check_first_in_chain(caller: str, frame: Any) -> None:
     if "update_fns" in local:  # optax.chain
       position = [f is local["fn"] for f in local["update_fns"]].index(True)
     elif "transforms" in local:  # optax.named_chain
-      position = [t is local["tx"] for _, t in local["transforms"]].index(True)
+      tx = local["tx"]
+      position = [t is tx for _, t in local["transforms"]].index(True)
     else:
       return
     if position:
@@ -538,5 +539,6 @@ def begin_update(grads: Any, axis_name: str, caller: str) -> int:
   n = collectives.axis_size(axis_name, caller)
   check_local(grads, axis_name, caller)
   check_not_in_conditional(caller)
-  check_first_in_chain(caller, sys._getframe(2))  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  check_first_in_chain(caller, sys._getframe(2))
   return n

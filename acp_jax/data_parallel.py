@@ -380,7 +380,9 @@ class DataParallel:
     mean, comm_state, _ = self._compress(local_grads, comm_state)
     return mean, comm_state
 
-  def _compress(self, local_grads: Any, comm_state: Any) -> tuple[Any, Any, Any]:
+  def _compress(
+      self, local_grads: Any, comm_state: Any
+  ) -> tuple[Any, Any, Any]:
     """``compress``, and whether the mean is finite (a replicated bool)."""
     specs = self.comm_specs(comm_state)
 

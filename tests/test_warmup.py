@@ -268,8 +268,10 @@ def _assigned(step_of):
     ],
 )
 @pytest.mark.parametrize("name", sorted(LOW_RANK))
-def test_a_warmup_that_does_not_end_raises_at_its_first_extra_step(name, at_step):
-  """Forgetting at_step, dropping its result or lagging a step would train S-SGD forever."""
+def test_a_warmup_that_does_not_end_raises_at_its_first_extra_step(
+    name, at_step
+):
+  """Forgetting at_step, dropping its result, lagging: S-SGD forever."""
   with pytest.raises(Exception, match="warm-up should have ended") as error:
     _loop(LOW_RANK[name](2, warmup_steps=WARMUP), STEPS, at_step)
   assert f"after {WARMUP} steps" in str(error.value)
@@ -277,7 +279,7 @@ def test_a_warmup_that_does_not_end_raises_at_its_first_extra_step(name, at_step
 
 @pytest.mark.parametrize("name", sorted(LOW_RANK))
 def test_a_step_counted_from_one_still_warms_up_for_warmup_steps(name):
-  """Passing the step counted from 1 would end the warm-up a step early."""
+  """A step counted from 1 would end the warm-up a step early."""
   make = lambda: LOW_RANK[name](2, warmup_steps=WARMUP)
   straight = Run(make()).run(STEPS)
   _, ahead = _loop(make(), STEPS, _assigned(lambda i: i + 1))
@@ -294,13 +296,14 @@ def test_going_back_into_the_warmup_after_it_is_refused():
 
 @pytest.mark.parametrize("name", sorted(LOW_RANK))
 def test_a_warmup_state_given_to_a_compressor_without_warmup_is_refused(name):
-  """A warm-up checkpoint restored into a compressor without warmup_steps ran dense forever."""
+  """A warm-up state given to acp_sgd(4) without warmup ran dense forever."""
   saved = Run(LOW_RANK[name](2, warmup_steps=WARMUP))
   saved.run(1)
   now = Run(LOW_RANK[name](2))
   now.params, now.state = saved.params, saved.state
   now.done = 1
-  with pytest.raises(ValueError, match="no warmup_steps.*saved during a warm-up"):
+  message = "no warmup_steps.*saved during a warm-up"
+  with pytest.raises(ValueError, match=message):
     now.run(1)
 
 
