@@ -165,6 +165,7 @@ def acp_sgd(
     phase = phase_of(state.phase)
     count = state.count + 1
     if phase is Phase.DENSE:
+      lowrank.check_dense_step(lr, state.count)
       mean, error, q = lowrank.dense_step(lr, s, state.q, axis_name)
       return mean, state._replace(error=error, q=q, count=count)
     # P-step: F = M B, approximation F B^T. Q-step: F^T = B^T M (kept

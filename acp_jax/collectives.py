@@ -83,6 +83,11 @@ _SPLIT_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 _RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "record", default=None
 )
+# Where the buffers that packed collectives return are kept (see
+# ``receiving``).
+_RECEIVED: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "received", default=None
+)
 
 
 class Sent(NamedTuple):
@@ -148,6 +153,23 @@ def recording() -> Iterator[list[Sent]]:
     yield sent
   finally:
     _RECORD.reset(token)
+
+
+@contextlib.contextmanager
+def receiving() -> Iterator[list[jax.Array]]:
+  """Lists, within it, the whole buffer that each packed collective returns
+  (reassembled, when split over a second axis): what every device of the
+  collective receives, identical on all of them.
+
+  Yields:
+    The list that the received buffers are appended to, in tracing order.
+  """
+  received = []
+  token = _RECEIVED.set(received)
+  try:
+    yield received
+  finally:
+    _RECEIVED.reset(token)
 
 
 def axis_size(axis_name: str, caller: str) -> int:
@@ -274,6 +296,9 @@ def _packed(
         if flat.size
         else jnp.zeros(lead + flat.shape, dtype)
     )
+    received = _RECEIVED.get()
+    if received is not None:
+      received.append(flat)
     start = 0
     for i in members:
       x = arrays[i]

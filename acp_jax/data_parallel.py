@@ -33,6 +33,7 @@ A node's link then carries the compressed bytes once, not once per device.
 
 import sys
 from typing import Any, Callable, NamedTuple
+import warnings
 
 import jax
 from jax import lax
@@ -59,6 +60,10 @@ class DataParallelState(NamedTuple):
   inner: Any
 
 
+# DataParallel's choices for a step whose mean gradient is not finite.
+NONFINITE = ("keep", "skip", "propagate")
+
+
 def _nnx():
   """``flax.nnx`` if the caller has imported it (we never import flax)."""
   return sys.modules.get("flax.nnx")
@@ -71,11 +76,24 @@ class DataParallel:
     compressor: made by an ``acp_jax`` factory; its ``axis_name`` must be an
       axis of ``mesh``.
     mesh: the device mesh; batches are split along ``compressor.axis_name``
-      (and ``local_axis``).
+      (and ``local_axis``). Other axes (model parallelism) are not data
+      axes: params sharded over them are gathered whole for each step, by
+      collectives that ``comm_bytes`` does not count (it warns).
     local_axis: None, or an axis of ``mesh`` over which gradients are first
       averaged densely, before the compressor runs over its ``axis_name``
       (then the node axis): hierarchical compression, dense within a host
       and compressed across hosts.
+    nonfinite: what a step does whose mean gradient is not finite (a
+      non-finite gradient on any device makes it so on every device).
+      ``"keep"``: the compressor's state stays as it was (residuals, factors,
+      step count; ACP-SGD's phase, a shape, still advances, and the next
+      step projects on the factor of the last step taken), and the mean goes
+      on to ``tx`` as S-SGD's would: ``dp.chain(optax.apply_if_finite(tx,
+      n))`` then skips it as it does without compression. ``"skip"``: the
+      whole step is skipped, ``tx``'s state kept too and the updates zero,
+      without ``optax.apply_if_finite``. ``"propagate"``: no check, the
+      residuals take the non-finite values (and every later step's).
+      Each is a select on every replica alike, no conditional, no byte sent.
 
   Example (pure params; ``loss_fn(params, batch)`` returns a scalar)::
 
@@ -104,6 +122,7 @@ class DataParallel:
       mesh: jax.sharding.Mesh,
       *,
       local_axis: str | None = None,
+      nonfinite: str = "keep",
   ):
     if not isinstance(compressor, compressor_lib.Compressor):
       raise TypeError(
@@ -126,6 +145,12 @@ class DataParallel:
           " dense mean runs within a node and the compressor across nodes,"
           " over two different axes of the mesh"
       )
+    if nonfinite not in NONFINITE:
+      raise ValueError(
+          f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got"
+          f" {nonfinite!r}"
+      )
+    self.nonfinite = nonfinite
     self.compressor = compressor
     self.mesh = mesh
     self.axis_name = compressor.axis_name
@@ -228,8 +253,11 @@ class DataParallel:
       the chunks back together: the collectives that the step's trace
       makes (``collectives.recording``), traced on shapes only. The loss
       that ``value_and_grad`` averages (4 bytes, over all axes) is not
-      counted.
+      counted, nor are collectives over the mesh's other axes: params
+      sharded over one (model parallelism) are all-gathered whole for the
+      step, which warns here.
     """
+    self._warn_if_sharded_elsewhere(params)
     if self.local_axis is None:
       return {
           self.axis_name: compressor_lib.comm_bytes(
@@ -253,6 +281,30 @@ class DataParallel:
           all_reduce=local.all_reduce + dense
       )
     return volumes
+
+  def _warn_if_sharded_elsewhere(self, params: Any) -> None:
+    """Warns if a param is sharded over a mesh axis that is not a device
+    axis: its all-gathers are traffic that ``comm_bytes`` does not count."""
+    others = set(self.mesh.axis_names) - set(self.device_axes)
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+      spec = getattr(getattr(x, "sharding", None), "spec", None) or ()
+      axes = {
+          a
+          for entry in spec
+          if entry is not None
+          for a in (entry if isinstance(entry, tuple) else (entry,))
+      }
+      if axes & others:
+        warnings.warn(
+            f"DataParallel.comm_bytes: param {jax.tree_util.keystr(path)} is"
+            f" sharded over mesh axis {sorted(axes & others)[0]!r}, which is"
+            " not a data axis. The step takes every param whole on each"
+            " device, so XLA adds collectives over that axis (all-gathers of"
+            " such params) that these bytes do not count. Replicate the"
+            " params, NamedSharding(mesh, P()), for them to count all.",
+            stacklevel=3,
+        )
+        return
 
   def at_step(self, opt_state: Any, step: int) -> Any:
     """``opt_state`` set to run step ``step`` (counted from 0): for a
@@ -321,27 +373,49 @@ class DataParallel:
 
     Returns:
       ``(mean, comm_state)``: the (approximate) mean gradient, replicated, and
-      the compressor's next state.
+      the compressor's next state (``comm_state`` itself, but for ACP-SGD's
+      phase, where the mean is not finite, unless ``nonfinite`` is
+      ``"propagate"``).
     """
+    mean, comm_state, _ = self._compress(local_grads, comm_state)
+    return mean, comm_state
+
+  def _compress(
+      self, local_grads: Any, comm_state: Any
+  ) -> tuple[Any, Any, Any]:
+    """``compress``, and whether the mean is finite (a replicated bool)."""
     specs = self.comm_specs(comm_state)
 
-    def body(grads, state):
+    def body(grads, old):
       # Each device sees [1, ...] blocks of the stacked arrays.
       grads = jax.tree.map(lambda x: x[0], grads)
       if self.local_axis is not None:
         # A node's devices then hand the compressor the same gradient, so
         # their residuals stay identical: one copy per node.
         grads = lax.pmean(grads, self.local_axis)
-      state = self._map_local(lambda x: x[0], state)
-      with collectives.split_over(self.local_axis):
-        mean, state = self.compressor.update(grads, state)
-      return mean, self._map_local(lambda x: x[None], state)
+      old = self._map_local(lambda x: x[0], old)
+      with (
+          collectives.split_over(self.local_axis),
+          collectives.receiving() as received,
+      ):
+        mean, state = self.compressor.update(grads, old)
+      # A non-finite gradient on any device makes what it sends non-finite
+      # (its dense values, its factors, its top-k values, its sign scales),
+      # and so what every device receives: the same verdict on every
+      # replica, with not a byte more sent, from buffers much smaller than
+      # the mean for a compressor.
+      finite = _all_finite(
+          [x for x in received if jnp.issubdtype(x.dtype, jnp.inexact)]
+      )
+      if self.nonfinite != "propagate":
+        state = _where(finite, state, old)
+      return mean, self._map_local(lambda x: x[None], state), finite
 
     return jax.shard_map(
         body,
         mesh=self.mesh,
         in_specs=(self.device_spec, specs),
-        out_specs=(P(), specs),
+        out_specs=(P(), specs, P()),
         check_vma=False,
     )(local_grads, comm_state)
 
@@ -365,8 +439,11 @@ class DataParallel:
       compressor_lib.check_not_in_conditional("DataParallel.chain")
       if params is not None:
         self._check_local_grads(updates, params)
-      mean, comm = self.compress(updates, state.comm)
+      mean, comm, finite = self._compress(updates, state.comm)
       mean, inner = tx.update(mean, state.inner, params, **extra_args)
+      if self.nonfinite == "skip":
+        inner = _where(finite, inner, state.inner)
+        mean = jax.tree.map(lambda u: jnp.where(finite, u, 0), mean)
       return mean, DataParallelState(comm=comm, inner=inner)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -497,6 +574,27 @@ def _volume(
     if s.axis_name == axis_name:
       by_kind[s.kind] += s.nbytes
   return compressor_lib.CommVolume(**by_kind)
+
+
+def _all_finite(arrays: list[jax.Array]) -> jax.Array:
+  """Whether every element of ``arrays`` is finite: the sum of ``x - x`` is 0
+  then, and NaN otherwise, and never overflows. XLA keeps ``x - x`` for
+  floats (it is not 0 for inf and NaN) and reduces it in one pass that only
+  reads ``x``, where ``jnp.isfinite(x).all()`` also writes a mask (and
+  ``x * 0`` reads a broadcast zero array beside it on XLA:CPU)."""
+  zeros = [jnp.sum((x - x).astype(jnp.float32)) for x in arrays]
+  return jnp.isfinite(sum(zeros, jnp.float32(0)))
+
+
+def _where(keep_new: jax.Array, new: Any, old: Any) -> Any:
+  """``new`` where ``keep_new``, else ``old``, leaf by leaf; a leaf whose
+  shape changed (ACP-SGD's phase marker: its shape is the phase) is
+  ``new``'s."""
+  return jax.tree.map(
+      lambda n, o: jnp.where(keep_new, n, o) if n.shape == o.shape else n,
+      new,
+      old,
+  )
 
 
 def _is_spec(x) -> bool:

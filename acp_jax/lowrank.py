@@ -47,13 +47,20 @@ def phase_marker(phase: Phase) -> jax.Array:
 
 def phase_of(marker) -> Phase:
   """The phase that a state's ``phase`` array (or its abstract shape)
-  records."""
-  for phase, shape in _PHASE_SHAPE.items():
-    if tuple(marker.shape) == shape:
-      return phase
+  records; a marker stacked on leading axes (a ``jax.pmap``-ed state, one
+  per device) records it in its trailing axes."""
+  return _phase_and_lead(marker)[0]
+
+
+def _phase_and_lead(marker) -> tuple[Phase, tuple[int, ...]]:
+  """The phase a marker records and its leading (device) axes."""
+  shape = tuple(marker.shape)
+  for phase, own in _PHASE_SHAPE.items():
+    if shape[len(shape) - len(own):] == own:
+      return phase, shape[: len(shape) - len(own)]
   raise ValueError(
       "a low-rank compressor's phase marker has shape (1,), (2, 2) or"
-      f" (3, 3, 3), got {marker.shape}"
+      f" (3, 3, 3) (after any leading device axes), got {marker.shape}"
   )
 
 
@@ -65,24 +72,31 @@ def next_marker(marker: jax.Array, phase: Phase) -> jax.Array:
 
 
 def marker_as(marker, phase: Phase):
-  """The marker of ``phase`` where ``marker`` lives, outside a step: an
-  abstract one for an abstract marker, else made on ``marker``'s devices
-  with its sharding (which works across processes too)."""
-  shape = _PHASE_SHAPE[phase]
+  """The marker of ``phase`` where ``marker`` lives, outside a step, with its
+  leading device axes if any: an abstract one for an abstract marker, else
+  made on ``marker``'s devices with its sharding (which works across
+  processes and for ``jax.pmap``-ed states too)."""
+  lead = _phase_and_lead(marker)[1]
+  own = _PHASE_SHAPE[phase]
+  shape = lead + own
   if tuple(marker.shape) == shape:
     return marker
   sharding = getattr(marker, "sharding", None)
   if isinstance(marker, jax.ShapeDtypeStruct):
     return jax.ShapeDtypeStruct(shape, jnp.uint8, sharding=sharding)
   return jax.jit(
-      lambda m: next_marker(m, phase),
+      lambda m: jnp.broadcast_to(
+          m.reshape(lead + (-1,))[..., :1].reshape(lead + (1,) * len(own)),
+          shape,
+      ),
       out_shardings=sharding if isinstance(marker, jax.Array) else None,
   )(marker)
 
 
 def to_phase(compressing: Phase) -> Callable[[Any, bool], Any]:
   """``Compressor.at_step``'s switch of a state with a ``phase`` marker: into
-  the dense phase, or out of it into ``compressing``."""
+  the dense phase, or out of it into ``compressing``; ``state`` itself if it
+  is in that phase already."""
 
   def switch(state, dense):
     current = phase_of(state.phase)
@@ -93,6 +107,39 @@ def to_phase(compressing: Phase) -> Callable[[Any, bool], Any]:
     return state
 
   return switch
+
+
+def check_dense_step(lr: "LowRank", count: jax.Array) -> None:
+  """Refuses a dense warm-up step that should not run: when tracing, if the
+  compressor has no warm-up at all (a state saved during another one's
+  warm-up would then run dense forever); when running, if the state has
+  already taken ``warmup_steps`` steps (``at_step`` was not called, or its
+  result not used). The run-time check is a host callback of the dense
+  programs only: the compressing ones, which make up the training, carry
+  none."""
+  if not lr.warmup_steps:
+    raise ValueError(
+        f"{lr.caller}: the state is in the dense warm-up phase (its phase"
+        " marker has shape (3,)), but this compressor has no warmup_steps, so"
+        " nothing would ever end it and every step would be S-SGD's: the"
+        " state was saved during a warm-up. Make the compressor with the"
+        f" warmup_steps it was saved with ({lr.caller}(..., warmup_steps=N))"
+        " and call at_step before every step."
+    )
+
+  def check(taken):
+    taken = int(np.asarray(taken))
+    if taken >= lr.warmup_steps:
+      raise ValueError(
+          f"{lr.caller}: a dense warm-up step ran after {taken} steps, but"
+          f" warmup_steps={lr.warmup_steps}: the warm-up should have ended."
+          " Call opt_state = dp.at_step(opt_state, step) (or"
+          " compressor.at_step) before every step, with the number of steps"
+          " taken, and use the state it returns (an nnx.Optimizer is"
+          " switched in place)."
+      )
+
+  jax.debug.callback(check, count)
 
 
 def phase_states(state: Any, phases: dict[str, Phase]) -> dict[str, Any]:

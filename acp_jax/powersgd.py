@@ -31,6 +31,12 @@ class PowerSgdState(NamedTuple):
   phase: jax.Array
   count: jax.Array
 
+  @property
+  def next_phase(self) -> Phase:
+    """What the next step does: ``Phase.P`` (a compressing step) or
+    ``Phase.DENSE`` (a warm-up step)."""
+    return lowrank.phase_of(self.phase)
+
 
 def power_sgd(
     rank: int,
@@ -146,6 +152,7 @@ def power_sgd(
     count = state.count + 1
     masked = [optax.MaskedNode()] * len(s.dense)
     if lowrank.phase_of(state.phase) is Phase.DENSE:
+      lowrank.check_dense_step(lr, state.count)
       mean, error, q = lowrank.dense_step(lr, s, state.q, axis_name)
       return mean, state._replace(error=error, q=q, count=count)
     s = s._replace(buckets=collectives.for_dependent_rounds(s.buckets))

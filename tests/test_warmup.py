@@ -166,10 +166,13 @@ def test_phase_at_and_at_step_follow_the_schedule():
   state = tx.init(PARAMS)
   assert acp_jax.lowrank.phase_of(state.phase) is acp_jax.Phase.DENSE
   assert tx.at_step(state, 1) is state  # nothing to do, no device touched
-  p = tx.at_step(state, 2)
+  # The switch follows the state's count: a state that has taken no step
+  # stays in its warm-up.
+  assert tx.at_step(state, 2) is state
+  p = tx.at_step(state._replace(count=jnp.int32(2)), 2)
   assert acp_jax.lowrank.phase_of(p.phase) is acp_jax.Phase.P
   assert tx.at_step(p, 3) is p  # the update itself alternates P and Q
-  back = tx.at_step(p, 0)
+  back = tx.at_step(p._replace(count=jnp.int32(0)), 0)
   assert acp_jax.lowrank.phase_of(back.phase) is acp_jax.Phase.DENSE
   plain = acp_jax.power_sgd(2)
   assert plain.at_step(plain.init(PARAMS), 5) is not None
@@ -234,3 +237,110 @@ def test_nnx_optimizer_leaves_the_warmup_in_place():
     shapes.append(optimizer.opt_state.comm.phase.shape)
     step(model, optimizer, XS[i], YS[i])
   assert shapes == [(3, 3, 3), (1,), (2, 2)]
+
+
+def _loop(compressor, steps, at_step):
+  """``Run``'s loop with ``at_step(run, i)`` in place of the switch."""
+  run = Run(compressor)
+  history = []
+  for i in range(steps):
+    at_step(run, i)
+    run.params, run.state, _ = jax.block_until_ready(
+        run.step(run.params, run.state, *run.batch(i))
+    )
+    history.append(helpers.to_numpy(run.params))
+  return run, history
+
+
+def _assigned(step_of):
+  def at_step(run, i):
+    run.state = run.dp.at_step(run.state, step_of(i))
+
+  return at_step
+
+
+@pytest.mark.parametrize(
+    "at_step",
+    [
+        pytest.param(lambda run, i: None, id="forgotten"),
+        pytest.param(lambda run, i: run.dp.at_step(run.state, i), id="dropped"),
+        pytest.param(_assigned(lambda i: max(i - 1, 0)), id="one_behind"),
+    ],
+)
+@pytest.mark.parametrize("name", sorted(LOW_RANK))
+def test_a_warmup_that_does_not_end_raises_at_its_first_extra_step(
+    name, at_step
+):
+  """Forgetting at_step, dropping its result, lagging: S-SGD forever."""
+  with pytest.raises(Exception, match="warm-up should have ended") as error:
+    _loop(LOW_RANK[name](2, warmup_steps=WARMUP), STEPS, at_step)
+  assert f"after {WARMUP} steps" in str(error.value)
+
+
+@pytest.mark.parametrize("name", sorted(LOW_RANK))
+def test_a_step_counted_from_one_still_warms_up_for_warmup_steps(name):
+  """A step counted from 1 would end the warm-up a step early."""
+  make = lambda: LOW_RANK[name](2, warmup_steps=WARMUP)
+  straight = Run(make()).run(STEPS)
+  _, ahead = _loop(make(), STEPS, _assigned(lambda i: i + 1))
+  chex.assert_trees_all_equal(ahead, straight)
+
+
+def test_going_back_into_the_warmup_after_it_is_refused():
+  """at_step(state, 0) after the warm-up would silently train S-SGD again."""
+  run = Run(acp_jax.acp_sgd(2, warmup_steps=2))
+  run.run(5)
+  with pytest.raises(ValueError, match=r"at_step\(state, 0\).*taken 5 steps"):
+    run.dp.at_step(run.state, 0)
+
+
+@pytest.mark.parametrize("name", sorted(LOW_RANK))
+def test_a_warmup_state_given_to_a_compressor_without_warmup_is_refused(name):
+  """A warm-up state given to acp_sgd(4) without warmup ran dense forever."""
+  saved = Run(LOW_RANK[name](2, warmup_steps=WARMUP))
+  saved.run(1)
+  now = Run(LOW_RANK[name](2))
+  now.params, now.state = saved.params, saved.state
+  now.done = 1
+  message = "no warmup_steps.*saved during a warm-up"
+  with pytest.raises(ValueError, match=message):
+    now.run(1)
+
+
+@pytest.mark.parametrize("name", sorted(LOW_RANK))
+def test_at_step_switches_a_pmapped_state(name):
+  """at_step on a jax.pmap state (stacked marker) raised on its shape."""
+  compressor = LOW_RANK[name](2, warmup_steps=WARMUP)
+  tx = optax.chain(compressor, optax.sgd(0.1, momentum=0.9))
+
+  def step(params, state, x, y):
+    grads = jax.grad(mlp_loss)(params, x, y)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  stacked = jax.tree.map(lambda a: np.stack([a] * NUM_DEVICES), PARAMS)
+  state = jax.pmap(tx.init, axis_name="data")(stacked)
+  pstep = jax.pmap(step, axis_name="data")
+  phases = []
+  for i in range(STEPS):
+    state = (compressor.at_step(state[0], i), *state[1:])
+    phases.append(state[0].next_phase)
+    stacked, state = pstep(
+        stacked,
+        state,
+        XS[i].reshape(NUM_DEVICES, -1, 12),
+        YS[i].reshape(NUM_DEVICES, -1),
+    )
+  expected = [acp_jax.Phase.DENSE] * WARMUP + (
+      [acp_jax.Phase.P, acp_jax.Phase.Q, acp_jax.Phase.P]
+      if name == "acp_sgd"
+      else [acp_jax.Phase.P] * 3
+  )
+  assert phases == expected
+  reference = Run(LOW_RANK[name](2, warmup_steps=WARMUP)).run(STEPS)[-1]
+  chex.assert_trees_all_close(
+      jax.tree.map(lambda a: a[0], helpers.to_numpy(stacked)),
+      reference,
+      rtol=1e-5,
+      atol=1e-6,
+  )
