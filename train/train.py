@@ -107,7 +107,7 @@ def train_step(
   # Per-device partial sums, reduced by one small all-reduce.
   grad_sq = sum(
       jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim)))
-      for g in jax.tree.leaves(grads)
+      for g in jax.tree.leaves(grads.stacked)
   )
   loss_sum, correct, weight, grad_sq = jnp.sum(
       jnp.concatenate([sums, grad_sq[:, None]], axis=1), axis=0
