@@ -8,7 +8,8 @@ step needs and a plain ``jit`` + ``NamedSharding`` loop does not have:
 - each device's own gradient: ``value_and_grad`` differentiates every
   device's shard of the batch under ``jax.shard_map`` (``check_vma=False``,
   so ``jax.grad`` inserts no dense all-reduce of its own) and returns the
-  local gradients stacked on a leading device axis, sharded, moved nowhere;
+  local gradients stacked on a leading device axis, sharded, moved nowhere,
+  as a ``LocalGrads`` that no transform but ``chain(tx)`` accepts;
 - the state layout: the compressor's per-device fields (the residuals) are
   stacked on that axis, everything else (its factors, the ACP-SGD phase, the
   optimizer's state) is stored once, replicated;
@@ -320,7 +321,7 @@ class DataParallel:
 
     Args:
       local_grads: each device's gradient, stacked on a leading axis sharded
-        over the device axes (as ``value_and_grad`` returns them).
+        over the device axes (``value_and_grad``'s ``LocalGrads.stacked``).
       comm_state: the compressor's state, from ``init_comm``.
 
     Returns:
@@ -352,8 +353,10 @@ class DataParallel:
   def chain(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
     """``tx`` fed with the compressed mean of the devices' gradients.
 
-    The returned transformation's ``update`` takes the stacked local
-    gradients of ``value_and_grad``; its state is a ``DataParallelState``.
+    The returned transformation's ``update`` takes the ``LocalGrads`` of
+    ``value_and_grad``; its state is a ``DataParallelState``. Any other
+    transform (clipping, weight decay) goes inside, in ``tx``: it then sees
+    the compressed mean, as DDP users' clipping sees the all-reduced one.
     Use it where ``tx`` was used: ``tx.update`` in a jitted step, or
     ``nnx.Optimizer(model, dp.chain(tx), wrt=nnx.Param)``.
     """
@@ -471,6 +474,8 @@ class DataParallel:
       specs = self._batch_specs(batch, batch_specs)
 
       def local(params, rest, *batch):
+        # A key that every device receives alike would draw the same
+        # randomness on every shard; the model keeps the unfolded one.
         fold = _folding_device_index(axes)
         batch = tuple(
             jax.tree.map(
@@ -542,7 +547,7 @@ class DataParallel:
           f"batch_specs must hold one entry per argument after the params"
           f" ({len(batch)} in this call), got {batch_specs!r}"
       )
-    specs, splits = [], []  # splits: (name, size, assumed)
+    specs, splits = [], []  # splits: (name, size, axis, assumed)
     for i, (arg, given) in enumerate(zip(batch, batch_specs)):
       leaves, treedef = jax.tree_util.tree_flatten_with_path(arg)
       if given is not None:
@@ -710,9 +715,10 @@ _GUARD = jex_random.define_prng_impl(
     fold_in=_never,
     name="acp_jax.LocalGrads.guard",
     tag=(
-        "acp_jax.LocalGrads: each device's gradients, stacked. Only"
-        " DataParallel.chain(tx) takes them; any transform goes inside it,"
-        " after the compressor, e.g. clipping the mean gradient with"
+        "acp_jax.LocalGrads: each device's gradients, stacked (add up"
+        " micro-batches' with +). Only DataParallel.chain(tx) takes them;"
+        " any transform goes inside it, after the compressor, e.g. clipping"
+        " the mean gradient with"
         " dp.chain(optax.chain(optax.clip_by_global_norm(1.0), opt))"
     ),
 )

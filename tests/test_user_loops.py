@@ -91,15 +91,21 @@ def noisy_loss(params, x, key):
   return jnp.mean((jnp.where(kept, x, 0) @ params["w"]) ** 2), kept
 
 
-def test_a_key_argument_draws_a_mask_per_row_like_the_plain_loop():
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_a_key_argument_draws_a_mask_per_row_like_the_plain_loop(hierarchical):
   """A PRNG key passed to the loss: each device draws its own noise."""
   params = {"w": jnp.ones((32, 1))}
   x, key = np.ones((BATCH, 32), np.float32), jax.random.key(0)
   plain = jax.value_and_grad(noisy_loss, has_aux=True)
   (_, plain_masks), _ = plain(params, x, key)
-  dp = dp_of()
+  if hierarchical:  # 2 nodes of 4 devices: the index runs over both axes
+    auto = jax.sharding.AxisType.Auto
+    nodes = jax.make_mesh((2, NUM_DEVICES // 2), (AXIS, "local"), (auto, auto))
+    dp = acp_jax.DataParallel(acp_jax.ssgd(), nodes, local_axis="local")
+  else:
+    dp = dp_of()
   (_, masks), _ = jax.jit(dp.value_and_grad(noisy_loss, has_aux=True))(
-      params, put(x, P(AXIS)), key
+      params, x, key
   )
   assert distinct_rows(plain_masks) == BATCH
   assert distinct_rows(masks) == BATCH
@@ -223,6 +229,17 @@ def test_a_time_major_batch_splits_along_its_sharded_axis():
   )
   chex.assert_trees_all_close(
       mean_over_devices(by_spec), dense, rtol=1e-5, atol=1e-7
+  )
+  # On Explicit mesh axes it does.
+  explicit = jax.sharding.AxisType.Explicit
+  mesh = jax.make_mesh((NUM_DEVICES,), (AXIS,), axis_types=(explicit,))
+  dp = acp_jax.DataParallel(acp_jax.ssgd(), mesh)
+  placed = jax.device_put((x, y), NamedSharding(mesh, P(None, AXIS)))
+  _, traced = jax.jit(dp.value_and_grad(rnn_loss))(
+      jax.device_put(params, NamedSharding(mesh, P())), *placed
+  )
+  chex.assert_trees_all_close(
+      mean_over_devices(traced), dense, rtol=1e-5, atol=1e-7
   )
 
 
