@@ -414,7 +414,8 @@ class DataParallel:
     ``fun(params, x, key)``), so that dropout masks and noise are drawn
     independently for every shard. The module keeps the unfolded key, and
     its streams' counts advance alike: the replicas stay identical. A batch
-    of keys split over the devices is passed as it is.
+    of keys split over the devices is passed as it is, and a key that
+    ``fun`` closes over is not seen: pass it as an argument.
 
     Args:
       fun: the loss, returning a scalar (or ``(loss, aux)`` with
