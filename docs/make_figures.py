@@ -1,0 +1,113 @@
+"""Draws the figures of the docs into docs/_static/ (committed).
+
+  python docs/make_figures.py   # needs matplotlib (the [bench] extra)
+
+`acp_sgd_steps.svg`: two steps of Power-SGD and of ACP-SGD (which
+computation waits on which all-reduce), beside each method's bytes per step
+on ResNet-50 as `python -m benchmarks comm` measured them
+(benchmarks/results/comm.json).
+"""
+
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+from matplotlib import pyplot as plt
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+COMM = os.path.join(HERE, "..", "benchmarks", "results", "comm.json")
+OUT = os.path.join(HERE, "_static", "acp_sgd_steps.svg")
+
+COMPUTE, SEND, WAIT = "#9ecae1", "#fdae6b", "#d9d9d9"
+# (label, start, length, colour) per lane, in units of one backprop.
+LANES = {
+    "Power-SGD": [
+        ("backprop", 0.0, 1.0, COMPUTE),
+        ("P = MQ", 1.0, 0.3, COMPUTE),
+        ("all-reduce P", 1.3, 0.5, SEND),
+        ("Q = M^T P", 1.8, 0.3, COMPUTE),
+        ("all-reduce Q", 2.1, 0.5, SEND),
+        ("backprop", 2.6, 1.0, COMPUTE),
+        ("P = MQ", 3.6, 0.3, COMPUTE),
+        ("all-reduce P", 3.9, 0.5, SEND),
+        ("Q = M^T P", 4.4, 0.3, COMPUTE),
+        ("all-reduce Q", 4.7, 0.5, SEND),
+    ],
+    "ACP-SGD": [
+        ("backprop", 0.0, 1.0, COMPUTE),
+        ("P = MQ'", 1.0, 0.3, COMPUTE),
+        ("all-reduce P", 1.3, 0.5, SEND),
+        ("backprop", 1.8, 1.0, COMPUTE),
+        ("Q = M^T P'", 2.8, 0.3, COMPUTE),
+        ("all-reduce Q", 3.1, 0.5, SEND),
+    ],
+}
+METHODS = [
+    ("ssgd", "S-SGD"),
+    ("sign_sgd", "Sign-SGD"),
+    ("topk_sgd", "Top-k (1%)"),
+    ("power_sgd", "Power-SGD (r=4)"),
+    ("acp_sgd", "ACP-SGD (r=4)"),
+]
+
+
+def resnet50_bytes():
+  with open(COMM) as f:
+    records = [r for r in json.load(f) if r["model"] == "resnet50"]
+  by_name = {r["compressor"]: r for r in records}
+  return [(label, by_name[name]["bytes_per_step"]) for name, label in METHODS]
+
+
+def draw_lanes(ax):
+  for row, (name, boxes) in enumerate(LANES.items()):
+    y = len(LANES) - 1 - row
+    for label, start, length, colour in boxes:
+      ax.broken_barh([(start, length)], (y - 0.35, 0.7), color=colour,
+                     edgecolor="black", linewidth=0.5)
+      ax.text(start + length / 2, y, label, ha="center", va="center",
+              fontsize=6, rotation=0 if length >= 0.5 else 90)
+  ax.set_yticks(range(len(LANES)), list(LANES)[::-1])
+  ax.set_xlabel(
+      "time: two steps of each; every box waits for the one before it"
+  )
+  ax.set_xticks([])
+  ax.set_xlim(0, 5.3)
+  ax.set_title(
+      "Power-SGD: two dependent rounds a step; ACP-SGD: one", fontsize=9
+  )
+  for side in ("top", "right"):
+    ax.spines[side].set_visible(False)
+
+
+def draw_bytes(ax):
+  labels, values = zip(*resnet50_bytes())
+  bars = ax.barh(labels[::-1], [v / 1e6 for v in values[::-1]],
+                 color=[SEND] + [WAIT] * 4)
+  ax.set_xscale("log")
+  ax.set_xlabel("MB per step per device (log)")
+  ax.set_title("Bytes per step, ResNet-50, 8 devices, fp32", fontsize=9)
+  for bar, value in zip(bars, values[::-1]):
+    ax.text(bar.get_width() * 1.1, bar.get_y() + bar.get_height() / 2,
+            f"{value / 1e6:.2f}", va="center", fontsize=7)
+  ax.set_xlim(0.3, 1000)
+  for side in ("top", "right"):
+    ax.spines[side].set_visible(False)
+
+
+def main():
+  plt.rcParams["svg.fonttype"] = "none"  # text stays text: a small file
+  plt.rcParams["svg.hashsalt"] = "acp_jax"  # the same file on every run
+  fig, (lanes, volume) = plt.subplots(
+      1, 2, figsize=(10, 2.4), gridspec_kw={"width_ratios": [3, 2]}
+  )
+  draw_lanes(lanes)
+  draw_bytes(volume)
+  fig.tight_layout()
+  fig.savefig(OUT, metadata={"Date": None})
+  print(OUT)
+
+
+if __name__ == "__main__":
+  main()
