@@ -13,6 +13,7 @@ from acp_jax.compressor import CommVolume
 from acp_jax.compressor import Compressor
 from acp_jax.data_parallel import DataParallel
 from acp_jax.data_parallel import DataParallelState
+from acp_jax.data_parallel import LocalGrads
 from acp_jax.hlo import collective_rounds
 from acp_jax.hlo import collective_stats
 from acp_jax.hlo import overlap_potential
@@ -33,6 +34,7 @@ __all__ = (
     "Compressor",
     "DataParallel",
     "DataParallelState",
+    "LocalGrads",
     "Phase",
     "PowerSgdState",
     "SignSgdState",

@@ -8,7 +8,8 @@ step needs and a plain ``jit`` + ``NamedSharding`` loop does not have:
 - each device's own gradient: ``value_and_grad`` differentiates every
   device's shard of the batch under ``jax.shard_map`` (``check_vma=False``,
   so ``jax.grad`` inserts no dense all-reduce of its own) and returns the
-  local gradients stacked on a leading device axis, sharded, moved nowhere;
+  local gradients stacked on a leading device axis, sharded, moved nowhere,
+  as a ``LocalGrads`` that no transform but ``chain(tx)`` accepts;
 - the state layout: the compressor's per-device fields (the residuals) are
   stacked on that axis, everything else (its factors, the ACP-SGD phase, the
   optimizer's state) is stored once, replicated;
@@ -31,13 +32,17 @@ chunks are gathered back over the local axis (``collectives.split_over``).
 A node's link then carries the compressed bytes once, not once per device.
 """
 
+import collections
+from collections.abc import Mapping
 import sys
 from typing import Any, Callable, NamedTuple
 import warnings
 
 import jax
 from jax import lax
+from jax.extend import random as jex_random
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import optax
@@ -368,7 +373,7 @@ class DataParallel:
 
     Args:
       local_grads: each device's gradient, stacked on a leading axis sharded
-        over the device axes (as ``value_and_grad`` returns them).
+        over the device axes (``value_and_grad``'s ``LocalGrads.stacked``).
       comm_state: the compressor's state, from ``init_comm``.
 
     Returns:
@@ -422,8 +427,10 @@ class DataParallel:
   def chain(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
     """``tx`` fed with the compressed mean of the devices' gradients.
 
-    The returned transformation's ``update`` takes the stacked local
-    gradients of ``value_and_grad``; its state is a ``DataParallelState``.
+    The returned transformation's ``update`` takes the ``LocalGrads`` of
+    ``value_and_grad``; its state is a ``DataParallelState``. Any other
+    transform (clipping, weight decay) goes inside, in ``tx``: it then sees
+    the compressed mean, as DDP users' clipping sees the all-reduced one.
     Use it where ``tx`` was used: ``tx.update`` in a jitted step, or
     ``nnx.Optimizer(model, dp.chain(tx), wrt=nnx.Param)``.
     """
@@ -437,6 +444,7 @@ class DataParallel:
 
     def update_fn(updates, state, params=None, **extra_args):
       compressor_lib.check_not_in_conditional("DataParallel.chain")
+      updates = _stacked_local_grads(updates)
       if params is not None:
         self._check_local_grads(updates, params)
       mean, comm, finite = self._compress(updates, state.comm)
@@ -456,39 +464,63 @@ class DataParallel:
       *,
       has_aux: bool = False,
       aux_specs: Any = None,
-  ) -> Callable[..., tuple[Any, Any]]:
+      batch_specs: Any = None,
+  ) -> Callable[..., tuple[Any, "LocalGrads"]]:
     """Like ``jax.value_and_grad(fun)``, each device on its own batch shard.
 
-    ``fun(params, *batch)`` is the loss of one device's shard: every
-    positional argument after the first is split along its leading axis
-    over the mesh's device axes (``device_spec``). ``params`` is a pytree,
-    or a Flax NNX module (then ``fun(model, *batch)``; gradients are taken
-    of its ``nnx.Param`` variables and its other state, e.g. BatchNorm
-    statistics, is updated with floating values averaged over the devices).
+    ``fun(params, *batch)`` is the loss of one device's shard. ``params`` is
+    a pytree, or a Flax NNX module (then ``fun(model, *batch)``; gradients
+    are taken of its ``nnx.Param`` variables and its other state, e.g.
+    BatchNorm statistics, is updated with floating values averaged over the
+    devices).
+
+    Each argument after the first is split over the mesh's device axes along
+    the axis that its ``batch_specs`` entry names. Without one, an array
+    placed with a ``NamedSharding`` over the device axes is split along the
+    axis that sharding splits (JAX shows it for concrete arrays, and under
+    ``jit`` on ``Explicit`` mesh axes only), a scalar goes whole to every
+    device, and any other array is split along its leading axis. Where
+    such assumed leading axes disagree in size with the other split axes
+    (BatchNorm statistics beside a batch, a time-major sequence beside its
+    labels), which axis is the batch is ambiguous, and the call is refused.
+
+    Randomness differs per device, as in a loop over the whole batch: the
+    device's index (over the device axes, as it stacks) is folded into every
+    PRNG key that all devices receive alike, the keys of an NNX module's
+    ``Rngs`` streams and key arguments that go whole to every device (e.g.
+    ``fun(params, x, key)``), so that dropout masks and noise are drawn
+    independently for every shard. The module keeps the unfolded key, and
+    its streams' counts advance alike: the replicas stay identical. A batch
+    of keys split over the devices is passed as it is, and a key that
+    ``fun`` closes over is not seen: pass it as an argument.
+
+    Args:
+      fun: the loss, returning a scalar (or ``(loss, aux)`` with
+        ``has_aux``).
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+      aux_specs: the layout of ``aux``: a prefix tree of ``device_spec``
+        (stacked per device on a leading axis, nothing sent; the default)
+        and ``P()`` (a value identical on every device, e.g. statistics
+        synchronized by a collective inside ``fun``, returned once).
+      batch_specs: None, or one entry per argument after the params: None
+        (split as above) or a ``PartitionSpec`` prefix tree of the argument
+        naming the device axes on the axis to split (``device_spec`` for
+        the leading one, ``P(None, "data")`` for a time-major ``(T, B, ...)``
+        batch) or none at all (``P()``: every device gets it whole, e.g. a
+        Linen ``batch_stats`` argument).
 
     Returns:
       A function returning ``(value, local_grads)``. ``value`` is the loss
       averaged over devices (one scalar all-reduce), or ``(loss, aux)`` with
-      ``has_aux``, ``aux`` stacked per device on a leading axis (nothing
-      sent), or laid out by ``aux_specs``, a prefix tree of ``device_spec``
-      (stacked) and ``P()`` (a value identical on every device, e.g.
-      statistics synchronized by a collective inside ``fun``, returned once). ``local_grads`` are each device's gradients, stacked on a
-      leading axis, sharded, not communicated: hand them to ``chain(tx)``,
-      or add up several micro-batches' first (one compressed send for all).
+      ``has_aux``. ``local_grads`` is a ``LocalGrads``: each device's
+      gradients, stacked on a leading axis, sharded, not communicated. Hand
+      them to ``chain(tx)`` (any other transform, clipping included, goes
+      inside it and so sees their compressed mean), or add up several
+      micro-batches' first with ``+`` (one compressed send for all).
     """
-    axes, n, spec = self.device_axes, self.num_devices, self.device_spec
+    axes = self.device_axes
     if aux_specs is None:
-      aux_specs = spec
-
-    def check_batch(batch):
-      for i, arg in enumerate(batch):
-        for path, x in jax.tree_util.tree_leaves_with_path(arg):
-          if not x.shape or x.shape[0] % n:
-            raise ValueError(
-                f"batch argument {i + 1}{jax.tree_util.keystr(path)} has shape"
-                f" {x.shape}: its leading axis must split evenly over the"
-                f" {n} devices of mesh axes {', '.join(map(repr, axes))}"
-            )
+      aux_specs = self.device_spec
 
     def split_value(value):
       return value if has_aux else (value, ())
@@ -517,11 +549,25 @@ class DataParallel:
       return loss_fn
 
     def run(loss_fn, params, rest, batch):
-      check_batch(batch)
+      specs = self._batch_specs(batch, batch_specs)
 
       def local(params, rest, *batch):
-        (loss, (aux, rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, rest, *batch
+        # A key that every device receives alike would draw the same
+        # randomness on every shard; the model keeps the unfolded one.
+        fold = _folding_device_index(axes)
+        batch = tuple(
+            jax.tree.map(
+                lambda x, spec: fold(x) if _is_replicated(spec) else x,
+                arg,
+                arg_specs,
+            )
+            for arg, arg_specs in zip(batch, specs)
+        )
+        (loss, (aux, new_rest)), grads = jax.value_and_grad(
+            loss_fn, has_aux=True
+        )(params, jax.tree.map(fold, rest), *batch)
+        new_rest = jax.tree.map(
+            lambda old, new: old if _is_key(old) else new, rest, new_rest
         )
         stack = lambda t: jax.tree.map(lambda x: x[None], t)
         aux = jax.tree.map(
@@ -530,13 +576,13 @@ class DataParallel:
             aux,
             is_leaf=_is_spec,
         )
-        return (lax.pmean(loss, axes), aux), stack(grads), rest
+        return (lax.pmean(loss, axes), aux), stack(grads), new_rest
 
       return jax.shard_map(
           local,
           mesh=self.mesh,
-          in_specs=(P(), P()) + (spec,) * len(batch),
-          out_specs=((P(), aux_specs), spec, P()),
+          in_specs=(P(), P()) + specs,
+          out_specs=((P(), aux_specs), self.device_spec, P()),
           check_vma=False,
       )(params, rest, *batch)
 
@@ -547,7 +593,7 @@ class DataParallel:
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         # Only arrays cross into shard_map: NNX variables may not be mutated
         # from another trace level. The gradients get their Param type back
-        # so that nnx.Optimizer's filter finds them.
+        # so that nnx.Optimizer's filter finds them, and so does the guard.
         value, grads, rest = run(
             module_loss(graphdef), nnx.as_pure(params), nnx.as_pure(rest), batch
         )
@@ -558,11 +604,308 @@ class DataParallel:
             grads,
             is_leaf=lambda x: isinstance(x, nnx.Variable),
         )
+        guard = nnx.Param(_guard())
       else:
         value, grads, _ = run(pure_loss, params, None, batch)
-      return (value if has_aux else value[0]), grads
+        guard = _guard()
+      return (value if has_aux else value[0]), LocalGrads(grads, guard)
 
     return wrapped
+
+  def _batch_specs(self, batch: tuple, batch_specs: Any) -> tuple:
+    """Each batch argument's tree of leaf ``PartitionSpec``s (see
+    ``value_and_grad``), checked: split axes divide evenly over the devices,
+    and an assumed split agrees in size with the others."""
+    if batch_specs is None:
+      batch_specs = (None,) * len(batch)
+    if not isinstance(batch_specs, (tuple, list)) or len(batch_specs) != len(
+        batch
+    ):
+      raise ValueError(
+          f"batch_specs must hold one entry per argument after the params"
+          f" ({len(batch)} in this call), got {batch_specs!r}"
+      )
+    specs, splits = [], []  # splits: (name, size, axis, assumed)
+    for i, (arg, given) in enumerate(zip(batch, batch_specs)):
+      leaves, treedef = jax.tree_util.tree_flatten_with_path(arg)
+      if given is not None:
+        given = _broadcast_specs(given, arg, f"batch_specs[{i}]")
+      leaf_specs = []
+      for j, (path, x) in enumerate(leaves):
+        name = (
+            f"argument {i + 1}{jax.tree_util.keystr(path)} of the loss"
+            f" (batch_specs[{i}])"
+        )
+        if given is None:
+          spec, assumed = self._inferred_spec(name, x)
+        else:
+          spec, assumed = given[j], False
+        dim = self._split_dim(name, np.shape(x), spec)
+        if dim is not None:
+          splits.append((name, np.shape(x)[dim], dim, assumed))
+        leaf_specs.append(spec)
+      specs.append(jax.tree_util.tree_unflatten(treedef, leaf_specs))
+    _check_split_sizes(splits, self.device_spec[0])
+    return tuple(specs)
+
+  def _inferred_spec(self, name: str, x: Any) -> tuple[P, bool]:
+    """A leaf's spec without ``batch_specs``, and whether it is assumed
+    (split along the leading axis for want of anything saying otherwise)."""
+    if not np.shape(x):
+      return P(), False
+    placed = _placement(x)
+    if placed is not None:
+      dims = [
+          d
+          for d, entry in enumerate(placed)
+          if set(_spec_axes(entry)) & set(self.device_axes)
+      ]
+      if len(dims) > 1:
+        raise ValueError(
+            f"{name} is sharded as {placed}, over the device axes along"
+            f" {len(dims)} of its axes: pass batch_specs to say which one is"
+            " the batch"
+        )
+      if dims:
+        return P(*(None,) * dims[0], self.device_spec[0]), False
+    return self.device_spec, True
+
+  def _split_dim(self, name: str, shape: tuple, spec: P) -> int | None:
+    """The axis ``spec`` splits over the devices (None: every device gets
+    the leaf whole), refusing specs that are not data-parallel."""
+    entry = self.device_spec[0]
+    hint = (
+        f"name the device axes on the batch axis (e.g. P(None, {entry!r}) for"
+        " a time-major batch) or none (P(): every device gets it whole)"
+    )
+    if not isinstance(spec, P):
+      raise TypeError(
+          f"{name}: batch spec {spec!r} is not a PartitionSpec; {hint}"
+      )
+    if len(spec) > len(shape):
+      raise ValueError(
+          f"{name} has shape {shape}, too few axes for its batch spec {spec}"
+      )
+    named = [a for e in spec for a in _spec_axes(e)]
+    if not named:
+      return None
+    dims = [d for d, e in enumerate(spec) if _spec_axes(e)]
+    if sorted(named) != sorted(self.device_axes) or len(dims) > 1:
+      raise ValueError(
+          f"{name}: batch spec {spec} is not data-parallel; {hint}"
+      )
+    (dim,) = dims
+    if shape[dim] % self.num_devices:
+      raise ValueError(
+          f"{name} has shape {shape}: its axis {dim} must split evenly over"
+          f" the {self.num_devices} devices of mesh axes"
+          f" {', '.join(map(repr, self.device_axes))} (or pass batch_specs"
+          " to split another axis, or P() for an argument every device gets"
+          " whole)"
+      )
+    return dim
+
+
+class LocalGrads:
+  """Each device's gradients, stacked: what ``DataParallel.value_and_grad``
+  returns, and what only ``DataParallel.chain(tx)`` takes.
+
+  Local gradients are not the gradient: a transform applied to them (clipping
+  by their stacked norm, weight decay, a plain optimizer) acts on the wrong
+  object. So they carry a guard, a zero-size PRNG key, and JAX refuses every
+  arithmetic operation on a key while tracing, with an error whose dtype,
+  ``key<...>``, says where such a transform goes: inside ``chain``, after
+  the compressor, e.g. ``dp.chain(optax.chain(optax.clip_by_global_norm(1.0),
+  opt))``. A transform that combines them with another tree (a moment, the
+  params) fails on the differing structure, naming ``LocalGrads``.
+
+  Add up micro-batches' local gradients with ``+`` (or ``sum``) and scale
+  them with ``*`` and ``/``; read the arrays from ``stacked``.
+
+  Attributes:
+    stacked: the gradients in the params' structure (for a Flax NNX module,
+      an ``nnx.State`` of ``nnx.Param``), each leaf ``(num_devices, *shape)``
+      and sharded over the device axes.
+    guard: the key (an ``nnx.Param`` for a module, so that
+      ``nnx.Optimizer(..., wrt=nnx.Param)`` hands it on to ``chain``).
+  """
+
+  def __init__(self, stacked: Any, guard: Any):
+    self.stacked = stacked
+    self.guard = guard
+
+  def _map(self, f: Callable) -> "LocalGrads":
+    return LocalGrads(jax.tree.map(f, self.stacked), self.guard)
+
+  def __add__(self, other: Any) -> "LocalGrads":
+    if not isinstance(other, LocalGrads):
+      return NotImplemented
+    return LocalGrads(
+        jax.tree.map(jnp.add, self.stacked, other.stacked), self.guard
+    )
+
+  def __radd__(self, other: Any) -> "LocalGrads":
+    if isinstance(other, int) and other == 0:  # sum() starts from 0
+      return self
+    return NotImplemented
+
+  def __mul__(self, scale: Any) -> "LocalGrads":
+    if isinstance(scale, LocalGrads):
+      return NotImplemented
+    return self._map(lambda g: g * scale)
+
+  __rmul__ = __mul__
+
+  def __truediv__(self, scale: Any) -> "LocalGrads":
+    if isinstance(scale, LocalGrads):
+      return NotImplemented
+    return self._map(lambda g: g / scale)
+
+  def __repr__(self) -> str:
+    return f"LocalGrads(stacked={self.stacked!r})"
+
+
+jax.tree_util.register_pytree_with_keys(
+    LocalGrads,
+    lambda g: (
+        (
+            (jax.tree_util.GetAttrKey("stacked"), g.stacked),
+            (jax.tree_util.GetAttrKey("guard"), g.guard),
+        ),
+        None,
+    ),
+    lambda _, children: LocalGrads(*children),
+)
+
+
+def _never(*args):
+  del args
+  raise TypeError("the guard of acp_jax.LocalGrads is not a random key")
+
+
+# The guard's dtype is key<tag>: JAX prints it in the error of any operation
+# on it, so the tag is the message to whoever placed a transform there.
+_GUARD = jex_random.define_prng_impl(
+    key_shape=(0,),
+    seed=_never,
+    split=_never,
+    random_bits=_never,
+    fold_in=_never,
+    name="acp_jax.LocalGrads.guard",
+    tag=(
+        "acp_jax.LocalGrads: each device's gradients, stacked (add up"
+        " micro-batches' with +). Only DataParallel.chain(tx) takes them;"
+        " any transform goes inside it, after the compressor, e.g. clipping"
+        " the mean gradient with"
+        " dp.chain(optax.chain(optax.clip_by_global_norm(1.0), opt))"
+    ),
+)
+
+
+def _guard() -> jax.Array:
+  return jax.random.wrap_key_data(jnp.zeros((0,), jnp.uint32), impl=_GUARD)
+
+
+def _is_key(x: Any) -> bool:
+  return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
+def _is_guard(x: Any) -> bool:
+  return _is_key(x) and jax.random.key_impl(x) == _GUARD
+
+
+def _stacked_local_grads(updates: Any) -> Any:
+  """The stacked arrays of local gradients that ``chain``'s update gets: a
+  ``LocalGrads``, or the mapping of its fields that ``nnx.Optimizer`` hands
+  on (``nnx.state(grads, wrt)``)."""
+  if isinstance(updates, LocalGrads):
+    return updates.stacked
+  fields = set(updates) if isinstance(updates, Mapping) else set()
+  if fields == {"stacked", "guard"} and _is_guard(updates["guard"]):
+    return updates["stacked"]
+  hint = (
+      " nnx.Optimizer's wrt filter left out their guard, an nnx.Param:"
+      " build it with wrt=nnx.Param."
+      if fields == {"stacked"}
+      else ""
+  )
+  raise TypeError(
+      "DataParallel.chain(tx) takes the local gradients of"
+      f" DataParallel.value_and_grad (a LocalGrads), got"
+      f" {type(updates).__name__}. Take the gradients from"
+      " DataParallel.value_and_grad, not jax.grad or nnx.grad (whose"
+      " gradient of the global loss is already the dense mean)." + hint
+  )
+
+
+def _folding_device_index(axes: tuple[str, ...]) -> Callable[[Any], Any]:
+  """Folds this device's index over ``axes`` into a PRNG key (under
+  ``shard_map``); other values pass unchanged."""
+  index = lax.axis_index(axes)
+  return lambda x: jax.random.fold_in(x, index) if _is_key(x) else x
+
+
+def _placement(x: Any) -> P | None:
+  """The spec of ``x``'s sharding, where JAX exposes it: a concrete array's,
+  or a traced one's on ``Explicit`` mesh axes (``Auto`` axes do not show
+  while tracing)."""
+  try:
+    sharding = x.sharding
+  except AttributeError:  # a tracer, or not a jax.Array
+    sharding = getattr(jax.typeof(x), "sharding", None)
+  return sharding.spec if isinstance(sharding, NamedSharding) else None
+
+
+def _spec_axes(entry: Any) -> tuple[str, ...]:
+  """The mesh axes one entry of a ``PartitionSpec`` names."""
+  if entry is None or entry is P.UNCONSTRAINED:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _is_replicated(spec: P) -> bool:
+  return not any(_spec_axes(e) for e in spec)
+
+
+def _broadcast_specs(given: Any, arg: Any, where: str) -> list[P]:
+  """The leaf specs of ``arg`` from ``given``, a prefix tree of it."""
+  try:
+    tree = jax.tree.map(
+        lambda spec, sub: jax.tree.map(lambda _: spec, sub),
+        given,
+        arg,
+        is_leaf=_is_spec,
+    )
+  except ValueError as e:
+    raise ValueError(
+        f"{where} is not a PartitionSpec or a prefix tree of the argument's"
+        f" structure: {e}"
+    ) from None
+  return jax.tree.leaves(tree, is_leaf=_is_spec)
+
+
+def _check_split_sizes(splits: list, entry: Any) -> None:
+  """Refuses an assumed leading-axis split whose size disagrees with the
+  other split axes: then that axis is probably not the batch."""
+  fixed = {size for _, size, _, assumed in splits if not assumed}
+  if not fixed and splits:
+    # The batch: the size most leaves share, the larger on a tie (a leading
+    # axis beside the batch is time or channels, usually fewer).
+    counts = collections.Counter(size for _, size, _, _ in splits)
+    fixed = {max(counts, key=lambda size: (counts[size], size))}
+  for name, size, dim, assumed in splits:
+    if assumed and size not in fixed:
+      other, other_size, other_dim, _ = next(s for s in splits if s[1] in fixed)
+      raise ValueError(
+          f"{name} would be split over the devices along its axis {dim}, of"
+          f" size {size}, but {other} along its axis {other_dim}, of size"
+          f" {other_size}: which axis is the batch is ambiguous. Say it with"
+          " value_and_grad(fun, batch_specs=...), one entry per argument"
+          " after the params: P() for one that every device gets whole (e.g."
+          f" BatchNorm statistics), P(None, {entry!r}) for a time-major"
+          " batch; or place the arrays with a NamedSharding (seen outside"
+          " jit, or under jit on Explicit mesh axes)."
+      )
 
 
 def _volume(

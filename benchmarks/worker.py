@@ -324,7 +324,10 @@ def _parts(args) -> dict:
   cycle = len(experiment.compressor.cycle)
   for i in range(2 * cycle + args.steps):  # the first cycles compile
     t = {}
-    (_, grads), _, t["forward_backward"] = timed(grad_fn, part_params, batch)
+    (_, local_grads), _, t["forward_backward"] = timed(
+        grad_fn, part_params, batch
+    )
+    grads = local_grads.stacked
     local_grads = to_local(grads, local.device_spec)
     (_, comm_local), _, t["compress_local"] = timed(
         compress_local, local_grads, comm_local

@@ -90,6 +90,7 @@ def test_hierarchical_mean_gradient_is_the_mean_over_all_devices():
   params = jax.device_put(PARAMS, NamedSharding(dp.mesh, P()))
   x, y = jax.device_put((X, Y), NamedSharding(dp.mesh, dp.device_spec))
   _, grads = jax.jit(dp.value_and_grad(mlp_loss))(params, x, y)
+  grads = grads.stacked
   for g in jax.tree.leaves(grads):
     assert g.shape[0] == NUM_DEVICES
     assert g.sharding.spec == P(("data", "local"))

@@ -77,9 +77,14 @@ def train_step(
   and so does ACP-SGD's phase (keeping the previous factors, a valid state).
   """
 
+  stats_spec = batch_stats_spec(batch_norm)
+
   def loss_fn(params, batch, batch_stats):
-    # Runs on each device's shard: [1, per_device, ...] blocks.
-    batch, batch_stats = _this_device((batch, batch_stats))
+    # Runs on each device's shard: [1, per_device, ...] blocks, and local
+    # statistics stacked per device; synchronized ones come whole.
+    batch = _this_device(batch)
+    if stats_spec == DEVICE:
+      batch_stats = _this_device(batch_stats)
     rng = jax.random.fold_in(
         jax.random.fold_in(state.rng, state.step), jax.lax.axis_index(AXIS)
     )
@@ -92,22 +97,19 @@ def train_step(
         jnp.stack([loss_sum, correct, weight]),
     )
 
-  stats_arg = state.batch_stats
-  if batch_norm == "sync":  # one copy for every device: split a broadcast
-    stats_arg = jax.tree.map(
-        lambda x: jnp.broadcast_to(x, (dp.num_devices,) + x.shape), stats_arg
-    )
   # Synchronized statistics agree across devices: returned once.
-  aux_specs = (batch_stats_spec(batch_norm), DEVICE)
   (_, (batch_stats, sums)), grads = dp.value_and_grad(
-      loss_fn, has_aux=True, aux_specs=aux_specs
-  )(state.params, batch, stats_arg)
+      loss_fn,
+      has_aux=True,
+      aux_specs=(stats_spec, DEVICE),
+      batch_specs=(DEVICE, stats_spec),
+  )(state.params, batch, state.batch_stats)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   # Per-device partial sums, reduced by one small all-reduce.
   grad_sq = sum(
       jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim)))
-      for g in jax.tree.leaves(grads)
+      for g in jax.tree.leaves(grads.stacked)
   )
   loss_sum, correct, weight, grad_sq = jnp.sum(
       jnp.concatenate([sums, grad_sq[:, None]], axis=1), axis=0

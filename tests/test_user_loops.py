@@ -1,0 +1,314 @@
+"""Mistakes in users' own loops that DataParallel catches, or makes right.
+
+Each test names in its docstring the mistake it guards; each compares with
+the same loop without compression (a dense gradient over the global batch,
+or the plain ``nnx.jit`` loop), or checks that the mistake is refused.
+"""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import acp_jax
+from tests import helpers
+from tests.conftest import NUM_DEVICES
+
+AXIS = helpers.AXIS
+BATCH = 8 * NUM_DEVICES
+RNG = np.random.default_rng(0)
+
+
+def dp_of(compressor=None):
+  return acp_jax.DataParallel(compressor or acp_jax.ssgd(), helpers.mesh())
+
+
+def put(tree, spec):
+  return jax.device_put(tree, NamedSharding(helpers.mesh(), spec))
+
+
+def mean_over_devices(local_grads):
+  """What ssgd's exchange sends on: the mean of the local gradients."""
+  return jax.tree.map(lambda g: g.mean(0), local_grads.stacked)
+
+
+def distinct_rows(masks):
+  return len({row.tobytes() for row in np.asarray(masks).reshape(BATCH, -1)})
+
+
+# -- randomness inside the loss ---------------------------------------------
+
+
+class Dropped(nnx.Module):
+
+  def __init__(self, rngs):
+    self.dropout = nnx.Dropout(0.5, rngs=rngs)
+    self.out = nnx.Linear(32, 1, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.dropout(x)
+    return self.out(h), h != 0
+
+
+def dropped_loss(model, x):
+  y, kept = model(x)
+  return jnp.mean(y**2), kept
+
+
+def test_nnx_dropout_draws_a_mask_per_row_like_the_plain_loop():
+  """Dropout through an NNX Rngs stream: each device draws its own masks."""
+  x = np.ones((BATCH, 32), np.float32)
+
+  plain = Dropped(nnx.Rngs(0))
+  _, plain_masks = nnx.jit(
+      lambda m, x: nnx.value_and_grad(dropped_loss, has_aux=True)(m, x)[0]
+  )(plain, x)
+
+  dp = dp_of()
+  model = Dropped(nnx.Rngs(0))
+  (_, masks), _ = nnx.jit(
+      lambda m, x: dp.value_and_grad(dropped_loss, has_aux=True)(m, x)
+  )(model, put(x, P(AXIS)))
+  assert distinct_rows(plain_masks) == BATCH
+  assert distinct_rows(masks) == BATCH
+  # The replicas keep the unfolded key, and its count advanced as in the
+  # plain loop's one draw.
+  keys = lambda m: jax.tree.map(jax.random.key_data, nnx.state(m, nnx.RngKey))
+  chex.assert_trees_all_equal(keys(model), keys(plain))
+  chex.assert_trees_all_equal(
+      nnx.state(model, nnx.RngCount), nnx.state(plain, nnx.RngCount)
+  )
+
+
+def noisy_loss(params, x, key):
+  kept = jax.random.bernoulli(key, 0.5, x.shape)
+  return jnp.mean((jnp.where(kept, x, 0) @ params["w"]) ** 2), kept
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_a_key_argument_draws_a_mask_per_row_like_the_plain_loop(hierarchical):
+  """A PRNG key passed to the loss: each device draws its own noise."""
+  params = {"w": jnp.ones((32, 1))}
+  x, key = np.ones((BATCH, 32), np.float32), jax.random.key(0)
+  plain = jax.value_and_grad(noisy_loss, has_aux=True)
+  (_, plain_masks), _ = plain(params, x, key)
+  if hierarchical:  # 2 nodes of 4 devices: the index runs over both axes
+    auto = jax.sharding.AxisType.Auto
+    nodes = jax.make_mesh((2, NUM_DEVICES // 2), (AXIS, "local"), (auto, auto))
+    dp = acp_jax.DataParallel(acp_jax.ssgd(), nodes, local_axis="local")
+  else:
+    dp = dp_of()
+  (_, masks), _ = jax.jit(dp.value_and_grad(noisy_loss, has_aux=True))(
+      params, x, key
+  )
+  assert distinct_rows(plain_masks) == BATCH
+  assert distinct_rows(masks) == BATCH
+
+
+# -- nothing between value_and_grad and chain --------------------------------
+
+
+def tanh_loss(params, x):
+  return jnp.mean(jnp.tanh(x @ params["w"]) ** 2)
+
+
+def tanh_problem():
+  params = {"w": jnp.asarray(RNG.standard_normal((12, 5)), jnp.float32)}
+  x = RNG.standard_normal((BATCH, 12)).astype(np.float32)
+  return params, put(x, P(AXIS))
+
+
+def test_clipping_before_chain_is_refused_and_inside_it_clips_the_mean():
+  """optax.chain(clip, dp.chain(tx)) would clip the stacked local gradients."""
+  dp = dp_of()
+  params, x = tanh_problem()
+  _, grads = jax.jit(dp.value_and_grad(tanh_loss))(params, x)
+  clip = optax.clip_by_global_norm(0.05)
+  before = optax.chain(clip, dp.chain(optax.sgd(1.0)))
+  where = r"after the compressor.*dp\.chain\(optax\.chain\(optax\.clip"
+  with pytest.raises(TypeError, match=where):
+    jax.jit(before.update)(grads, before.init(params), params)
+
+  inside = dp.chain(optax.chain(clip, optax.sgd(1.0)))
+  updates, _ = jax.jit(inside.update)(grads, inside.init(params), params)
+  dense = jax.grad(tanh_loss)(params, x)
+  norm = optax.tree.norm(dense)
+  assert norm > 0.05  # so the clip acts
+  chex.assert_trees_all_close(
+      updates,
+      jax.tree.map(lambda g: -g * 0.05 / norm, dense),
+      rtol=1e-5,
+      atol=1e-8,
+  )
+
+
+@pytest.mark.parametrize(
+    "tx, error, match",
+    [
+        (optax.sgd(0.1), TypeError, "Only DataParallel.chain"),
+        (optax.adam(0.1), ValueError, "LocalGrads"),
+    ],
+    ids=["sgd", "adam"],
+)
+def test_a_plain_optimizer_given_local_gradients_is_refused(tx, error, match):
+  """tx.update(local_grads) without dp.chain: params gain a device axis."""
+  dp = dp_of()
+  params, x = tanh_problem()
+
+  @jax.jit
+  def step(params, state, x):
+    _, grads = dp.value_and_grad(tanh_loss)(params, x)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  with pytest.raises(error, match=match):
+    step(params, tx.init(params), x)
+
+
+def test_local_gradients_add_up_and_scale():
+  """Micro-batch accumulation with +, sum() and / keeps the guard."""
+  dp = dp_of()
+  params, x = tanh_problem()
+  _, g = jax.jit(dp.value_and_grad(tanh_loss))(params, x)
+  total = sum([g, g, g]) / 3
+  assert isinstance(total, acp_jax.LocalGrads)
+  chex.assert_trees_all_close(total.stacked, g.stacked, rtol=1e-6)
+  chex.assert_trees_all_close((2 * g * 0.5).stacked, g.stacked, rtol=1e-6)
+  with pytest.raises(TypeError, match="Only DataParallel.chain"):
+    jax.tree.map(jnp.add, g, g)
+
+
+# -- which axis is the batch -------------------------------------------------
+
+T = 16  # time steps: the leading axis of a time-major batch
+
+
+def rnn_loss(params, x, y):
+  """A recurrent net on a time-major batch, x (T, B, F) and y (T, B)."""
+
+  def step(h, xt):
+    h = jnp.tanh(xt @ params["wx"] + h @ params["wh"])
+    return h, h @ params["out"]
+
+  h0 = jnp.zeros((x.shape[1], params["wh"].shape[0]))
+  _, logits = jax.lax.scan(step, h0, x)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def rnn_problem():
+  params = {
+      "wx": RNG.standard_normal((6, 8)).astype(np.float32) / 2,
+      "wh": RNG.standard_normal((8, 8)).astype(np.float32) / 3,
+      "out": RNG.standard_normal((8, 3)).astype(np.float32),
+  }
+  x = RNG.standard_normal((T, BATCH, 6)).astype(np.float32)
+  y = RNG.integers(0, 3, (T, BATCH))
+  return params, x, y
+
+
+def test_a_time_major_batch_splits_along_its_sharded_axis():
+  """A (T, B, F) batch placed with P(None, 'data') is split along B."""
+  dp = dp_of()
+  params, x, y = rnn_problem()
+  dense = jax.grad(rnn_loss)(params, x, y)
+  placed = put((x, y), P(None, AXIS))
+  _, by_sharding = dp.value_and_grad(rnn_loss)(params, *placed)
+  chex.assert_trees_all_close(
+      mean_over_devices(by_sharding), dense, rtol=1e-5, atol=1e-7
+  )
+  # Under jit on Auto mesh axes the sharding does not show: say it.
+  specs = (P(None, AXIS), P(None, AXIS))
+  _, by_spec = jax.jit(dp.value_and_grad(rnn_loss, batch_specs=specs))(
+      params, *placed
+  )
+  chex.assert_trees_all_close(
+      mean_over_devices(by_spec), dense, rtol=1e-5, atol=1e-7
+  )
+  # On Explicit mesh axes it does.
+  explicit = jax.sharding.AxisType.Explicit
+  mesh = jax.make_mesh((NUM_DEVICES,), (AXIS,), axis_types=(explicit,))
+  dp = acp_jax.DataParallel(acp_jax.ssgd(), mesh)
+  placed = jax.device_put((x, y), NamedSharding(mesh, P(None, AXIS)))
+  _, traced = jax.jit(dp.value_and_grad(rnn_loss))(
+      jax.device_put(params, NamedSharding(mesh, P())), *placed
+  )
+  chex.assert_trees_all_close(
+      mean_over_devices(traced), dense, rtol=1e-5, atol=1e-7
+  )
+
+
+def test_a_batch_axis_that_disagrees_in_size_is_refused():
+  """Time-major x beside labels y (B,): splitting both along axis 0 is
+  ambiguous."""
+  dp = dp_of()
+  params, x, y = rnn_problem()
+  hint = r"ambiguous.*batch_specs=.*P\(None, 'data'\)"
+  with pytest.raises(ValueError, match=hint):
+    jax.jit(dp.value_and_grad(lambda p, x, y: rnn_loss(p, x, y[None])))(
+        params, x, y[0]
+    )
+
+
+class Normed(nn.Module):
+  """Dense, synchronized BatchNorm over the data axis, dense."""
+
+  axis_name: str | None = None
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(NUM_DEVICES)(x)  # as many channels as devices
+    x = nn.BatchNorm(
+        use_running_average=False, momentum=0.9, axis_name=self.axis_name
+    )(x)
+    return nn.Dense(3)(jax.nn.relu(x))
+
+
+def linen_loss(model):
+  def loss(params, batch_stats, x, y):
+    logits, updated = model.apply(
+        {"params": params, "batch_stats": batch_stats},
+        x,
+        mutable=["batch_stats"],
+    )
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return loss, updated["batch_stats"]
+
+  return loss
+
+
+def test_linen_batch_stats_argument_is_passed_whole_by_its_spec():
+  """Linen's loss(params, batch_stats, x, y): batch_stats must not be split."""
+  x = RNG.standard_normal((BATCH, 5)).astype(np.float32)
+  y = RNG.integers(0, 3, BATCH)
+  variables = Normed().init(jax.random.key(0), x)
+  params = variables["params"]
+  # Running statistics that a few steps would have left, not the initial ones.
+  batch_stats = jax.tree.map(
+      lambda s: s + jnp.asarray(RNG.uniform(0.5, 1.5, s.shape), s.dtype),
+      variables["batch_stats"],
+  )
+  (_, dense_stats), dense = jax.value_and_grad(
+      linen_loss(Normed()), has_aux=True
+  )(params, batch_stats, x, y)
+
+  dp = dp_of()
+  loss = linen_loss(Normed(axis_name=AXIS))
+  batch = put((x, y), P(AXIS))
+  hint = r"argument 1\['BatchNorm_0'\].*ambiguous.*batch_specs"
+  with pytest.raises(ValueError, match=hint):
+    jax.jit(dp.value_and_grad(loss, has_aux=True))(params, batch_stats, *batch)
+  (_, stats), grads = jax.jit(
+      dp.value_and_grad(
+          loss, has_aux=True, aux_specs=P(), batch_specs=(P(), None, None)
+      )
+  )(params, batch_stats, *batch)
+  chex.assert_trees_all_close(
+      mean_over_devices(grads), dense, rtol=1e-5, atol=1e-6
+  )
+  chex.assert_trees_all_close(stats, dense_stats, rtol=1e-5, atol=1e-6)
