@@ -83,7 +83,7 @@ def _documented():
   for line in text.splitlines():
     if m := re.match(r"\.\. (?:currentmodule|automodule):: (\S+)", line):
       module = m.group(1)
-    elif m := re.match(r"\.\. auto(?:function|class):: (\S+)", line):
+    elif m := re.match(r"\.\. auto(?:function|class|exception):: (\S+)", line):
       names.add(f"{module}.{m.group(1)}")
   return names
 
