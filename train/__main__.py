@@ -58,7 +58,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def _config_file(argv) -> str | None:
-  """The value of ``--config`` in ``argv`` (``--config=F`` or ``--config F``)."""
+  """The value of ``--config=F`` or ``--config F`` in ``argv``."""
   for i, arg in enumerate(argv):
     if arg.startswith("--config="):
       return arg.partition("=")[2]
