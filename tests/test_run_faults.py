@@ -38,7 +38,10 @@ def test_a_metrics_symlink_out_of_the_workdir_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "line, message",
     [
-        (b'{"loss": 1.0}\n', 'is not a metrics record (a JSON object with an int "step")'),
+        (
+            b'{"loss": 1.0}\n',
+            'is not a metrics record (a JSON object with an int "step")',
+        ),
         (b'[2, 1.0]\n', "is not a metrics record"),
         (b'{"step": 2, "loss": "\xff"}\n', "is not UTF-8"),
     ],
@@ -172,7 +175,8 @@ def test_a_second_run_on_a_busy_workdir_is_refused_and_a_dead_ones_lock_is_not(
     [
         (
             "--config.optimizer.learning_rate=0.2",
-            "config.optimizer.learning_rate: process 0 has 0.1, process 1 has 0.2",
+            "config.optimizer.learning_rate: process 0 has 0.1, process 1 has"
+            " 0.2",
         ),
         (
             "--config.compressor.acp_sgd.rank=2",

@@ -143,11 +143,10 @@ def _check_model_numbers(section: str, args) -> None:
       _check_model_numbers(name, value)
     elif _is_int(value):
       _check_int(name, value, 1)
+    elif isinstance(value, float) and "dropout" in key:
+      _check_number(name, value, 0.0, 1.0, high_open=True)
     elif isinstance(value, float):
-      _check_number(
-          name, value, 0.0, 1.0 if "dropout" in key else math.inf,
-          high_open="dropout" in key,
-      )
+      _check_number(name, value, 0.0)
 
 
 def _check_numbers(config: ml_collections.ConfigDict) -> None:
