@@ -5,6 +5,33 @@ starts from this one and overrides what differs.
 """
 
 import ml_collections
+from ml_collections import config_dict
+
+
+def _dtype():
+  # e.g. --config.compressor.ssgd.comm_dtype=bfloat16; None: the gradients'.
+  return config_dict.placeholder(str)
+
+
+def _bucket_bytes():
+  # Uncompressed gradient bytes per bucket; None: 25 MiB, PyTorch DDP's.
+  return config_dict.placeholder(float)
+
+
+def _low_rank():
+  """Power-SGD's and ACP-SGD's arguments (see their factories), a fresh
+  dict for each, so that setting one leaves the other as it is."""
+  return {
+      "rank": 4,
+      "min_compression_rate": 2.0,
+      "use_error_feedback": True,
+      "warm_start": True,
+      "comm_dtype": _dtype(),
+      "warmup_steps": 0,  # dense S-SGD steps before compressing
+      "warmup_factors": True,
+      "seed": 0,  # the initial factors (the same on every replica)
+      "bucket_bytes": _bucket_bytes(),
+  }
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -48,25 +75,20 @@ def get_config() -> ml_collections.ConfigDict:
   # The compressor by name, and each compressor's factory arguments in a
   # dict of its own (e.g. --config.compressor.acp_sgd.rank=8), so that
   # --config.compressor.name=ssgd works here as is and no argument is ever
-  # silently ignored.
-  # Power-SGD and ACP-SGD take the same arguments (see their factories).
-  low_rank = {
-      "rank": 4,
-      "min_compression_rate": 2.0,
-      "use_error_feedback": True,
-      "warm_start": True,
-      "comm_dtype": None,  # e.g. "bfloat16"
-      "warmup_steps": 0,  # dense S-SGD steps before compressing
-      "warmup_factors": True,
-  }
+  # silently ignored. Every argument but keep_dense (a tree or a function)
+  # is here, so each can be set from the command line; None stands for the
+  # factory's default, typed so that an override parses.
   config.compressor = ml_collections.ConfigDict(
       {
           "name": "acp_sgd",
-          "ssgd": {},
-          "sign_sgd": {"majority_vote": False},
-          "topk_sgd": {"density": 0.01},
-          "power_sgd": dict(low_rank),
-          "acp_sgd": dict(low_rank),
+          "ssgd": {"comm_dtype": _dtype(), "bucket_bytes": _bucket_bytes()},
+          "sign_sgd": {
+              "majority_vote": False,
+              "bucket_bytes": _bucket_bytes(),
+          },
+          "topk_sgd": {"density": 0.01, "bucket_bytes": _bucket_bytes()},
+          "power_sgd": _low_rank(),
+          "acp_sgd": _low_rank(),
       }
   )
 

@@ -1,16 +1,22 @@
 """Every config builds; the small ones train a few steps end to end."""
 
 import importlib
+import inspect
+import json
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from train import config as config_lib
 from train import models
 from train import experiment as experiment_lib
 from train import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SHARED = "../shared/data"
 PAPER = {
@@ -146,3 +152,112 @@ def test_command_line_names_an_unknown_override(tmp_path):
   assert result.returncode != 0
   assert "unknown config key in --config.compressor.acp_sgd.rnk=8" in result.stderr
   assert 'Did you mean "rank"' in result.stderr
+
+
+# A number of the default config out of its range, and the range named.
+OUT_OF_RANGE = [
+    ("schedule.warmup_steps", -5, "an int >= 0"),
+    ("optimizer.learning_rate", -0.1, "a finite number in (0.0, inf)"),
+    ("optimizer.learning_rate", float("nan"), "a finite number in (0.0, inf)"),
+    ("optimizer.momentum", 1.5, "a finite number in [0.0, 1.0)"),
+    ("schedule.end_factor", -1.0, "a finite number in [0.0, 1.0]"),
+    ("model.width", 0, "an int >= 1"),
+    ("seed", 10**20, "an int in [0, 4294967295]"),
+    ("seed", -1, "an int in [0, 4294967295]"),
+    ("batch_size", -128, "an int >= 0"),
+    ("checkpoint_every_steps", -1, "an int >= 0"),
+]
+
+
+@pytest.mark.parametrize("key, value, bound", OUT_OF_RANGE)
+def test_numbers_out_of_range_are_refused_naming_the_key(
+    key, value, bound, monkeypatch
+):
+  config = get_config("default")
+  section, _, field = key.rpartition(".")
+  (config[section] if section else config)[field] = value
+
+  def compiled(*args, **kwargs):
+    raise AssertionError("compiled before checking the config")
+
+  monkeypatch.setattr(train, "compile_steps", compiled)
+  message = f"config.{key} must be {bound}, got {value!r}"
+  with pytest.raises(ValueError, match=re.escape(message)):
+    train.train_and_evaluate(config, "/tmp/unused")
+
+
+def test_the_default_config_holds_every_compressor_argument():
+  """So that each can be set from the command line (keep_dense is a tree or
+  a function of the params, which no flag can hold)."""
+  config = get_config("default")
+  for name, factory in config_lib.COMPRESSORS.items():
+    arguments = set(inspect.signature(factory).parameters)
+    assert arguments - {"axis_name", "keep_dense"} == set(
+        config.compressor[name]
+    ), name
+
+
+def _command(tmp_path, *args):
+  return subprocess.run(
+      [sys.executable, "-m", "train", f"--workdir={tmp_path / 'run'}", *args],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+
+
+def test_compressor_arguments_are_set_from_the_command_line(tmp_path):
+  overrides = [
+      "--config.compressor.acp_sgd.comm_dtype=bfloat16",
+      "--config.compressor.acp_sgd.bucket_bytes=4096",
+  ]
+  result = _command(
+      tmp_path,
+      "--config=configs/default.py",
+      "--num_cpu_devices=2",
+      "--config.num_train_steps=2",
+      "--config.batch_size=32",
+      "--config.model.width=8",
+      "--config.eval_every_steps=0",
+      *overrides,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  with open(tmp_path / "run" / "metrics.jsonl") as f:
+    sent = [l["bytes_sent"] for l in map(json.loads, f) if "loss" in l]
+  config = get_config("default")
+  config.model.width = 8
+  config.compressor.acp_sgd.comm_dtype = "bfloat16"
+  bf16 = experiment_lib.build(config).bytes_per_phase()
+  assert sent == [bf16["p"], bf16["q"]]
+  config.compressor.acp_sgd.comm_dtype = None
+  assert bf16["p"] < experiment_lib.build(config).bytes_per_phase()["p"]
+  # A bad bucket size reaches the factory that checks it.
+  result = _command(
+      tmp_path,
+      "--config=configs/default.py",
+      "--config.compressor.name=ssgd",
+      "--config.compressor.ssgd.bucket_bytes=-1",
+  )
+  assert result.returncode != 0
+  assert "config.compressor.ssgd: ssgd: bucket_bytes must be" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("def other():\n  return 1\n", "defines no get_config()"),
+        (
+            "def get_config():\n  return {'seed': 0}\n",
+            "returned a dict; it must return an ml_collections.ConfigDict",
+        ),
+    ],
+)
+def test_a_config_file_of_another_kind_is_refused_naming_it(
+    text, message, tmp_path
+):
+  path = tmp_path / "my_config.py"
+  path.write_text(text)
+  result = _command(tmp_path, f"--config={path}")
+  assert result.returncode != 0
+  assert f"{path}" in result.stderr and message in result.stderr

@@ -50,8 +50,9 @@ def test_divergence_stops_before_saving_and_a_sane_rerun_resumes(tmp_path):
   # A checkpoint every step: the first non-finite step must not be saved.
   diverging = small_config(steps=30, checkpoint_every_steps=1)
   diverging.optimizer.learning_rate = 1e30
-  with pytest.raises(FloatingPointError, match="is not finite at step 5"):
+  with pytest.raises(FloatingPointError, match="is not finite at step 5") as e:
     train.train_and_evaluate(diverging, workdir)
+  assert "checkpoint 4, checked finite, holds the last good state" in str(e.value)
   assert saved_steps(workdir) == [2, 4]
   params = restored_params(workdir, diverging)
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))

@@ -133,7 +133,7 @@ def _compiled_bytes(experiment):
 
 @pytest.mark.parametrize("compressor", COMPRESSORS)
 def test_train_step_sends_only_what_is_accounted(compressor):
-  """Compressor bytes + 16 metric bytes: no hidden dense all-reduce."""
+  """Compressor bytes + 20 metric bytes: no hidden dense all-reduce."""
   experiment = experiment_lib.build(small_config(compressor))
   assert _compiled_bytes(experiment) == experiment.bytes_per_step()
 

@@ -16,6 +16,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from train import config as config_lib
 from train import metrics as metrics_lib
 from train import runtime
 from train import train
@@ -56,7 +57,25 @@ _DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+def _config_file(argv) -> str | None:
+  """The value of ``--config=F`` or ``--config F`` in ``argv``."""
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config="):
+      return arg.partition("=")[2]
+    if arg == "--config" and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
+
+
 def _parse_flags(argv):
+  # ml_collections reports a file without get_config() as an unknown
+  # attribute, and takes whatever get_config() returns: checked here first,
+  # so that the message names the file.
+  if (path := _config_file(argv)) is not None:
+    try:
+      config_lib.load_file(path)
+    except ValueError as e:
+      raise SystemExit(str(e)) from None
   try:
     return flags.FLAGS(argv)
   except (AttributeError, KeyError) as e:  # ml_collections' unknown override

@@ -4,6 +4,10 @@ Everything here runs before any compilation, so a bad config fails in
 milliseconds with the offending key and value in the message.
 """
 
+import importlib.util
+import math
+import numbers
+import os
 from typing import Any
 
 import ml_collections
@@ -71,23 +75,86 @@ def _check_choice(key: str, value, choices) -> None:
     raise ValueError(f"{key} must be one of {list(choices)}, got {value!r}")
 
 
-def _positive_int(key: str, value, *, zero_ok: bool = False) -> None:
-  if (
-      not isinstance(value, int)
-      or isinstance(value, bool)
-      or value < (0 if zero_ok else 1)
-  ):
-    kind = "a non-negative" if zero_ok else "a positive"
-    raise ValueError(f"{key} must be {kind} int, got {value!r}")
+def _is_int(value) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
-  """Raises ``ValueError`` naming the first bad key and its value."""
-  _check_keys("config", config.keys(), KEYS)
-  _check_choice("config.batch_norm", config.batch_norm, BATCH_NORM)
-  _check_choice("config.nonfinite", config.nonfinite, NONFINITE)
+def _check_int(key: str, value, low: int, high: int | None = None) -> None:
+  """Raises unless ``value`` is an int in ``[low, high]``."""
+  if not _is_int(value) or value < low or (high is not None and value > high):
+    bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+    raise ValueError(f"{key} must be an int {bound}, got {value!r}")
+
+
+def _check_number(
+    key: str,
+    value,
+    low: float,
+    high: float = math.inf,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+  """Raises unless ``value`` is a finite real number in the interval from
+  ``low`` to ``high``, each end open or closed."""
+  ok = (
+      isinstance(value, numbers.Real)
+      and not isinstance(value, bool)
+      and math.isfinite(value)
+      and (value > low if low_open else value >= low)
+      and (value < high if high_open or high == math.inf else value <= high)
+  )
+  if not ok:
+    interval = (
+        f"{'(' if low_open else '['}{low}, {high}"
+        f"{')' if high_open or high == math.inf else ']'}"
+    )
+    raise ValueError(
+        f"{key} must be a finite number in {interval}, got {value!r}"
+    )
+
+
+# The seed feeds jax.random.PRNGKey, which wraps values of 2**32 and more
+# around to other keys, and NumPy's generators.
+MAX_SEED = 2**32 - 1
+
+# Ranges of the optimizer's and the schedule's numbers, as
+# ``_check_number``'s arguments after the key and value.
+OPTIMIZER_RANGES = {
+    "learning_rate": dict(low=0.0, low_open=True),
+    "momentum": dict(low=0.0, high=1.0, high_open=True),
+    "weight_decay": dict(low=0.0),
+    "b1": dict(low=0.0, high=1.0, high_open=True),
+    "b2": dict(low=0.0, high=1.0, high_open=True),
+    "eps": dict(low=0.0, low_open=True),
+}
+SCHEDULE_RANGES = {
+    "end_factor": dict(low=0.0, high=1.0),
+    "decay_factor": dict(low=0.0, high=1.0, low_open=True),
+}
+
+
+def _check_model_numbers(section: str, args) -> None:
+  """Sizes (every int) must be positive, rates (every float) finite and
+  non-negative, dropout below 1; nested sections are checked alike."""
+  for key, value in args.items():
+    name = f"{section}.{key}"
+    if isinstance(value, (dict, ml_collections.ConfigDict)):
+      _check_model_numbers(name, value)
+    elif _is_int(value):
+      _check_int(name, value, 1)
+    elif isinstance(value, float) and "dropout" in key:
+      _check_number(name, value, 0.0, 1.0, high_open=True)
+    elif isinstance(value, float):
+      _check_number(name, value, 0.0)
+
+
+def _check_numbers(config: ml_collections.ConfigDict) -> None:
+  """Signs and ranges of every number the trainer reads itself (the
+  compressor's are its factory's to check, the loaders' their own)."""
+  _check_int("config.seed", config.seed, 0, MAX_SEED)
   for key in ("num_train_steps", "log_every_steps"):
-    _positive_int(f"config.{key}", config[key])
+    _check_int(f"config.{key}", config[key], 1)
   for key in (
       "eval_every_steps",
       "checkpoint_every_steps",
@@ -95,13 +162,41 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
       "per_device_batch_size",
       "batch_size",
   ):
-    _positive_int(f"config.{key}", config[key], zero_ok=True)
-  global_batch_size(config, num_devices)
-  pipeline.check(config.data_workers, config.data_prefetch)
+    _check_int(f"config.{key}", config[key], 0)
+  for key, value in config.optimizer.items():
+    if key in OPTIMIZER_RANGES:
+      _check_number(f"config.optimizer.{key}", value, **OPTIMIZER_RANGES[key])
+  if "nesterov" in config.optimizer:
+    _check_choice(
+        "config.optimizer.nesterov", config.optimizer.nesterov, (False, True)
+    )
+  schedule = config.schedule
+  _check_int("config.schedule.warmup_steps", schedule.get("warmup_steps", 0), 0)
+  for key, value in schedule.items():
+    if key in SCHEDULE_RANGES:
+      _check_number(f"config.schedule.{key}", value, **SCHEDULE_RANGES[key])
+  if "boundaries" in schedule:
+    boundaries = schedule.boundaries
+    if not isinstance(boundaries, (list, tuple)):
+      raise ValueError(
+          "config.schedule.boundaries must be a list of fractions of the"
+          f" steps after warmup, got {boundaries!r}"
+      )
+    for i, b in enumerate(boundaries):
+      _check_number(f"config.schedule.boundaries[{i}]", b, 0.0, 1.0)
+  _check_model_numbers("config.model", config.model)
 
-  _check_choice("config.compressor.name", config.compressor.name, COMPRESSORS)
-  _check_keys("config.compressor", set(config.compressor) - {"name"}, COMPRESSORS)
-  compressor(config, "data")  # the factory checks its own arguments
+
+def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
+  """Raises ``ValueError`` naming the first bad key and its value."""
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise TypeError(
+        "the config must be an ml_collections.ConfigDict, got"
+        f" {type(config).__name__}"
+    )
+  _check_keys("config", config.keys(), KEYS)
+  _check_choice("config.batch_norm", config.batch_norm, BATCH_NORM)
+  _check_choice("config.nonfinite", config.nonfinite, NONFINITE)
   _check_choice("config.optimizer.name", config.optimizer.name, OPTIMIZER_KEYS)
   _check_keys(
       "config.optimizer",
@@ -117,6 +212,44 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   for section in ("model", "data"):
     if "name" not in config[section]:
       raise ValueError(f"config.{section}.name is missing")
+  _check_numbers(config)
+  global_batch_size(config, num_devices)
+  pipeline.check(config.data_workers, config.data_prefetch)
+  _check_choice("config.compressor.name", config.compressor.name, COMPRESSORS)
+  _check_keys("config.compressor", set(config.compressor) - {"name"}, COMPRESSORS)
+  compressor(config, "data")  # the factory checks its own arguments
+
+
+def load_file(path: str) -> ml_collections.ConfigDict:
+  """The config that ``get_config()`` of the file at ``path`` returns.
+
+  ``path`` may end in ``:ARG``, passed to ``get_config`` as
+  ``ml_collections.config_flags`` does.
+
+  Raises:
+    ValueError: naming ``path``, if it is not a Python file with a
+      ``get_config()`` that returns an ``ml_collections.ConfigDict``.
+  """
+  file, *args = path.split(":", 1)
+  if not os.path.isfile(file):
+    raise ValueError(f"the config file {file} does not exist")
+  spec = importlib.util.spec_from_file_location("config_file", file)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  get_config = getattr(module, "get_config", None)
+  if not callable(get_config):
+    raise ValueError(
+        f"the config file {file} defines no get_config(); a config file"
+        " defines get_config() returning an ml_collections.ConfigDict"
+    )
+  config = get_config(*args)
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ValueError(
+        f"get_config() of the config file {file} returned a"
+        f" {type(config).__name__}; it must return an"
+        " ml_collections.ConfigDict"
+    )
+  return config
 
 
 def global_batch_size(config: ml_collections.ConfigDict, num_devices: int):

@@ -30,8 +30,9 @@ from train import models
 AXIS = "data"
 DEVICE = P(AXIS)  # stacked on a leading device axis, one slice per device
 REPLICATED = P()
-# Scalars all-reduced by every train step: loss, correct, weight, |grad|^2.
-NUM_REDUCED_METRICS = 4
+# Scalars all-reduced by every train step: loss, correct, weight, |grad|^2
+# and the number of devices holding a non-finite array of the state.
+NUM_REDUCED_METRICS = 5
 
 
 class TrainState(NamedTuple):
@@ -45,6 +46,20 @@ class TrainState(NamedTuple):
 def batch_stats_spec(batch_norm: str) -> P:
   """Synced statistics agree across devices; local ones differ."""
   return REPLICATED if batch_norm == "sync" else DEVICE
+
+
+def state_parts(
+    state: TrainState, dp: acp_jax.DataParallel, batch_norm: str
+) -> list[tuple[P, Any]]:
+  """The state as ``(spec, subtree)`` pairs, each subtree laid out by its
+  spec: stacked one slice per device (``DEVICE``) or replicated."""
+  comm = state.opt_state.comm
+  return [
+      (REPLICATED, (state.step, state.params, state.rng)),
+      (batch_stats_spec(batch_norm), state.batch_stats),
+      (REPLICATED, state.opt_state.inner),
+      *zip(dp.comm_specs(comm), comm),
+  ]
 
 
 def sync_batch_norm_bytes(batch_stats: Any, batch_norm: str) -> int:

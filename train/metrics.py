@@ -29,12 +29,26 @@ def params_digest(params) -> str:
 
 
 class MetricsLog:
-  """``workdir/metrics.jsonl``, written by process 0 only."""
+  """``workdir/metrics.jsonl``, written by process 0 only.
+
+  The file must lie inside ``workdir``: a symlink out of it (left by a
+  copied or shared workdir) would have this run rewrite another run's log.
+  """
 
   def __init__(self, workdir: str, resume_step: int):
     self._path = os.path.join(workdir, "metrics.jsonl")
     self._active = jax.process_index() == 0
-    if self._active and os.path.exists(self._path):
+    if not self._active:
+      return
+    root, target = os.path.realpath(workdir), os.path.realpath(self._path)
+    if os.path.commonpath([root, target]) != root:
+      raise ValueError(
+          f"{self._path} is a symlink to {target}, outside the workdir;"
+          " this run would rewrite that file. Remove the symlink (or use"
+          " another workdir)."
+      )
+    self._path = target
+    if os.path.exists(self._path):
       # Lines past the restored checkpoint come from an interrupted run and
       # are about to be logged again.
       records = [r for r in self._read() if r["step"] <= resume_step]
@@ -45,24 +59,34 @@ class MetricsLog:
     """The records logged so far. A run killed mid-write leaves its last
     line cut short: that line is dropped with a warning; damage anywhere
     else is not ours to repair."""
-    with open(self._path) as f:
+    with open(self._path, "rb") as f:
       lines = f.readlines()
     records = []
     for number, line in enumerate(lines, start=1):
+      where = f"{self._path}, line {number}"
       try:
-        records.append(json.loads(line))
+        text = line.decode("utf-8")
+      except UnicodeDecodeError as e:  # json.dumps writes ASCII only
+        raise ValueError(f"{where} is not UTF-8 ({e}): {line!r}") from e
+      try:
+        record = json.loads(text)
       except json.JSONDecodeError as e:
         if number < len(lines):
-          raise ValueError(
-              f"{self._path}, line {number} is not JSON ({e}): {line!r}"
-          ) from e
+          raise ValueError(f"{where} is not JSON ({e}): {text!r}") from e
         logging.warning(
-            "%s, line %d is not JSON (%s); dropped as a write cut short: %r",
-            self._path,
-            number,
+            "%s is not JSON (%s); dropped as a write cut short: %r",
+            where,
             e,
-            line,
+            text,
         )
+        continue
+      step = record.get("step") if isinstance(record, dict) else None
+      if not isinstance(step, int) or isinstance(step, bool):
+        raise ValueError(
+            f"{where} is not a metrics record (a JSON object with an int"
+            f' "step"): {text!r}. Repair or remove that line.'
+        )
+      records.append(record)
     return records
 
   def write(self, record: dict[str, Any]) -> None:

@@ -1,7 +1,14 @@
-"""Setting JAX up before its backend starts: simulated devices, processes."""
+"""Setting JAX up before its backend starts (simulated devices, processes)
+and what the processes of a run settle at its start: one config, one
+workdir that no other run uses, where to stop on a signal."""
 
+import datetime
+import fcntl
+import hashlib
+import json
 import os
 import signal
+import socket
 import sys
 import threading
 
@@ -166,3 +173,122 @@ def check_shared_workdir(workdir: str) -> None:
         " (checkpoints are written there by all of them together), but"
         f" process(es) {blind} do not see the file process 0 wrote there"
     )
+
+
+class WorkdirLock:
+  """``workdir/.lock``, held while a run trains in ``workdir``.
+
+  Process 0 holds an exclusive ``flock`` on it and writes there its pid,
+  host and start time. The kernel drops the lock when the process exits,
+  however it exits, so the file a killed run leaves behind holds nothing
+  back. Every process learns whether process 0 got the lock, so that a run
+  refused is refused in all its processes before any step.
+
+  Raises (on entering):
+    RuntimeError: if another run holds ``workdir``, naming its pid, host and
+      start time.
+  """
+
+  def __init__(self, workdir: str):
+    self._workdir = workdir
+    self._path = os.path.join(workdir, ".lock")
+    self._file = None
+
+  def __enter__(self):
+    held = jax.process_index() == 0 and self._acquire()
+    if jax.process_count() > 1:
+      held = bool(multihost_utils.broadcast_one_to_all(np.int32(held)))
+    if not held:
+      raise RuntimeError(
+          f"--workdir={self._workdir} is in use by another run"
+          f" ({self._holder()}, holding {self._path}): two runs in one"
+          " workdir would write over each other's checkpoints and metrics."
+          " Wait for that run to end, stop it, or use another workdir."
+      )
+    return self
+
+  def __exit__(self, *exc):
+    if self._file is not None:
+      self._file.close()  # closing the file releases the lock
+      self._file = None
+    return False
+
+  def _acquire(self) -> bool:
+    # O_NOFOLLOW: a symlink out of the workdir is never written through.
+    fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    f = os.fdopen(fd, "r+")
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      f.close()
+      return False
+    f.truncate()
+    f.write(
+        json.dumps(
+            {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "started": datetime.datetime.now().isoformat(
+                    timespec="seconds"
+                ),
+            }
+        )
+    )
+    f.flush()
+    self._file = f
+    return True
+
+  def _holder(self) -> str:
+    try:
+      with open(self._path) as f:
+        holder = json.load(f)
+      return (
+          f"pid {holder['pid']} on {holder['host']}, started"
+          f" {holder['started']}"
+      )
+    except (OSError, ValueError, KeyError, TypeError):
+      return "a run that has not yet written its pid"
+
+
+def check_same_config(config) -> None:
+  """Raises in every process unless all processes of the run have one config.
+
+  The processes all-gather a 32-byte digest of their config; only if the
+  digests differ are the configs themselves gathered, to name the keys that
+  differ. Both exchanges have the same shapes in every process, so they run
+  before anything that a different config would change.
+  """
+  if jax.process_count() == 1:
+    return
+  text = json.dumps(config.to_dict(), sort_keys=True, default=repr).encode()
+  digest = np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
+  digests = np.asarray(multihost_utils.process_allgather(digest))
+  if (digests == digests[0]).all():
+    return
+  sizes = np.ravel(multihost_utils.process_allgather(np.int32(len(text))))
+  padded = np.zeros(sizes.max(), np.uint8)
+  padded[: len(text)] = np.frombuffer(text, np.uint8)
+  rows = np.asarray(multihost_utils.process_allgather(padded))
+  configs = [json.loads(row[:n].tobytes()) for row, n in zip(rows, sizes)]
+  differ = [
+      f"config.{key}: process 0 has {first!r}, process {i} has {other!r}"
+      for i, config_i in enumerate(configs[1:], start=1)
+      for key, first, other in _differences(configs[0], config_i)
+  ]
+  raise ValueError(
+      "the processes of this run have different configs: "
+      + "; ".join(differ)
+      + ". Start every process with the same config file and overrides."
+  )
+
+
+def _differences(a, b, prefix: str = ""):
+  """``(key, a's value, b's value)`` for each dotted key whose values differ
+  between two nested dicts (``None`` where a key is missing)."""
+  if not (isinstance(a, dict) and isinstance(b, dict)):
+    if a != b:
+      yield prefix, a, b
+    return
+  for key in sorted(set(a) | set(b)):
+    name = f"{prefix}.{key}" if prefix else key
+    yield from _differences(a.get(key), b.get(key), name)

@@ -62,9 +62,17 @@ def load(path: str) -> tokenizers.Tokenizer:
   """A tokenizer saved by ``python -m train.tokenizer``.
 
   Raises:
-    ValueError: if it lacks BERT's special tokens at ids 0-4.
+    ValueError: if it cannot be read, or lacks BERT's special tokens at ids
+      0-4.
   """
-  tokenizer = tokenizers.Tokenizer.from_file(path)
+  try:
+    tokenizer = tokenizers.Tokenizer.from_file(path)
+  except Exception as e:  # the Rust side raises plain Exception
+    raise ValueError(
+        f"the tokenizer {path} cannot be read ({e}); delete it to train a"
+        " new one from the text, or point config.data.tokenizer at a good"
+        " one"
+    ) from e
   ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
   if ids != list(range(len(SPECIAL_TOKENS))):
     raise ValueError(

@@ -6,7 +6,8 @@ and the one compressed exchange per step.
 
 ``train_step`` differentiates each device's own local loss, hands the local
 gradients to the compressor, and reduces the step's metrics (loss, correct,
-weight, squared gradient norm: 16 bytes) with one small all-reduce.
+weight, squared gradient norm, devices holding a non-finite state: 20 bytes)
+with one small all-reduce.
 """
 
 import functools
@@ -38,6 +39,7 @@ from train.experiment import Experiment
 from train.experiment import init_state
 from train.experiment import put_batch
 from train.experiment import REPLICATED
+from train.experiment import state_parts
 from train.experiment import TrainState
 
 
@@ -70,11 +72,14 @@ def train_step(
   optimizer.
 
   The metrics carry the norms of the gradients, the update and the new
-  params, so that the loop can refuse a non-finite state before saving it.
-  With ``skip_nonfinite``, a step whose loss, gradients, update or params
-  are not finite leaves the state as it was (selected, not branched: no
-  collective runs under a conditional); the step counter still advances,
-  and so does ACP-SGD's phase (keeping the previous factors, a valid state).
+  params, and ``state_nonfinite``, the number of devices on which a
+  floating array of the new state (params, BatchNorm statistics, the
+  optimizer's and the compressor's state) holds a non-finite value, so that
+  the loop can refuse a non-finite state before saving it. With
+  ``skip_nonfinite``, a step whose loss, gradients, update or state are not
+  finite leaves the state as it was (selected, not branched: no collective
+  runs under a conditional); the step counter still advances, and so does
+  ACP-SGD's phase (keeping the previous factors, a valid state).
   """
 
   stats_spec = batch_stats_spec(batch_norm)
@@ -111,8 +116,18 @@ def train_step(
       jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim)))
       for g in jax.tree.leaves(grads.stacked)
   )
-  loss_sum, correct, weight, grad_sq = jnp.sum(
-      jnp.concatenate([sums, grad_sq[:, None]], axis=1), axis=0
+  new_state = TrainState(
+      step=state.step + 1,
+      params=params,
+      batch_stats=batch_stats,
+      opt_state=opt_state,
+      rng=state.rng,
+  )
+  bad = _nonfinite_by_device(
+      state_parts(new_state, dp, batch_norm), dp.num_devices
+  )
+  loss_sum, correct, weight, grad_sq, state_nonfinite = jnp.sum(
+      jnp.concatenate([sums, grad_sq[:, None], bad[:, None]], axis=1), axis=0
   )
   metrics = {
       "loss": loss_sum / weight,
@@ -122,16 +137,12 @@ def train_step(
       "grad_norm": jnp.sqrt(grad_sq / dp.num_devices),
       "update_norm": optax.tree.norm(updates),
       "param_norm": optax.tree.norm(params),
+      "state_nonfinite": state_nonfinite,
   }
-  new_state = TrainState(
-      step=state.step + 1,
-      params=params,
-      batch_stats=batch_stats,
-      opt_state=opt_state,
-      rng=state.rng,
-  )
   if skip_nonfinite:
-    finite = jnp.all(jnp.isfinite(jnp.stack([metrics[k] for k in NONFINITE])))
+    finite = jnp.all(
+        jnp.isfinite(jnp.stack([metrics[k] for k in NONFINITE]))
+    ) & (state_nonfinite == 0)
     new_state = jax.tree.map(
         lambda new, old: jnp.where(finite, new, old)
         if new.shape == old.shape
@@ -143,8 +154,43 @@ def train_step(
   return new_state, metrics
 
 
-# The metrics checked before anything is saved, in the order they arise.
+# The metrics checked before anything is saved, in the order they arise;
+# then ``state_nonfinite``, which covers every floating array of the state.
 NONFINITE = ("loss", "grad_norm", "update_norm", "param_norm")
+
+
+def _nonfinite_by_device(parts, num_devices: int) -> jax.Array:
+  """Per device, 1.0 where it holds a non-finite element of a floating array
+  of ``parts`` (``(spec, tree)`` pairs, each tree laid out by its spec), else
+  0.0: float32 [num_devices].
+
+  Each array is reduced where it lies, a stacked one along each device's own
+  slice, so the flags ride in the metrics' all-reduce with no collective of
+  their own.
+  """
+  bad = jnp.zeros(num_devices, bool)
+  for spec, tree in parts:
+    for x in jax.tree.leaves(tree):
+      if not jnp.issubdtype(x.dtype, jnp.inexact):
+        continue
+      finite = jnp.isfinite(x)
+      if spec == DEVICE:
+        bad |= ~finite.all(axis=tuple(range(1, x.ndim)))
+      else:
+        bad |= ~finite.all()
+  return bad.astype(jnp.float32)
+
+
+def _is_finite(experiment: Experiment, state: TrainState) -> bool:
+  """Whether every floating array of ``state`` is finite, in every process
+  alike (checked once, not per step: the step checks its own)."""
+  dp, batch_norm = experiment.dp, experiment.config.batch_norm
+  count = jax.jit(
+      lambda state: _nonfinite_by_device(
+          state_parts(state, dp, batch_norm), dp.num_devices
+      ).sum()
+  )(state)
+  return not int(count)
 
 
 def eval_step(
@@ -242,8 +288,12 @@ def run_identity(experiment: Experiment, state: TrainState) -> dict[str, Any]:
 
 
 def _first_nonfinite(metrics: dict[str, float]) -> str | None:
-  """The first of ``NONFINITE`` whose value is not finite, if any."""
-  return next((k for k in NONFINITE if not np.isfinite(metrics[k])), None)
+  """The first of ``NONFINITE`` whose value is not finite, else a word on
+  the state if an array of it is not, else None."""
+  first = next((k for k in NONFINITE if not np.isfinite(metrics[k])), None)
+  if first is None and metrics["state_nonfinite"]:
+    return "an array of the state (BatchNorm statistics, optimizer, compressor)"
+  return first
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -259,9 +309,17 @@ def train_and_evaluate(
     A summary: final step, last train and eval metrics, bytes per step, the
     steady-state throughput and a digest of the final params.
   """
+  runtime.check_same_config(config)
   experiment = build(config)
   os.makedirs(workdir, exist_ok=True)
   runtime.check_shared_workdir(workdir)
+  with runtime.WorkdirLock(workdir):
+    return _train(experiment, workdir)
+
+
+def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
+  """``train_and_evaluate`` in a workdir this run holds."""
+  config = experiment.config
   is_main = jax.process_index() == 0
   loader = data_lib.Loader(
       experiment.dataset.train,
@@ -279,10 +337,15 @@ def train_and_evaluate(
       run=run_identity(experiment, state),
   )
   start = 0
+  # The step of the newest checkpoint known to hold a finite state: every
+  # state saved here has passed the check first; a restored one is checked.
+  last_good = None
   if restored := ckpt.restore_latest(like=state):
     state, record = restored
     start = record["step"]
     checkpoint.check_resume(record, loader.position(start))
+    if _is_finite(experiment, state):
+      last_good = start
   log = metrics_lib.MetricsLog(workdir, start)
   bytes_per_step = experiment.bytes_per_step()
   bytes_per_phase = experiment.bytes_per_phase()
@@ -311,11 +374,18 @@ def train_and_evaluate(
     if metrics.get("skipped"):
       logging.warning("step %d skipped: a non-finite %s", step, _first_nonfinite(metrics))
     elif _first_nonfinite(metrics):
+      if last_good is None:
+        kept = "no checkpoint holds a finite state, so a rerun starts over"
+      else:
+        kept = (
+            f"checkpoint {last_good}, checked finite, holds the last good"
+            " state saved"
+        )
       raise FloatingPointError(
           f"{_first_nonfinite(metrics)} is not finite at step {step}; nothing"
-          " from this step is saved, and the latest checkpoint holds the"
-          f" last good state. Lower config.optimizer.learning_rate, check"
-          " the data, or set config.nonfinite='skip' to skip such steps."
+          f" from this step is saved, and {kept}. Lower"
+          " config.optimizer.learning_rate, check the data, or set"
+          " config.nonfinite='skip' to skip such steps."
       )
     durations.append(seconds)
     if _due(step, config.log_every_steps, last):
@@ -386,6 +456,7 @@ def train_and_evaluate(
                   "data": loader.position(step),
               },
           )
+          last_good = step  # its metrics, state check included, just read
         clock[0] = time.perf_counter()
       if stop:
         bar.close()
