@@ -123,7 +123,7 @@ def _full() -> Geometry:
   )
 
 
-# name -> (weights, whether the residual stays in the scaled space).
+# name -> (its Geometry, whether the residual stays in the scaled space).
 GEOMETRY_KINDS = {
     "factored_scaled": (_factored, True),
     "factored": (_factored, False),
@@ -136,7 +136,6 @@ class Variant:
   or without the scaling in Adam's geometry."""
 
   def __init__(self, method: str, rank: int, geometry: str | None, warmup):
-
     self.name = method + f"_r{rank}" + (f"_{geometry}" if geometry else "")
     self.geometry = None
     if geometry:
@@ -173,7 +172,6 @@ class Variant:
 
   def _per_matrix(self, xs, weights, fn):
     """``fn(x as n x m, W)`` at the compressed leaves of ``xs``."""
-
     out, it = list(xs), iter(weights)
     for i, x in enumerate(xs):
       spec = self._spec(x) if not compressor.is_masked(x) else None
@@ -185,7 +183,6 @@ class Variant:
     """The compressed mean of one device's ``grads``, inside the mapping."""
     if self.geometry is None:
       return self.tx.update(grads, state)
-
     g = self.geometry
     leaves, treedef = jax.tree.flatten(grads)
     weights = [g.weights(v, state.count) for v in state.moment]
@@ -269,7 +266,7 @@ def _cosine(a, b):
 
 
 def config(char_lm_path: str, tiny: bool):
-
+  """The char LM's config as measured (a tiny model with ``tiny``)."""
   overrides = [
       ("batch_size", 32),
       ("data.seq_len", 64),
