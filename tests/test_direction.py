@@ -1,0 +1,110 @@
+"""The direction benchmark: its cosines and its geometry variants."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import direction
+
+
+@pytest.fixture
+def text(tmp_path):
+  rng = np.random.default_rng(0)
+  path = tmp_path / "text.txt"
+  path.write_text("".join(rng.choice(list("abcde fgh\n"), 2000)))
+  return str(path)
+
+
+@pytest.mark.slow
+def test_cosines_measure_the_compression(text):
+  # At a rank as large as every matrix every leaf is sent dense: that
+  # variant is S-SGD, so its mean and its Adam update must be S-SGD's. At
+  # rank 1 the direction turns.
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # nothing compressed
+    rows = direction.measure(
+        text,
+        warmup_steps=1,
+        measure_steps=2,
+        ranks=(64, 1),
+        methods=("power_sgd",),
+        geometries=(None, "factored"),
+        tiny=True,
+    )
+  by_name = {r["variant"]: r for r in rows}
+  assert set(by_name) == {
+      "power_sgd_r64",
+      "power_sgd_r64_factored",
+      "power_sgd_r1",
+      "power_sgd_r1_factored",
+  }
+  for name, row in by_name.items():
+    assert row["steps"] == 2
+    for key in direction.METRICS:
+      if "r64" in name:
+        assert row[key] == pytest.approx(1.0, abs=1e-5), (name, key)
+      else:
+        assert 0.0 < row[key] < 0.999, (name, key)
+
+
+def _update(variant, grads, state):
+  run = jax.vmap(
+      variant.update,
+      in_axes=(
+          0,
+          jax.tree.map(
+              lambda f: 0 if f else None,
+              variant.local_fields(state),
+              is_leaf=lambda x: isinstance(x, bool),
+          ),
+      ),
+      out_axes=(
+          None,
+          jax.tree.map(
+              lambda f: 0 if f else None,
+              variant.local_fields(state),
+              is_leaf=lambda x: isinstance(x, bool),
+          ),
+      ),
+      axis_name="data",
+  )
+  return run(grads, state)
+
+
+@pytest.mark.parametrize("geometry", ["factored", "full"])
+def test_geometry_keeps_the_unscaled_residual(geometry):
+  # The residual the geometry variant stores, divided by its new weights,
+  # is M - mean in the gradient's own space: nothing is lost to the scaling.
+  n = 4
+  params = {"w": jnp.zeros((12, 10))}
+  keys = jax.random.split(jax.random.key(1), 3)
+  grads = [
+      {"w": jax.random.normal(k, (n, 12, 10)) * jnp.arange(1, 11)} for k in keys
+  ]
+  plain = direction.Variant("power_sgd", 2, None, 0)
+  scaled = direction.Variant("power_sgd", 2, geometry, 0)
+  p_state = plain.init(params)
+  s_state = scaled.init(params)
+  stack = lambda x: jnp.broadcast_to(x, (n,) + x.shape)
+  p_state = p_state._replace(error=jax.tree.map(stack, p_state.error))
+  s_state = s_state._replace(
+      inner=s_state.inner._replace(
+          error=jax.tree.map(stack, s_state.inner.error)
+      )
+  )
+  # Before any mean is seen the weights are ones: the compressor itself.
+  p_mean, _ = _update(plain, grads[0], p_state)
+  s_mean, s_state = _update(scaled, grads[0], s_state)
+  np.testing.assert_array_equal(p_mean["w"], s_mean["w"])
+  residual = grads[0]["w"] - s_mean["w"]
+  for g in grads[1:]:
+    s_mean, s_state = _update(scaled, g, s_state)
+    weights = scaled.geometry.weights(s_state.moment[0], s_state.count)
+    assert not np.allclose(weights, 1.0)
+    residual = residual + g["w"] - s_mean["w"]
+    np.testing.assert_allclose(
+        s_state.inner.error["w"] / weights, residual, rtol=1e-4, atol=1e-4
+    )
