@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import numbers
 import os
 from typing import Any
 
@@ -69,6 +70,76 @@ class MetricsLog:
     if self._active:
       with open(self._path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+class TensorBoardLog:
+  """Each record's numbers as TensorBoard scalars in ``workdir/tensorboard``.
+
+  The tags are the keys of ``metrics.jsonl`` (``loss``, ``eval_accuracy``,
+  ``bytes_sent_total``, ...), written by process 0 through tensorboardX,
+  which needs no TensorFlow. Without tensorboardX installed, nothing is
+  written and a warning says so. A resumed run hides the steps after its
+  checkpoint that an interrupted run had written, as ``metrics.jsonl`` drops
+  them.
+  """
+
+  def __init__(self, workdir: str, resume_step: int):
+    self._writer = None
+    if jax.process_index() != 0:
+      return
+    try:
+      import tensorboardX  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      logging.warning(
+          "tensorboardX is not installed: no TensorBoard summaries (pip"
+          " install tensorboardX, or the train extra)"
+      )
+      return
+    self._writer = tensorboardX.SummaryWriter(
+        os.path.join(workdir, "tensorboard"),
+        purge_step=resume_step + 1 if resume_step else None,
+    )
+
+  def write(self, record: dict[str, Any]) -> None:
+    if self._writer is None:
+      return
+    for key, value in record.items():
+      if key != "step" and isinstance(value, numbers.Real):
+        self._writer.add_scalar(key, value, record["step"])
+    # Records come every log_every_steps: a crash loses none of them.
+    self._writer.flush()
+
+  def close(self) -> None:
+    if self._writer is not None:
+      self._writer.close()
+      self._writer = None
+
+
+class Logs:
+  """Several logs written as one: ``write`` and ``close`` go to each."""
+
+  def __init__(self, *logs):
+    self._logs = logs
+
+  def write(self, record: dict[str, Any]) -> None:
+    for log in self._logs:
+      log.write(record)
+
+  def close(self) -> None:
+    for log in self._logs:
+      if hasattr(log, "close"):  # MetricsLog opens its file per write
+        log.close()
+
+
+def read_curves(workdir: str) -> list[dict[str, Any]]:
+  """``workdir/metrics.jsonl`` by step: a step's train and eval lines merged,
+  in step order."""
+  by_step: dict[int, dict[str, Any]] = {}
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    for line in f:
+      record = json.loads(line)
+      by_step.setdefault(record["step"], {}).update(record)
+  return [by_step[step] for step in sorted(by_step)]
 
 
 def format_summary(summary: dict[str, Any]) -> str:

@@ -277,7 +277,10 @@ def train_and_evaluate(
   if restored := ckpt.restore_latest(like=state):
     state, record = restored
     start = record["step"]
-  log = metrics_lib.MetricsLog(workdir, start)
+  log = metrics_lib.Logs(
+      metrics_lib.MetricsLog(workdir, start),
+      metrics_lib.TensorBoardLog(workdir, start),
+  )
   bytes_per_step = experiment.bytes_per_step()
   bytes_per_phase = experiment.bytes_per_phase()
   phase_at = experiment.compressor.phase_at
@@ -370,7 +373,14 @@ def train_and_evaluate(
         pending = None
         if due_eval:
           eval_metrics = evaluate(experiment, eval_fn, state)
-          log.write({"step": step, **eval_metrics})
+          log.write(
+              {
+                  "step": step,
+                  **eval_metrics,
+                  # So that held-out curves can be drawn against bytes.
+                  "bytes_sent_total": experiment.bytes_through(step),
+              }
+          )
         if due_save:
           ckpt.save(
               step,
@@ -384,11 +394,13 @@ def train_and_evaluate(
       if stop:
         bar.close()
         ckpt.close()
+        log.close()
         raise runtime.Interrupted(stops.signal_name, step)
   if pending:
     record_step(*pending)
   bar.close()
   ckpt.close()
+  log.close()
   if not eval_metrics:
     eval_metrics = evaluate(experiment, eval_fn, state)
   # The first step of each phase compiles; the median skips them.
