@@ -168,6 +168,7 @@ def test_compare_command_writes_the_plot_and_tensorboard(tmp_path):
     assert read_tensorboard(str(tmp_path / name))["loss"][-1][0] == 4
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_identical(acp_run, tmp_path):
   """Three steps, then the same command with six: steps 4-6 match exactly.
 
@@ -182,6 +183,7 @@ def test_resume_is_bitwise_identical(acp_run, tmp_path):
   assert summary["params_sha256"] == acp_run[1]["params_sha256"]
 
 
+@pytest.mark.slow
 def test_crash_after_a_checkpoint_resumes_and_logs_each_step_once(tmp_path):
   """A run that died after logging step 4 but before saving it."""
   workdir = str(tmp_path)
@@ -201,6 +203,7 @@ def test_crash_after_a_checkpoint_resumes_and_logs_each_step_once(tmp_path):
 
 
 @pytest.mark.parametrize("compressor", COMPRESSORS)
+@pytest.mark.slow
 def test_each_compressor_learns_digits(compressor, tmp_path):
   config = small_config(compressor, steps=60)
   config.model.width = 16
@@ -225,6 +228,7 @@ def _compiled_bytes(experiment):
 
 
 @pytest.mark.parametrize("compressor", COMPRESSORS)
+@pytest.mark.slow
 def test_train_step_sends_only_what_is_accounted(compressor):
   """Compressor bytes + 16 metric bytes: no hidden dense all-reduce."""
   experiment = experiment_lib.build(small_config(compressor))
