@@ -9,7 +9,8 @@ import pathlib
 import re
 import subprocess
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+THIS_FILE = pathlib.Path(__file__).resolve()
+ROOT = THIS_FILE.parents[1]
 # The records of past benchmark runs keep the command each ran, paths and
 # all, as provenance; REPORT.md is generated from them.
 RECORDS = "benchmarks/results/"
@@ -59,7 +60,7 @@ def test_no_file_names_a_folder_outside_the_repository():
   for path in tracked_files():
     relative = path.relative_to(ROOT).as_posix()
     # This file names such paths as the cases its check must catch.
-    if relative.startswith(RECORDS) or path == pathlib.Path(__file__).resolve():
+    if relative.startswith(RECORDS) or path == THIS_FILE:
       continue
     try:
       text = path.read_text(encoding="utf-8")
