@@ -10,14 +10,11 @@ turns them into ``benchmarks/results/REPORT.md`` with plots.
 import argparse
 import os
 import importlib.util
-import pathlib
 import signal
 import sys
 import time
 
 from benchmarks import records
-
-_SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,8 +57,7 @@ def _parser() -> argparse.ArgumentParser:
   )
   convergence.add_argument(
       "--mnist_path",
-      default=str(_SHARED / "mnist-t10k"),
-      help="folder of MNIST IDX files (default: %(default)s)",
+      help="folder of MNIST IDX files (needed by the mnist task)",
   )
   convergence.add_argument(
       "--tasks",
@@ -70,8 +66,8 @@ def _parser() -> argparse.ArgumentParser:
   )
   convergence.add_argument(
       "--char_lm_path",
-      default=str(_SHARED / "tinyshakespeare" / "input.txt"),
-      help="plain-text file for the char LM (default: %(default)s)",
+      help="plain-text file, e.g. tiny-shakespeare (needed by the char_lm"
+      " task)",
   )
   cluster = sub.add_parser(
       "cluster",
@@ -378,6 +374,11 @@ def main(argv: list[str] | None = None) -> None:
     columns, outputs = overhead.COLUMNS, {"overhead": rows}
   else:
     paths = {"mnist": args.mnist_path, "char_lm": args.char_lm_path}
+    for task in args.tasks.split(","):
+      if task not in paths:
+        raise SystemExit(
+            f"--tasks: unknown task {task!r}; choose from {', '.join(paths)}"
+        )
     paths = {t: paths[t] for t in args.tasks.split(",")}
     os.makedirs(args.results_dir, exist_ok=True)
     log_path = os.path.join(args.results_dir, "convergence_runs.partial.jsonl")

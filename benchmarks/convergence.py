@@ -15,7 +15,6 @@ data order; the compressors' own seeds stay fixed.
 
 import json
 import os
-import pathlib
 import statistics
 import tempfile
 import time
@@ -24,6 +23,8 @@ from typing import Any
 import ml_collections
 
 from benchmarks import workloads
+from train import data
+from train import metrics as metrics_lib
 from train import train
 
 # task -> (config, overrides). The char LM runs at half the config's batch
@@ -86,15 +87,20 @@ def config(
   """The training config of ``task`` with ``variant``'s compressor.
 
   Raises:
-    FileNotFoundError: if ``data_path`` does not exist.
+    FileNotFoundError: if ``data_path`` is empty or does not exist.
   """
+  cfg = workloads.load_config(*TASKS[task])
+  if not data_path:
+    raise FileNotFoundError(
+        f"the {task} task needs --{task}_path:"
+        f" {data.DATA_SOURCES[cfg.data.name]}"
+    )
   if not os.path.exists(data_path):
     raise FileNotFoundError(
         f"{task}: data path {data_path!r} does not exist; pass it with"
         f" --{task}_path"
     )
   name, rank_factor, warmup, warm_factors = VARIANTS[variant]
-  cfg = workloads.load_config(*TASKS[task])
   cfg.seed = seed
   cfg.compressor.name = name
   if rank_factor is not None:
@@ -119,15 +125,6 @@ def config(
   return cfg
 
 
-def _curve(workdir: str) -> list[dict[str, Any]]:
-  """``metrics.jsonl`` lines, train and eval lines of a step merged."""
-  by_step: dict[int, dict[str, Any]] = {}
-  for line in pathlib.Path(workdir, "metrics.jsonl").read_text().splitlines():
-    record = json.loads(line)
-    by_step.setdefault(record["step"], {}).update(record)
-  return [by_step[s] for s in sorted(by_step)]
-
-
 def run(task: str, variant: str, data_path: str, quick: bool, seed: int):
   """Trains one variant on ``task``; its final record and curve."""
   cfg = config(task, variant, data_path, quick, seed)
@@ -135,7 +132,7 @@ def run(task: str, variant: str, data_path: str, quick: bool, seed: int):
     start = time.perf_counter()
     summary = train.train_and_evaluate(cfg, workdir)
     seconds = time.perf_counter() - start
-    lines = _curve(workdir)
+    lines = metrics_lib.read_curves(workdir)
   about = {
       "task": task,
       "variant": variant,

@@ -15,7 +15,8 @@ def get_config():
   config.data = ml_collections.ConfigDict(
       {
           "name": "masked_text",
-          "path": "../shared/data/tinyshakespeare/input.txt",
+          # Required: tiny-shakespeare's input.txt (train/data.py, DATA_SOURCES).
+          "path": "",
           "seq_len": 128,
           "vocab_size": 8192,
           # "": PATH.wordpiece-VOCAB_SIZE.json beside the text.

@@ -1,7 +1,8 @@
 """MNIST from IDX files on the small CNN.
 
-The default path is the 10,000-image test set beside this repository (split
-8,000 train / 2,000 held out); point --config.data.path at your own copy.
+The data set is not bundled: point --config.data.path at a folder of MNIST's
+IDX files (DATA_SOURCES in train/data.py says where to get them). With only
+the 10,000-image test set there, it splits 8,000 train / 2,000 held out.
 """
 
 from configs import default
@@ -10,7 +11,7 @@ from configs import default
 def get_config():
   config = default.get_config()
   config.data.name = "mnist"
-  config.data.path = "../shared/data/mnist-t10k"
+  config.data.path = ""  # required: a folder of IDX files
   config.data.eval_examples = 2000
   config.num_train_steps = 500
   config.batch_size = 128

@@ -10,7 +10,8 @@ def get_config():
   config.data = ml_collections.ConfigDict(
       {
           "name": "text",
-          "path": "../shared/data/tinyshakespeare/input.txt",
+          # Required: tiny-shakespeare's input.txt (train/data.py, DATA_SOURCES).
+          "path": "",
           "seq_len": 128,
       }
   )

@@ -2,15 +2,13 @@
 
 Each subcommand runs once, as a user would run it, in a process of its own;
 the tests read what it wrote. The convergence run reads small data files
-written here in the MNIST IDX and plain-text formats, so it needs nothing
-from ``../shared/data``.
+written here in the MNIST IDX and plain-text formats, so it needs no data
+set.
 """
 
-import gzip
 import json
 import math
 import os
-import struct
 import subprocess
 import sys
 
@@ -19,6 +17,7 @@ import pytest
 
 from benchmarks import overhead
 from benchmarks import records
+from tests import datafiles
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,27 +35,12 @@ def _run(*args, timeout=600):
   )
 
 
-def _write_idx(path, array):
-  header = struct.pack(">BBBB", 0, 0, 8, array.ndim)
-  header += struct.pack(f">{array.ndim}I", *array.shape)
-  with gzip.open(path, "wb") as f:
-    f.write(header + array.astype(np.uint8).tobytes())
-
-
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
   """A 400-image MNIST look-alike and a 30,000-character text."""
   root = tmp_path_factory.mktemp("data")
+  datafiles.write_mnist(root / "mnist", 400)
   rng = np.random.default_rng(0)
-  labels = rng.integers(0, 10, 400)
-  # Each class a bright bar in its own rows, plus noise: learnable.
-  images = rng.integers(0, 64, (400, 28, 28))
-  for i, label in enumerate(labels):
-    images[i, 2 * label + 4 : 2 * label + 8] = 255
-  mnist = root / "mnist"
-  mnist.mkdir()
-  _write_idx(mnist / "t10k-images-idx3-ubyte.gz", images)
-  _write_idx(mnist / "t10k-labels-idx1-ubyte.gz", labels)
   text = root / "text.txt"
   words = ["to", "be", "or", "not", "that", "is", "the", "question"]
   text.write_text(" ".join(rng.choice(words, 7000)))
@@ -284,11 +268,22 @@ def test_missing_data_file_is_a_clear_error(tmp_path):
       f"--results_dir={tmp_path}",
       "convergence",
       "--quick",
+      "--tasks=mnist",
       f"--mnist_path={tmp_path / 'nowhere'}",
       timeout=120,
   )
   assert result.returncode != 0
   assert "--mnist_path" in result.stderr and "nowhere" in result.stderr
+  assert not list(tmp_path.glob("*.json"))
+
+
+def test_data_paths_are_asked_for_with_where_to_get_them(tmp_path):
+  result = _run(
+      f"--results_dir={tmp_path}", "convergence", "--quick", timeout=120
+  )
+  assert result.returncode != 0
+  assert "the char_lm task needs --char_lm_path" in result.stderr
+  assert "tinyshakespeare/input.txt" in result.stderr
   assert not list(tmp_path.glob("*.json"))
 
 

@@ -92,6 +92,7 @@ DAMAGES = {
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
+@pytest.mark.slow
 def test_damaged_latest_checkpoint_resumes_from_the_one_before(
     damage, reference, tmp_path, caplog
 ):

@@ -55,6 +55,7 @@ SMALL_BUCKETS = 100_000
 
 
 @all_compressors
+@pytest.mark.slow
 def test_compiled_bytes_equal_accounting_in_buckets(name):
   assert_compiled_bytes_equal_accounting(
       name, SMALL_RESNET, bucket_bytes=SMALL_BUCKETS
@@ -82,6 +83,7 @@ def collective_inputs(text):
 
 
 @pytest.mark.parametrize("name", ["ssgd", "acp_sgd", "sign_sgd", "topk_sgd"])
+@pytest.mark.slow
 def test_each_bucket_waits_only_for_its_own_leaves(name):
   tx = COMPRESSORS[name].make(bucket_bytes=SMALL_BUCKETS)
   buckets = {frozenset(b) for b in tx.buckets(SMALL_RESNET)}
@@ -123,6 +125,7 @@ def dense_bytes(params, rank):
   )
 
 
+@pytest.mark.slow
 def test_acp_phases_add_up_to_one_power_sgd_step_plus_dense_leaves():
   acp, power = acp_jax.acp_sgd(4), acp_jax.power_sgd(4)
   a = {
@@ -152,6 +155,7 @@ def test_acp_phases_add_up_to_one_power_sgd_step_plus_dense_leaves():
         ("topk_sgd", 0, 2, 1),  # values, indices
     ],
 )
+@pytest.mark.slow
 def test_collectives_per_step(name, all_reduces, all_gathers, rounds):
   tx = COMPRESSORS[name].make()
   for state in helpers.phase_states(tx, SMALL_RESNET).values():

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests import datafiles
 from train import config as config_lib
 from train import models
 from train import experiment as experiment_lib
@@ -18,7 +19,6 @@ from train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-SHARED = "../shared/data"
 PAPER = {
     # config: (parameters, override to synthetic data)
     "resnet50_imagenet": (25_557_032, "synthetic_images"),
@@ -54,13 +54,39 @@ def test_real_data_configs_name_their_missing_data():
 
 
 @pytest.mark.parametrize(
+    "name, where",
+    [
+        ("mnist", "MNIST's IDX files"),
+        ("tinyshakespeare", "tinyshakespeare/input.txt"),
+        ("bert_shakespeare", "tinyshakespeare/input.txt"),
+    ],
+)
+def test_configs_of_unbundled_data_say_where_to_get_it(name, where):
+  with pytest.raises(ValueError, match="needs config.data.path: ") as error:
+    experiment_lib.build(get_config(name))
+  assert where in str(error.value) and "https://" in str(error.value)
+
+
+@pytest.fixture(scope="module")
+def data_files(tmp_path_factory):
+  """Small files in the formats of the data sets the configs name."""
+  root = tmp_path_factory.mktemp("data")
+  datafiles.write_mnist(root / "mnist", 300)
+  datafiles.write_text(root / "play.txt", 3000)
+  return {
+      "mnist": str(root / "mnist"),
+      "text": str(root / "play.txt"),
+      "masked_text": str(root / "play.txt"),
+  }
+
+
+@pytest.mark.parametrize(
     "name, overrides",
     [
-        ("mnist", {"data.path": f"{SHARED}/mnist-t10k"}),
+        ("mnist", {"data.eval_examples": 100}),
         (
             "tinyshakespeare",
             {
-                "data.path": f"{SHARED}/tinyshakespeare/input.txt",
                 "data.seq_len": 32,
                 "model.max_len": 32,
                 "model.dim": 32,
@@ -89,7 +115,6 @@ def test_real_data_configs_name_their_missing_data():
         (
             "bert_shakespeare",
             {
-                "data.path": f"{SHARED}/tinyshakespeare/input.txt",
                 "data.seq_len": 16,
                 "data.vocab_size": 256,
                 "model.size": {
@@ -103,9 +128,11 @@ def test_real_data_configs_name_their_missing_data():
         ),
     ],
 )
-def test_small_configs_train(name, overrides, tmp_path):
+def test_small_configs_train(name, overrides, data_files, tmp_path):
   """Three steps of each task (classification, causal LM, masked LM)."""
   config = get_config(name)
+  if "path" in config.data:
+    config.data.path = data_files[config.data.name]
   for key, value in overrides.items():
     section, _, field = key.rpartition(".")
     (config[section] if section else config)[field] = value
@@ -115,9 +142,7 @@ def test_small_configs_train(name, overrides, tmp_path):
   config.eval_every_steps = 0
   config.checkpoint_every_steps = 0
   config.schedule.warmup_steps = 1
-  if "path" in config.data and not os.path.exists(config.data.path):
-    pytest.skip(f"{config.data.path} is not here")
-  if "tokenizer" in config.data:  # trained here, not beside the shared text
+  if "tokenizer" in config.data:  # trained here, not beside the text
     config.data.tokenizer = str(tmp_path / "tokenizer.json")
   summary = train.train_and_evaluate(config, str(tmp_path))
   assert summary["step"] == 3

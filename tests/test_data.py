@@ -1,4 +1,5 @@
-"""Tests of train/data.py: loaders on real files, batch order, errors."""
+"""Tests of train/data.py: loaders on files in the data sets' formats, batch
+order, errors; the real data sets too where ``ACP_DATA_DIR`` has them."""
 
 import collections
 import gzip
@@ -9,11 +10,10 @@ import ml_collections
 import numpy as np
 import pytest
 
+from tests import datafiles
 from train import data
 from train import images
 
-MNIST_DIR = "/work/shared/data/mnist-t10k"
-SHAKESPEARE = "/work/shared/data/tinyshakespeare/input.txt"
 # Label counts of MNIST's t10k file, as published with the data set.
 T10K_LABEL_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
 
@@ -192,9 +192,44 @@ def test_digits_fixed_split(digits):
   )
 
 
-@pytest.mark.skipif(not os.path.isdir(MNIST_DIR), reason=f"no {MNIST_DIR}")
+def test_mnist_from_idx_files(tmp_path):
+  labels = datafiles.write_mnist(tmp_path, 500)
+  raw = data.read_idx(str(tmp_path / "t10k-images-idx3-ubyte.gz"), 3)
+  mnist = _build(name="mnist", path=str(tmp_path), eval_examples=100)
+  assert (len(mnist.train), len(mnist.eval)) == (400, 100)
+  assert (mnist.num_classes, mnist.input_shape) == (10, (28, 28, 1))
+  train = mnist.train.get(np.arange(400))
+  eval_ = mnist.eval.get(np.arange(100))
+  assert train["inputs"].dtype == np.float32
+  assert train["inputs"].min() == 0 and train["inputs"].max() == 1
+  # The eval split is the file's last images, in order.
+  np.testing.assert_array_equal(
+      np.concatenate([train["targets"], eval_["targets"]]), labels
+  )
+  np.testing.assert_array_equal(eval_["inputs"][..., 0] * 255, raw[400:])
+
+
+def test_mnist_reads_train_files_before_t10k(tmp_path):
+  datafiles.write_mnist(tmp_path, 30, seed=1)
+  test_labels = data.read_idx(str(tmp_path / "t10k-labels-idx1-ubyte.gz"), 1)
+  labels = np.arange(20) % 10
+  datafiles.write_idx(tmp_path / "train-labels-idx1-ubyte.gz", labels)
+  datafiles.write_idx(
+      tmp_path / "train-images-idx3-ubyte.gz", np.zeros((20, 28, 28))
+  )
+  mnist = _build(name="mnist", path=str(tmp_path), eval_examples=30)
+  np.testing.assert_array_equal(
+      mnist.train.get(np.arange(20))["targets"], labels
+  )
+  np.testing.assert_array_equal(
+      mnist.eval.get(np.arange(30))["targets"], test_labels
+  )
+
+
 def test_mnist_t10k():
-  mnist = _build(name="mnist", path=MNIST_DIR)
+  """MNIST's real test set, where ACP_DATA_DIR holds it."""
+  mnist_dir = datafiles.real_data("mnist-t10k")
+  mnist = _build(name="mnist", path=mnist_dir)
   assert (len(mnist.train), len(mnist.eval)) == (8000, 2000)
   assert (mnist.num_classes, mnist.input_shape) == (10, (28, 28, 1))
   train = mnist.train.get(np.arange(8000))
@@ -207,10 +242,10 @@ def test_mnist_t10k():
   labels = np.concatenate([train["targets"], eval_["targets"]])
   np.testing.assert_array_equal(np.bincount(labels), T10K_LABEL_COUNTS)
   assert np.bincount(eval_["targets"], minlength=10).min() > 150
-  raw = data.read_idx(os.path.join(MNIST_DIR, "t10k-images-idx3-ubyte.gz"), 3)
+  raw = data.read_idx(os.path.join(mnist_dir, "t10k-images-idx3-ubyte.gz"), 3)
   np.testing.assert_array_equal(eval_["inputs"][0, ..., 0] * 255, raw[8000])
 
-  other = _build(name="mnist", path=MNIST_DIR, eval_examples=500)
+  other = _build(name="mnist", path=mnist_dir, eval_examples=500)
   assert (len(other.train), len(other.eval)) == (9500, 500)
 
 
@@ -262,18 +297,17 @@ def test_mnist_needs_labels_for_each_images_file(tmp_path):
     _build(name="mnist", path=str(tmp_path))
 
 
-def test_text_tinyshakespeare():
-  if not os.path.isfile(SHAKESPEARE):
-    pytest.skip(f"no {SHAKESPEARE}")
-  text = _build(name="text", path=SHAKESPEARE)
-  with open(SHAKESPEARE, encoding="utf-8") as f:
+def _check_text(path: str) -> tuple[data.Dataset, str]:
+  """The char loader's invariants on the text at ``path``."""
+  text = _build(name="text", path=path)
+  with open(path, encoding="utf-8") as f:
     chars = f.read()
   assert text.task == "causal_lm"
-  assert text.num_classes == 65 == len(set(chars))
+  assert text.num_classes == len(set(chars))
   assert text.input_shape == (128,)
   train_chars = int(0.9 * len(chars))
-  assert len(text.train) == (train_chars - 1) // 128 == 7842
-  assert len(text.eval) == (len(chars) - train_chars - 1) // 128 == 871
+  assert len(text.train) == (train_chars - 1) // 128
+  assert len(text.eval) == (len(chars) - train_chars - 1) // 128
 
   batch = text.train.get(np.array([0, 1, 2]))
   assert batch["inputs"].dtype == batch["targets"].dtype == np.int32
@@ -287,12 +321,27 @@ def test_text_tinyshakespeare():
   np.testing.assert_array_equal(batch["weights"], 1)
   vocab = text.train.vocab
   assert "".join(vocab[t] for t in batch["inputs"][0]) == chars[:128]
-  last = text.eval.get(np.array([870]))
-  start = train_chars + 870 * 128
+  last_index = len(text.eval) - 1
+  last = text.eval.get(np.array([last_index]))
+  start = train_chars + last_index * 128
   assert (
       "".join(vocab[t] for t in last["targets"][0])
       == chars[start + 1 : start + 129]
   )
+  return text, chars
+
+
+def test_text_from_a_file(tmp_path):
+  path = tmp_path / "play.txt"
+  datafiles.write_text(path, 400)
+  _check_text(str(path))
+
+
+def test_text_tinyshakespeare():
+  """tiny-shakespeare's counts, where ACP_DATA_DIR holds it."""
+  text, _ = _check_text(datafiles.real_data("tinyshakespeare/input.txt"))
+  assert text.num_classes == 65
+  assert (len(text.train), len(text.eval)) == (7842, 871)
 
 
 def test_synthetic_masked_lm():

@@ -43,6 +43,7 @@ def restored_params(workdir, config):
   return jax.device_get(state.params)
 
 
+@pytest.mark.slow
 def test_divergence_stops_before_saving_and_a_sane_rerun_resumes(tmp_path):
   workdir = str(tmp_path)
   train.train_and_evaluate(small_config(steps=4, checkpoint_every_steps=2), workdir)
@@ -70,6 +71,7 @@ def test_divergence_stops_before_saving_and_a_sane_rerun_resumes(tmp_path):
         ({"seed": 1}, "seed=0, this run has 1"),
     ],
 )
+@pytest.mark.slow
 def test_resuming_another_run_is_refused_naming_saved_and_now(
     override, message, tmp_path
 ):
@@ -82,6 +84,7 @@ def test_resuming_another_run_is_refused_naming_saved_and_now(
     train.train_and_evaluate(config, str(tmp_path))
 
 
+@pytest.mark.slow
 def test_skip_mode_keeps_the_state_finite(tmp_path):
   config = small_config(steps=6, nonfinite="skip")
   config.optimizer.learning_rate = 1e30

@@ -3,6 +3,8 @@
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import chex
 import jax
@@ -17,8 +19,10 @@ from configs import default
 from tests.conftest import NUM_DEVICES
 from train import experiment as experiment_lib
 from train import metrics as metrics_lib
+from train import plots
 from train import train
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPRESSORS = ("ssgd", "sign_sgd", "topk_sgd", "power_sgd", "acp_sgd")
 
 
@@ -44,6 +48,19 @@ def read_metrics(workdir):
   train_lines = [l for l in lines if "loss" in l]
   eval_lines = [l for l in lines if "eval_loss" in l]
   return train_lines, eval_lines
+
+
+def read_tensorboard(workdir):
+  """{tag: [(step, value), ...]} as TensorBoard itself reads the events."""
+  accumulator = pytest.importorskip(
+      "tensorboard.backend.event_processing.event_accumulator"
+  )
+  events = accumulator.EventAccumulator(os.path.join(workdir, "tensorboard"))
+  events.Reload()
+  return {
+      tag: [(e.step, e.value) for e in events.Scalars(tag)]
+      for tag in events.Tags()["scalars"]
+  }
 
 
 def losses(workdir):
@@ -78,6 +95,80 @@ def test_metrics_lines(acp_run):
   assert summary["bytes_per_step"] == sum(phases) / 2
 
 
+def test_tensorboard_holds_every_logged_number(acp_run):
+  workdir, _ = acp_run
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  expected = {}
+  for record in records:
+    for key, value in record.items():
+      if key != "step":
+        # Event files hold 32-bit floats.
+        point = (record["step"], np.float32(value))
+        expected.setdefault(key, []).append(point)
+  scalars = read_tensorboard(workdir)
+  assert {"loss", "eval_loss", "bytes_sent", "bytes_sent_total"} <= set(scalars)
+  assert scalars == expected
+  # The held-out point carries the bytes sent up to it.
+  experiment = experiment_lib.build(small_config())
+  assert scalars["bytes_sent_total"][-1] == (6, experiment.bytes_through(6))
+
+
+def test_comparison_figure_draws_each_run_against_steps_and_bytes(acp_run):
+  pytest.importorskip("matplotlib")
+  workdir, _ = acp_run
+  records = metrics_lib.read_curves(workdir)
+  figure = plots.comparison_figure({"acp_sgd": workdir, "again": workdir})
+  panels = [
+      (y, x) for y in ("loss", "accuracy") for x in ("step", "bytes_sent_total")
+  ]
+  assert len(figure.axes) == len(panels)
+  for ax, (y, x) in zip(figure.axes, panels):
+    train_points = [(r[x], r[y]) for r in records if y in r]
+    eval_points = [(r[x], r[f"eval_{y}"]) for r in records if f"eval_{y}" in r]
+    assert len(train_points) == 6 and len(eval_points) == 1
+    # Two runs, each a train line and its held-out points.
+    lines = ax.get_lines()
+    assert [l.get_label() for l in lines] == [
+        "acp_sgd",
+        "acp_sgd (held out)",
+        "again",
+        "again (held out)",
+    ]
+    for line, points in zip(lines, [train_points, eval_points] * 2):
+      np.testing.assert_array_equal(line.get_xydata(), points)
+
+
+@pytest.mark.slow
+def test_compare_command_writes_the_plot_and_tensorboard(tmp_path):
+  pytest.importorskip("matplotlib")
+  result = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "train",
+          "--config=configs/default.py",
+          f"--workdir={tmp_path}",
+          "--num_cpu_devices=8",
+          "--compare=ssgd,acp_sgd",
+          "--config.num_train_steps=4",
+          "--config.model.width=8",
+          "--config.checkpoint_every_steps=0",
+      ],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f"curves: {tmp_path / plots.FILENAME}" in result.stdout
+  with open(tmp_path / plots.FILENAME, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  for name in ("ssgd", "acp_sgd"):
+    assert read_tensorboard(str(tmp_path / name))["loss"][-1][0] == 4
+
+
+@pytest.mark.slow
 def test_resume_is_bitwise_identical(acp_run, tmp_path):
   """Three steps, then the same command with six: steps 4-6 match exactly.
 
@@ -92,6 +183,7 @@ def test_resume_is_bitwise_identical(acp_run, tmp_path):
   assert summary["params_sha256"] == acp_run[1]["params_sha256"]
 
 
+@pytest.mark.slow
 def test_crash_after_a_checkpoint_resumes_and_logs_each_step_once(tmp_path):
   """A run that died after logging step 4 but before saving it."""
   workdir = str(tmp_path)
@@ -105,9 +197,13 @@ def test_crash_after_a_checkpoint_resumes_and_logs_each_step_once(tmp_path):
   train_lines, _ = read_metrics(workdir)
   assert [l["step"] for l in train_lines] == [1, 2, 3, 4]
   assert losses(workdir) == before
+  # TensorBoard hides the first run's step 4 too.
+  steps = [step for step, _ in read_tensorboard(workdir)["loss"]]
+  assert steps == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("compressor", COMPRESSORS)
+@pytest.mark.slow
 def test_each_compressor_learns_digits(compressor, tmp_path):
   config = small_config(compressor, steps=60)
   config.model.width = 16
@@ -132,6 +228,7 @@ def _compiled_bytes(experiment):
 
 
 @pytest.mark.parametrize("compressor", COMPRESSORS)
+@pytest.mark.slow
 def test_train_step_sends_only_what_is_accounted(compressor):
   """Compressor bytes + 20 metric bytes: no hidden dense all-reduce."""
   experiment = experiment_lib.build(small_config(compressor))
@@ -194,7 +291,9 @@ def test_params_digest_catches_drifted_replicas():
         ({"optimizer.momentun": 0.9}, "config.optimizer.momentun"),
     ],
 )
-def test_bad_config_fails_before_compiling(override, match, monkeypatch):
+def test_bad_config_fails_before_compiling(
+    override, match, monkeypatch, tmp_path
+):
   config = small_config()
   for key, value in override.items():
     section, _, name = key.rpartition(".")
@@ -205,7 +304,7 @@ def test_bad_config_fails_before_compiling(override, match, monkeypatch):
 
   monkeypatch.setattr(train, "compile_steps", compiled)
   with pytest.raises((ValueError, FileNotFoundError), match=match):
-    train.train_and_evaluate(config, "/tmp/unused")
+    train.train_and_evaluate(config, str(tmp_path))
 
 
 def test_sync_batch_norm_step_is_the_full_batch_step():

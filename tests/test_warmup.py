@@ -189,6 +189,7 @@ def test_bad_warmup_steps_raise(bad):
 
 @pytest.mark.parametrize("name", sorted(LOW_RANK))
 @pytest.mark.parametrize("stop", [WARMUP - 1, WARMUP + 1])
+@pytest.mark.slow
 def test_resume_inside_and_just_after_the_warmup_is_bitwise(name, stop, tmp_path):
   make = lambda: LOW_RANK[name](2, warmup_steps=WARMUP)
   straight = Run(make()).run(STEPS)[-1]

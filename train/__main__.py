@@ -14,10 +14,12 @@ import sys
 from absl import app
 from absl import flags
 from absl import logging
+import jax
 from ml_collections import config_flags
 
 from train import config as config_lib
 from train import metrics as metrics_lib
+from train import plots
 from train import runtime
 from train import train
 
@@ -29,7 +31,10 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Training config file.", lock_config=True
 )
 _WORKDIR = flags.DEFINE_string(
-    "workdir", None, "Checkpoints and metrics.jsonl go here."
+    "workdir",
+    None,
+    "Checkpoints, metrics.jsonl and TensorBoard summaries (tensorboard/) go"
+    " here.",
 )
 _NUM_CPU_DEVICES = flags.DEFINE_integer(
     "num_cpu_devices", None, "Simulate this many CPU devices per process."
@@ -43,7 +48,8 @@ _COMPARE = flags.DEFINE_list(
     "compare",
     None,
     "Train once per compressor named here (e.g. ssgd,acp_sgd), each in"
-    " WORKDIR/NAME, and print them side by side.",
+    " WORKDIR/NAME, print them side by side and draw their curves into"
+    " WORKDIR/comparison.png.",
 )
 _AUTO_DISTRIBUTED = flags.DEFINE_bool(
     "auto_distributed", False, "Let JAX detect the cluster (SLURM, ...)."
@@ -114,6 +120,10 @@ def main(argv):
           train.train_and_evaluate(config, os.path.join(workdir, name))
       )
     print(metrics_lib.format_comparison(summaries))
+    if jax.process_index() == 0:
+      runs = {name: os.path.join(workdir, name) for name in _COMPARE.value}
+      if path := plots.draw_comparison(runs, workdir):
+        print(f"curves: {path}")
   except runtime.Interrupted as e:
     print(e, file=sys.stderr)
     sys.exit(EXIT_INTERRUPTED)

@@ -789,6 +789,21 @@ LOADERS: dict[str, tuple[Callable[..., Dataset], dict[str, Any]]] = {
     ),
 }
 _PATH_ARGS = ("path", "data_dir")
+# loader -> where its data comes from, for the error when a config's path is
+# left empty: the data sets are not part of the repository.
+DATA_SOURCES = {
+    "mnist": (
+        "a folder of MNIST's IDX files (e.g. t10k-images-idx3-ubyte.gz and"
+        " t10k-labels-idx1-ubyte.gz from https://yann.lecun.com/exdb/mnist/"
+        " or a mirror such as https://ossci-datasets.s3.amazonaws.com/mnist/)"
+    ),
+    "text": (
+        "a UTF-8 text file, e.g. tiny-shakespeare's input.txt from"
+        " https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
+        "tinyshakespeare/input.txt"
+    ),
+}
+DATA_SOURCES["masked_text"] = DATA_SOURCES["text"]
 # Int arguments, checked before loading so a typo fails fast.
 _POSITIVE_ARGS = (
     "seq_len",
@@ -845,11 +860,17 @@ def build(config: ml_collections.ConfigDict) -> Dataset:
     )
   args = {k: v for k, v in args.items() if k in params}
   kwargs = {**params, **args}
-  missing = [k for k, v in kwargs.items() if v is _REQUIRED]
+  # An empty path is a config's placeholder for data it does not bundle.
+  missing = [
+      k
+      for k, v in kwargs.items()
+      if v is _REQUIRED or (k in _PATH_ARGS and v == "")
+  ]
   if missing:
+    where = f": {DATA_SOURCES[name]}" if name in DATA_SOURCES else ""
     raise ValueError(
         f"loader {name!r} needs"
-        f" {', '.join(f'config.data.{k}' for k in missing)}"
+        f" {', '.join(f'config.data.{k}' for k in missing)}{where}"
     )
   for key in _POSITIVE_ARGS:
     if key in kwargs:

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import numbers
 import os
 from typing import Any
 
@@ -28,6 +29,41 @@ def params_digest(params) -> str:
   return digest.hexdigest()
 
 
+def read_records(path: str) -> list[dict[str, Any]]:
+  """The records of the ``metrics.jsonl`` at ``path``. A run killed
+  mid-write leaves its last line cut short: that line is dropped with a
+  warning; damage anywhere else is not ours to repair."""
+  with open(path, "rb") as f:
+    lines = f.readlines()
+  records = []
+  for number, line in enumerate(lines, start=1):
+    where = f"{path}, line {number}"
+    try:
+      text = line.decode("utf-8")
+    except UnicodeDecodeError as e:  # json.dumps writes ASCII only
+      raise ValueError(f"{where} is not UTF-8 ({e}): {line!r}") from e
+    try:
+      record = json.loads(text)
+    except json.JSONDecodeError as e:
+      if number < len(lines):
+        raise ValueError(f"{where} is not JSON ({e}): {text!r}") from e
+      logging.warning(
+          "%s is not JSON (%s); dropped as a write cut short: %r",
+          where,
+          e,
+          text,
+      )
+      continue
+    step = record.get("step") if isinstance(record, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+      raise ValueError(
+          f"{where} is not a metrics record (a JSON object with an int"
+          f' "step"): {text!r}. Repair or remove that line.'
+      )
+    records.append(record)
+  return records
+
+
 class MetricsLog:
   """``workdir/metrics.jsonl``, written by process 0 only.
 
@@ -51,48 +87,84 @@ class MetricsLog:
     if os.path.exists(self._path):
       # Lines past the restored checkpoint come from an interrupted run and
       # are about to be logged again.
-      records = [r for r in self._read() if r["step"] <= resume_step]
+      records = [
+          r for r in read_records(self._path) if r["step"] <= resume_step
+      ]
       with open(self._path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
-
-  def _read(self) -> list[dict[str, Any]]:
-    """The records logged so far. A run killed mid-write leaves its last
-    line cut short: that line is dropped with a warning; damage anywhere
-    else is not ours to repair."""
-    with open(self._path, "rb") as f:
-      lines = f.readlines()
-    records = []
-    for number, line in enumerate(lines, start=1):
-      where = f"{self._path}, line {number}"
-      try:
-        text = line.decode("utf-8")
-      except UnicodeDecodeError as e:  # json.dumps writes ASCII only
-        raise ValueError(f"{where} is not UTF-8 ({e}): {line!r}") from e
-      try:
-        record = json.loads(text)
-      except json.JSONDecodeError as e:
-        if number < len(lines):
-          raise ValueError(f"{where} is not JSON ({e}): {text!r}") from e
-        logging.warning(
-            "%s is not JSON (%s); dropped as a write cut short: %r",
-            where,
-            e,
-            text,
-        )
-        continue
-      step = record.get("step") if isinstance(record, dict) else None
-      if not isinstance(step, int) or isinstance(step, bool):
-        raise ValueError(
-            f"{where} is not a metrics record (a JSON object with an int"
-            f' "step"): {text!r}. Repair or remove that line.'
-        )
-      records.append(record)
-    return records
 
   def write(self, record: dict[str, Any]) -> None:
     if self._active:
       with open(self._path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+class TensorBoardLog:
+  """Each record's numbers as TensorBoard scalars in ``workdir/tensorboard``.
+
+  The tags are the keys of ``metrics.jsonl`` (``loss``, ``eval_accuracy``,
+  ``bytes_sent_total``, ...), written by process 0 through tensorboardX,
+  which needs no TensorFlow. Without tensorboardX installed, nothing is
+  written and a warning says so. A resumed run hides the steps after its
+  checkpoint that an interrupted run had written, as ``metrics.jsonl`` drops
+  them.
+  """
+
+  def __init__(self, workdir: str, resume_step: int):
+    self._writer = None
+    if jax.process_index() != 0:
+      return
+    try:
+      import tensorboardX  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      logging.warning(
+          "tensorboardX is not installed: no TensorBoard summaries (pip"
+          " install tensorboardX, or the train extra)"
+      )
+      return
+    self._writer = tensorboardX.SummaryWriter(
+        os.path.join(workdir, "tensorboard"),
+        purge_step=resume_step + 1 if resume_step else None,
+    )
+
+  def write(self, record: dict[str, Any]) -> None:
+    if self._writer is None:
+      return
+    for key, value in record.items():
+      if key != "step" and isinstance(value, numbers.Real):
+        self._writer.add_scalar(key, value, record["step"])
+    # Records come every log_every_steps: a crash loses none of them.
+    self._writer.flush()
+
+  def close(self) -> None:
+    if self._writer is not None:
+      self._writer.close()
+      self._writer = None
+
+
+class Logs:
+  """Several logs written as one: ``write`` and ``close`` go to each."""
+
+  def __init__(self, *logs):
+    self._logs = logs
+
+  def write(self, record: dict[str, Any]) -> None:
+    for log in self._logs:
+      log.write(record)
+
+  def close(self) -> None:
+    for log in self._logs:
+      if hasattr(log, "close"):  # MetricsLog opens its file per write
+        log.close()
+
+
+def read_curves(workdir: str) -> list[dict[str, Any]]:
+  """``workdir/metrics.jsonl`` by step: a step's train and eval lines merged,
+  in step order."""
+  by_step: dict[int, dict[str, Any]] = {}
+  for record in read_records(os.path.join(workdir, "metrics.jsonl")):
+    by_step.setdefault(record["step"], {}).update(record)
+  return [by_step[step] for step in sorted(by_step)]
 
 
 def format_summary(summary: dict[str, Any]) -> str:

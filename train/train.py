@@ -346,7 +346,10 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
     checkpoint.check_resume(record, loader.position(start))
     if _is_finite(experiment, state):
       last_good = start
-  log = metrics_lib.MetricsLog(workdir, start)
+  log = metrics_lib.Logs(
+      metrics_lib.MetricsLog(workdir, start),
+      metrics_lib.TensorBoardLog(workdir, start),
+  )
   bytes_per_step = experiment.bytes_per_step()
   bytes_per_phase = experiment.bytes_per_phase()
   phase_at = experiment.compressor.phase_at
@@ -446,7 +449,14 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
         pending = None
         if due_eval:
           eval_metrics = evaluate(experiment, eval_fn, state)
-          log.write({"step": step, **eval_metrics})
+          log.write(
+              {
+                  "step": step,
+                  **eval_metrics,
+                  # So that held-out curves can be drawn against bytes.
+                  "bytes_sent_total": experiment.bytes_through(step),
+              }
+          )
         if due_save:
           ckpt.save(
               step,
@@ -461,11 +471,13 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
       if stop:
         bar.close()
         ckpt.close()
+        log.close()
         raise runtime.Interrupted(stops.signal_name, step)
   if pending:
     record_step(*pending)
   bar.close()
   ckpt.close()
+  log.close()
   if not eval_metrics:
     eval_metrics = evaluate(experiment, eval_fn, state)
   # The first step of each phase compiles; the median skips them.
