@@ -146,3 +146,23 @@ def test_command_line_names_an_unknown_override(tmp_path):
   assert result.returncode != 0
   assert "unknown config key in --config.compressor.acp_sgd.rnk=8" in result.stderr
   assert 'Did you mean "rank"' in result.stderr
+
+
+def test_the_trainer_buckets_gradients_in_backward_order():
+  # The default model's output layer, "fc", is its first leaf: the reverse
+  # of the leaf order would send its gradients last, backprop makes them
+  # first.
+  import jax  # pylint: disable=g-import-not-at-top
+
+  experiment = experiment_lib.build(get_config("default"))
+  paths = [
+      jax.tree_util.keystr(path)
+      for path, _ in jax.tree_util.tree_leaves_with_path(
+          experiment.abstract_params
+      )
+  ]
+  order = experiment.compressor.leaf_order
+  assert sorted(order) == list(range(len(paths)))
+  assert {paths[i] for i in order[:2]} == {"['fc']['bias']", "['fc']['kernel']"}
+  first_bucket = experiment.compressor.buckets(experiment.abstract_params)[0]
+  assert first_bucket[:2] == order[:2]
