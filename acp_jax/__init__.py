@@ -8,6 +8,7 @@ returns their (approximate) mean over the data-parallel axis.
 from acp_jax.acp import acp_sgd
 from acp_jax.acp import AcpSgdState
 from acp_jax.lowrank import Phase
+from acp_jax.collectives import backward_order
 from acp_jax.compressor import comm_bytes
 from acp_jax.compressor import CommVolume
 from acp_jax.compressor import Compressor
@@ -18,6 +19,7 @@ from acp_jax.hlo import collective_rounds
 from acp_jax.hlo import collective_stats
 from acp_jax.hlo import overlap_potential
 from acp_jax.hlo import scheduled_overlap
+from acp_jax.lapack import limit_lapack_threads
 from acp_jax.powersgd import power_sgd
 from acp_jax.powersgd import PowerSgdState
 from acp_jax.sign import sign_sgd
@@ -40,9 +42,11 @@ __all__ = (
     "SignSgdState",
     "TopkSgdState",
     "acp_sgd",
+    "backward_order",
     "collective_rounds",
     "collective_stats",
     "comm_bytes",
+    "limit_lapack_threads",
     "overlap_potential",
     "power_sgd",
     "scheduled_overlap",

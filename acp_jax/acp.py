@@ -56,6 +56,7 @@ def acp_sgd(
     comm_dtype=None,
     warmup_steps: int | None = None,
     warmup_factors: bool = True,
+    leaf_order=None,
 ) -> compressor.Compressor:
   """ACP-SGD: alternate compressed Power-SGD, one all-reduce a step.
 
@@ -71,8 +72,8 @@ def acp_sgd(
   in a step waits on that step's own communication: its one round of
   all-reduces (factors plus the leaves sent dense) can fuse and overlap like
   S-SGD's, at about half Power-SGD's volume. The leaves travel in buckets, as
-  S-SGD's do, each bucket's factors packed into one all-reduce that waits
-  only for its own leaves' gradients (see ``acp_jax.collectives``). The
+  S-SGD's do, each factor by its own all-reduce, which waits only for its own
+  leaf's gradient (see ``acp_jax.collectives``). The
   phase lives in the shape of the state's ``phase`` array: a jitted step
   compiles once per phase.
 
@@ -111,6 +112,9 @@ def acp_sgd(
     warmup_factors: during the warm-up, take a power-iteration step on the
       mean gradient for each Q (no extra bytes), so that compression starts
       from the gradient's leading subspace rather than a random one.
+    leaf_order: the leaves' indices in the order backprop produces their
+      gradients, from ``acp_jax.backward_order(loss, params, batch)``; the
+      buckets are cut in that order. None for the reverse of the leaf order.
 
   Returns:
     A ``Compressor`` whose update, called inside ``jax.shard_map`` or
@@ -144,6 +148,7 @@ def acp_sgd(
       comm_dtype=comm_dtype,
       warmup_steps=warmup_steps,
       warmup_factors=warmup_factors,
+      leaf_order=leaf_order,
   )
 
   def init_fn(params):
@@ -172,16 +177,24 @@ def acp_sgd(
     # transposed, see lowrank.project_transposed), approximation B F^T.
     p_step = phase is Phase.P
     if p_step:
-      project, expand = (lambda m, b: m @ b), (lambda f, b: f @ b.T)
+      project, expand = lowrank.project, (lambda f, b: f @ b.T)
+      # E' = M - F B^T
+      rank_one_terms = lambda f, b: (f, b.T)
       previous = lowrank.start_factors(lr, s, state.q, state.count)
     else:
-      project, expand = lowrank.project_transposed, (lambda ft, b: b @ ft)
+      project = lowrank.project_terms_transposed
+      expand = lambda ft, b: b @ ft
+      # E' = M - B F^T
+      rank_one_terms = lambda ft, b: (b, ft)
       previous = lowrank.leaves_of(s, state.p)
     bases = [lowrank.orthogonalize(f) for f in previous]
     factors = [
         lowrank.as_sent(lr, project(m, b)) for m, b in zip(s.matrices, bases)
     ]
-    errors = [m - expand(f, b) for m, f, b in zip(s.matrices, factors, bases)]
+    errors = [
+        lowrank.residual(m, *rank_one_terms(f, b))
+        for m, f, b in zip(s.matrices, factors, bases)
+    ]
     # The one round: each bucket's factors and dense leaves together.
     reduced, dense = lowrank.psum_round(
         s, factors, s.dense, axis_name, lr.comm_dtype
@@ -232,6 +245,7 @@ def acp_sgd(
       axis_name=axis_name,
       phases=phases,
       bucket_bytes=lr.bucket_bytes,
+      leaf_order=lr.leaf_order,
       cycle=(Phase.P.value, Phase.Q.value),
       warmup_steps=lr.warmup_steps,
       to_phase=lowrank.to_phase(Phase.P),

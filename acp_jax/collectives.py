@@ -1,14 +1,13 @@
 """Collectives over a named mapped axis, in buckets of gradient leaves.
 
 Every compressor exchanges its leaves in buckets, as PyTorch DDP does: the
-leaves are taken in backward order (the reverse of the params' leaf order, a
-proxy for the order in which backprop produces their gradients: a model's
-last layer is usually its last leaf) and cut into consecutive buckets of at
-most ``bucket_bytes`` of *uncompressed* gradient (a leaf larger than that
-fills a bucket alone). Each bucket's arrays are packed into one flat buffer
-per dtype and get one collective per round, which depends only on that
-bucket's gradients and state: the first bucket's exchange can start while
-backprop still computes the others' gradients, on a backend that overlaps.
+leaves are taken in backward order, the order in which backprop produces
+their gradients (``leaf_order``, read from the loss by ``backward_order``;
+without one, the reverse of the params' leaf order, a proxy: a model's last
+layer is usually its last leaf, but a tied embedding, a model's first leaf,
+gets its gradient last), and cut into consecutive buckets of at most
+``bucket_bytes`` of *uncompressed* gradient (a leaf larger than that fills a
+bucket alone).
 
 The threshold counts uncompressed bytes for every compressor, so a bucket
 holds the same leaves whatever is sent of them (dense, signs, top-k, either
@@ -17,33 +16,36 @@ its compressed share. For the low-rank factors this is the paper's fusion
 buffer of 25 MB scaled by the compression ratio, and ACP-SGD's P-steps and
 Q-steps keep one plan although their factors differ in size.
 
-Packing fixes the number of collectives: XLA would otherwise decide it with
-its combiners. XLA:GPU merges independent all-reduces up to
-``--xla_gpu_all_reduce_combine_threshold_bytes``: keep that below the
-buckets' size (0 keeps every bucket apart). XLA:CPU's all-reduce combiner
+An all-reduce round sends each array of a bucket by its own all-reduce (a
+``lax.psum`` of the bucket's arrays, which jax lowers to one all-reduce per
+operand), not packed into one buffer: packing copies every byte sent (the
+whole gradient, for S-SGD: on one CPU device ResNet-50's update took 153 ms
+packed against 23 ms), and makes each bucket wait for its last leaf. Which
+all-reduces then travel together is the compiler's choice: XLA:GPU merges
+independent all-reduces up to ``--xla_gpu_all_reduce_combine_threshold_bytes``
+(the bucket size there), and XLA:CPU's all-reduce combiner
 (``cpu-all-reduce-combiner``) has no threshold and merges every set of
-all-reduces that do not wait on each other, greedily in the program's post
-order. For one-round methods that merges the buckets into one all-reduce,
-which loses no overlap on XLA:CPU, since it does not overlap a collective
-with compute anyway. For Power-SGD, whose Q round of a bucket needs that
-bucket's reduced P, the post order interleaves the buckets' rounds and the
-combiner merges one bucket's Q with the next bucket's P: k buckets become a
-chain of k + 1 rounds (measured on a small ResNet in 13 buckets: 11
-all-reduces in 11 rounds; 23 in 2 rounds with the combiner off; 2 in 2 with
-one bucket per round). Since
-XLA:CPU runs collectives after one another anyway, buckets buy a dependent
-method nothing there, so Power-SGD sends one bucket per round where the
-default backend is a CPU (``for_dependent_rounds``); on XLA:CPU with the
-combiner off its buckets would keep two rounds. Compile with
-``--xla_disable_hlo_passes=cpu-all-reduce-combiner`` to see the per-bucket
-all-reduces of the one-round methods one by one. XLA:CPU does not combine
-all-gathers, so Sign-SGD's and Top-k's buckets stay apart there in any case.
+all-reduces that do not wait on each other, which loses no overlap on
+XLA:CPU, since it does not overlap a collective with compute anyway. A
+method whose second round needs its first one's result (Power-SGD) packs
+each bucket's round into one buffer instead (``packed``), its factors being
+small: with one all-reduce per array the combiner would merge one leaf's Q
+with another's P, and chain the rounds (measured on a small ResNet in 13
+buckets: 11 all-reduces in 11 rounds; 23 in 2 rounds with the combiner off;
+2 in 2 with one bucket per round). Since XLA:CPU runs collectives after one
+another anyway, buckets buy a dependent method nothing there, so Power-SGD
+sends one bucket per round where the default backend is a CPU
+(``for_dependent_rounds``). Compile with
+``--xla_disable_hlo_passes=cpu-all-reduce-combiner`` to see the all-reduces
+one by one. All-gathers (Sign-SGD's, Top-k's) are packed per bucket and
+dtype: XLA:CPU does not combine all-gathers, so they stay apart there.
 
 Split over a second axis (``split_over``): in hierarchical data parallelism
 every device of a node holds the same gradients (their dense mean over the
-node's devices), so every packed buffer is identical on the L devices of a
-node. Sent as it is, each of them would carry the whole buffer over the slow
-network between nodes: L times the compressed bytes on the node's link.
+node's devices), so every buffer is identical on the L devices of a node,
+and every round is packed per bucket and dtype, one buffer to split. Sent as
+it is, each of them would carry the whole buffer over the slow network
+between nodes: L times the compressed bytes on the node's link.
 Within ``split_over(local_axis)``, device ``i`` of a node instead takes chunk
 ``i`` of the buffer (zero-padded to a multiple of L elements), runs the
 collective over the node axis on that chunk only, and a tiled all-gather over
@@ -54,7 +56,7 @@ axis is still node ``j``'s whole buffer. Each device then sends
 moves the rest over the fast local axis. The compressors do not know about
 it: ``DataParallel`` enters the context while it traces their update.
 
-``recording`` lists the collectives that packed buffers go through while a
+``recording`` lists the collectives that buffers go through while a
 function is traced (under ``jax.eval_shape``, nothing runs), by axis: the
 exact bytes per device of a step, however its buffers were split.
 """
@@ -63,7 +65,7 @@ from collections.abc import Iterator, Sequence
 import contextlib
 import contextvars
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
@@ -83,7 +85,7 @@ _SPLIT_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 _RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "record", default=None
 )
-# Where the buffers that packed collectives return are kept (see
+# Where the buffers that the collectives return are kept (see
 # ``receiving``).
 _RECEIVED: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "received", default=None
@@ -136,7 +138,7 @@ def split_over(axis_name: str | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def recording() -> Iterator[list[Sent]]:
-  """Lists every collective of a packed buffer traced within it.
+  """Lists every collective of a bucket's buffers traced within it.
 
   Example::
 
@@ -157,9 +159,10 @@ def recording() -> Iterator[list[Sent]]:
 
 @contextlib.contextmanager
 def receiving() -> Iterator[list[jax.Array]]:
-  """Lists, within it, the whole buffer that each packed collective returns
-  (reassembled, when split over a second axis): what every device of the
-  collective receives, identical on all of them.
+  """Lists, within it, the whole buffer that each collective of these
+  helpers returns (packed or not; reassembled, when split over a second
+  axis): what every device of the collective receives, identical on all of
+  them.
 
   Yields:
     The list that the received buffers are appended to, in tracing order.
@@ -202,7 +205,34 @@ def check_bucket_bytes(bucket_bytes, caller: str) -> float:
   return bucket_bytes
 
 
-def bucket_plan(leaf_bytes: Sequence[int], bucket_bytes: float) -> BucketPlan:
+def check_leaf_order(leaf_order, caller: str) -> tuple[int, ...] | None:
+  """``leaf_order`` as a tuple, or None; raises unless it is None or a
+  sequence of distinct non-negative ints."""
+  if leaf_order is None:
+    return None
+  try:
+    order = tuple(leaf_order)
+  except TypeError:
+    order = None
+  if (
+      order is None
+      or any(isinstance(i, bool) or not isinstance(i, int) for i in order)
+      or any(i < 0 for i in order)
+      or len(set(order)) != len(order)
+  ):
+    raise ValueError(
+        f"{caller}: leaf_order must be None or a sequence of distinct leaf"
+        " indices (e.g. acp_jax.backward_order(loss, params, batch)), got"
+        f" {leaf_order!r}"
+    )
+  return order
+
+
+def bucket_plan(
+    leaf_bytes: Sequence[int],
+    bucket_bytes: float,
+    leaf_order: Sequence[int] | None = None,
+) -> BucketPlan:
   """Leaves grouped into buckets, in backward order.
 
   Args:
@@ -211,12 +241,25 @@ def bucket_plan(leaf_bytes: Sequence[int], bucket_bytes: float) -> BucketPlan:
     bucket_bytes: a bucket is closed when the next leaf would take it past
       this many bytes; a larger leaf fills a bucket alone. Empty leaves join
       the current bucket, so they never change the plan of the others.
+    leaf_order: the leaves' indices in the order backprop produces their
+      gradients (``backward_order``), each once; None for the reverse of
+      the leaf order.
 
   Returns:
-    Tuples of leaf indices, the last leaf first.
+    Tuples of leaf indices, in ``leaf_order``.
   """
+  order = range(len(leaf_bytes) - 1, -1, -1)
+  if leaf_order is not None:
+    if sorted(leaf_order) != list(range(len(leaf_bytes))):
+      raise ValueError(
+          f"leaf_order {tuple(leaf_order)} does not order the"
+          f" {len(leaf_bytes)} leaves 0..{len(leaf_bytes) - 1}: it was read"
+          " from another model's loss, or the params tree changed. Read it"
+          " again with backward_order(loss, params, ...)."
+      )
+    order = leaf_order
   buckets, current, size = [], [], 0
-  for i in reversed(range(len(leaf_bytes))):
+  for i in order:
     if current and leaf_bytes[i] and size + leaf_bytes[i] > bucket_bytes:
       buckets.append(tuple(current))
       current, size = [], 0
@@ -227,9 +270,59 @@ def bucket_plan(leaf_bytes: Sequence[int], bucket_bytes: float) -> BucketPlan:
   return tuple(buckets)
 
 
-def leaf_plan(leaves: Sequence, bucket_bytes: float) -> BucketPlan:
+def leaf_plan(
+    leaves: Sequence,
+    bucket_bytes: float,
+    leaf_order: Sequence[int] | None = None,
+) -> BucketPlan:
   """``bucket_plan`` of arrays (or their shapes), by their own bytes."""
-  return bucket_plan([nbytes(x.shape, x.dtype) for x in leaves], bucket_bytes)
+  return bucket_plan(
+      [nbytes(x.shape, x.dtype) for x in leaves], bucket_bytes, leaf_order
+  )
+
+
+def _produced_at(jaxpr, var) -> tuple[int, ...] | None:
+  """Where in ``jaxpr`` (a core.Jaxpr) ``var`` is made: the index of its
+  equation, followed by the place inside a call's own jaxpr; None for an
+  input or a literal."""
+  for index, eqn in enumerate(jaxpr.eqns):
+    if any(out is var for out in eqn.outvars):
+      inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+      inner = getattr(inner, "jaxpr", inner)
+      if inner is not None and len(inner.outvars) == len(eqn.outvars):
+        position = [o is var for o in eqn.outvars].index(True)
+        below = _produced_at(inner, inner.outvars[position])
+        return (index,) + (below or ())
+      return (index,)
+  return None
+
+
+def backward_order(loss, params: Any, *args, **kwargs) -> tuple[int, ...]:
+  """The leaves of ``params`` in the order ``jax.grad`` computes their
+  gradients: a ``leaf_order`` for the compressors' buckets.
+
+  It reads the order of the gradient equations in
+  ``jax.make_jaxpr(jax.grad(loss))(params, *args, **kwargs)``, which
+  follows backprop (the compiled step completes them in nearly the same
+  order): a tied embedding, used first and last, gets its gradient last. A
+  gradient that jax returns as a literal waits for nothing and comes first.
+
+  Args:
+    loss: a function of ``params`` (its first argument) and the other
+      arguments, returning a scalar.
+    params: the parameters, or a tree of ``jax.ShapeDtypeStruct`` like them.
+    *args: the other arguments (a batch, or its shapes).
+    **kwargs: keyword arguments of ``loss``.
+
+  Returns:
+    Indices into ``jax.tree.leaves(params)``, the first gradient first.
+  """
+  closed = jax.make_jaxpr(jax.grad(loss))(params, *args, **kwargs)
+  jaxpr = closed.jaxpr
+  places = [_produced_at(jaxpr, var) for var in jaxpr.outvars]
+  return tuple(
+      sorted(range(len(places)), key=lambda i: (places[i] or (-1,), -i))
+  )
 
 
 def for_dependent_rounds(plan: BucketPlan) -> BucketPlan:
@@ -307,37 +400,72 @@ def _packed(
   return out
 
 
+def _each(arrays: Sequence[jax.Array], axis_name: str) -> list[jax.Array]:
+  """``lax.psum`` of the arrays together, one all-reduce per array (an
+  empty one is not sent): nothing is copied into a buffer."""
+  sent = [x for x in arrays if x.size]
+  record = _RECORD.get()
+  if record is not None:
+    n = axis_size(axis_name, "all_reduce")
+    record.extend(
+        Sent("all_reduce", axis_name, n, x.size, x.dtype) for x in sent
+    )
+  summed = lax.psum(tuple(sent), axis_name)
+  received = _RECEIVED.get()
+  if received is not None:
+    received.extend(summed)
+  summed = iter(summed)
+  return [next(summed) if x.size else x for x in arrays]
+
+
 def _bucketed(
     kind: str,
     per_leaf: Sequence[Sequence[jax.Array]],
     plan: BucketPlan,
     axis_name: str,
+    packed: bool = True,
 ) -> list[list[jax.Array]]:
-  """``_packed`` collective of each bucket's arrays; ``per_leaf[i]`` are the
-  arrays leaf ``i`` sends (any number, none included)."""
+  """The ``kind`` collective of each bucket's arrays (``_packed``, or
+  ``_each`` for an all-reduce that is not ``packed`` and not split);
+  ``per_leaf[i]`` are the arrays leaf ``i`` sends (any number, none
+  included)."""
+  one_by_one = (
+      kind == "all_reduce" and not packed and _SPLIT_AXIS.get() is None
+  )
   out = [[] for _ in per_leaf]
   for bucket in plan:
     arrays = [x for i in bucket for x in per_leaf[i]]
-    done = iter(_packed(kind, arrays, axis_name))
+    if one_by_one:
+      done = iter(_each(arrays, axis_name))
+    else:
+      done = iter(_packed(kind, arrays, axis_name))
     for i in bucket:
       out[i] = [next(done) for _ in per_leaf[i]]
   return out
 
 
 def bucketed_psum(
-    per_leaf: Sequence[Sequence[jax.Array]], plan: BucketPlan, axis_name: str
+    per_leaf: Sequence[Sequence[jax.Array]],
+    plan: BucketPlan,
+    axis_name: str,
+    *,
+    packed: bool = False,
 ) -> list[list[jax.Array]]:
-  """``lax.psum`` of every array, one all-reduce per bucket and dtype.
+  """``lax.psum`` of every array, bucket by bucket: one all-reduce per
+  array, or with ``packed`` (or within ``split_over``) one per bucket and
+  dtype, of a buffer that the arrays are copied into (see the module's
+  docstring).
 
   Args:
     per_leaf: for each leaf, the arrays it sends (none, one, or several).
     plan: the buckets, from ``bucket_plan`` over the same leaves.
     axis_name: the mapped axis to sum over.
+    packed: pack each bucket into one buffer per dtype.
 
   Returns:
     The summed arrays, nested like ``per_leaf``.
   """
-  return _bucketed("all_reduce", per_leaf, plan, axis_name)
+  return _bucketed("all_reduce", per_leaf, plan, axis_name, packed)
 
 
 def bucketed_all_gather(
@@ -358,8 +486,8 @@ def bucketed_pmean(
     axis_name: str,
     comm_dtype=None,
 ) -> list[jax.Array]:
-  """The mean of every array over the axis, one all-reduce per bucket and
-  dtype: S-SGD's exchange.
+  """The mean of every array over the axis, one all-reduce per array, bucket
+  by bucket: S-SGD's exchange.
 
   Each device divides by the axis size before the sum, so that low-precision
   sums do not overflow, and sends in ``comm_dtype`` (None: each array's own

@@ -64,6 +64,8 @@ class Compressor(optax.GradientTransformation):
       phase's step, so its leaves may be abstract.
     bucket_bytes: at most this many bytes of uncompressed gradient go into
       a bucket, unless a leaf alone is larger (see ``collectives``).
+    leaf_order: the order in which the buckets take the leaves (see
+      ``collectives.bucket_plan``), or None.
     dependent_rounds: whether a bucket's second round needs its first one's
       result (Power-SGD), which changes the buckets on a CPU.
     cycle: the names of the phases a compressing step runs through, in
@@ -85,6 +87,7 @@ class Compressor(optax.GradientTransformation):
       local_fields: Sequence[str] = ("error",),
       phases: PhasesFn = _one_phase,
       bucket_bytes: float = collectives.DEFAULT_BUCKET_BYTES,
+      leaf_order: tuple[int, ...] | None = None,
       dependent_rounds: bool = False,
       cycle: Sequence[str] = ("step",),
       warmup_steps: int = 0,
@@ -93,6 +96,7 @@ class Compressor(optax.GradientTransformation):
   ):
     self = super().__new__(cls, init, update)
     self.bucket_bytes = bucket_bytes
+    self.leaf_order = leaf_order
     self.dependent_rounds = dependent_rounds
     self._volume = volume
     self.axis_name = axis_name
@@ -176,8 +180,10 @@ class Compressor(optax.GradientTransformation):
   def buckets(self, params: Any) -> collectives.BucketPlan:
     """The buckets in which ``update`` sends the gradients of ``params``
     (or of their shapes): tuples of indices into ``jax.tree.leaves(params)``,
-    in the order they are sent, the last leaf first."""
-    plan = collectives.leaf_plan(jax.tree.leaves(params), self.bucket_bytes)
+    in the order they are sent (``leaf_order``, else the last leaf first)."""
+    plan = collectives.leaf_plan(
+        jax.tree.leaves(params), self.bucket_bytes, self.leaf_order
+    )
     if self.dependent_rounds:
       return collectives.for_dependent_rounds(plan)
     return plan

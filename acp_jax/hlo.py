@@ -183,6 +183,65 @@ def _computations(hlo_text: str) -> tuple[str, dict[str, list[_Instruction]]]:
   return entry, computations
 
 
+class BufferPass(NamedTuple):
+  """An instruction of a module's entry that reads or writes whole arrays of
+  a given size (see ``buffer_passes``)."""
+
+  name: str  # the instruction, as printed: "%fusion.3"
+  op: str  # its opcode: "fusion", "copy", "dot", ...
+  reads: int  # operands of that size
+  writes: int  # results of that size
+
+
+# What moves no data: a bitcast reinterprets a buffer, the others name one.
+_NO_PASS = frozenset(
+    ("parameter", "bitcast", "get-tuple-element", "tuple", "constant")
+)
+
+
+def _elements(shape_text: str) -> list[int]:
+  """Element counts of the arrays in a shape (several for a tuple)."""
+  counts = []
+  for _, dims in _ARRAY.findall(shape_text):
+    numel = 1
+    for d in filter(None, dims.split(",")):
+      numel *= int(d)
+    counts.append(numel)
+  return counts
+
+
+def buffer_passes(hlo_text: str, elements: int) -> list[BufferPass]:
+  """The entry's instructions that pass over arrays of ``elements`` elements.
+
+  On a memory-bound step, such as a compressor's error feedback on a large
+  matrix, each read or write of the whole matrix costs about the same, so
+  their number says how the step's arithmetic was fused: a temporary the
+  compiler could not fuse away shows up as one write and one read more, a
+  layout copy as a read and a write.
+
+  Args:
+    hlo_text: a compiled module (``compiled.as_text()``).
+    elements: the size of the arrays to count, e.g. ``n * m``.
+
+  Returns:
+    One ``BufferPass`` per instruction that reads or writes such an array,
+    in the order of the text; bitcasts, parameters and tuples move nothing
+    and are left out.
+  """
+  entry, computations = _computations(hlo_text)
+  sizes: dict[str, list[int]] = {}
+  passes = []
+  for ins in computations[entry]:
+    sizes[ins.name] = _elements(ins.shape)
+    if ins.op in _NO_PASS:
+      continue
+    reads = sum(sizes.get(ref, []).count(elements) for ref in ins.references)
+    writes = sizes[ins.name].count(elements)
+    if reads or writes:
+      passes.append(BufferPass(ins.name, ins.op, reads, writes))
+  return passes
+
+
 def _rounds(
     computations: dict[str, list[_Instruction]],
 ) -> Callable[[str], dict[str, int]]:

@@ -51,6 +51,7 @@ def power_sgd(
     comm_dtype=None,
     warmup_steps: int | None = None,
     warmup_factors: bool = True,
+    leaf_order=None,
 ) -> compressor.Compressor:
   """Power-SGD: error-feedback low-rank compression, two all-reduces a step.
 
@@ -101,6 +102,9 @@ def power_sgd(
     warmup_factors: during the warm-up, take a power-iteration step on the
       mean gradient for each Q (no extra bytes), so that compression starts
       from the gradient's leading subspace rather than a random one.
+    leaf_order: the leaves' indices in the order backprop produces their
+      gradients, from ``acp_jax.backward_order(loss, params, batch)``; the
+      buckets are cut in that order. None for the reverse of the leaf order.
 
   Returns:
     A ``Compressor`` whose update, called inside ``jax.shard_map`` or
@@ -132,6 +136,7 @@ def power_sgd(
       comm_dtype=comm_dtype,
       warmup_steps=warmup_steps,
       warmup_factors=warmup_factors,
+      leaf_order=leaf_order,
   )
 
   def init_fn(params):
@@ -165,27 +170,37 @@ def power_sgd(
     qs = [lowrank.orthogonalize(q) for q in previous]
     ps, dense = lowrank.psum_round(
         s,
-        [m @ q for m, q in zip(s.matrices, qs)],
+        [lowrank.project(m, q) for m, q in zip(s.matrices, qs)],
         s.dense,
         axis_name,
         lr.comm_dtype,
+        packed=True,
     )
     ps = [lowrank.orthogonalize(p) for p in ps]
     # Q needs the reduced P: a second all-reduce per bucket that can neither
     # fuse with the bucket's first nor start before it ends.
     qts, _ = lowrank.psum_round(
         s,
-        [lowrank.project_transposed(m, p) for m, p in zip(s.matrices, ps)],
+        [
+            lowrank.project_terms_transposed(m, p)
+            for m, p in zip(s.matrices, ps)
+        ],
         None,
         axis_name,
         lr.comm_dtype,
+        packed=True,
     )
     qts = [qt / n for qt in qts]
     approx = [p @ qt for p, qt in zip(ps, qts)]
     dense = [x / n for x in dense]
     new_state = PowerSgdState(
         error=lowrank.errors_tree(
-            lr, s, [m - a for m, a in zip(s.matrices, approx)]
+            lr,
+            s,
+            [
+                lowrank.residual(m, p, qt)
+                for m, p, qt in zip(s.matrices, ps, qts)
+            ],
         ),
         q=lowrank.merge(s, [qt.T for qt in qts], masked, reshape=False),
         phase=state.phase,
@@ -214,6 +229,7 @@ def power_sgd(
       axis_name=axis_name,
       phases=phases,
       bucket_bytes=lr.bucket_bytes,
+      leaf_order=lr.leaf_order,
       dependent_rounds=True,
       warmup_steps=lr.warmup_steps,
       to_phase=lowrank.to_phase(Phase.P),

@@ -61,6 +61,7 @@ def sign_sgd(
     axis_name: str = "data",
     majority_vote: bool = False,
     bucket_bytes: float | None = None,
+    leaf_order=None,
 ) -> compressor.Compressor:
   """Sign-SGD with error feedback, or with majority vote.
 
@@ -83,6 +84,9 @@ def sign_sgd(
     bucket_bytes: uncompressed gradient bytes per bucket, each bucket
       all-gathered on its own (its signs and its scales); None for 25 MiB
       (PyTorch DDP's default), ``math.inf`` for one bucket.
+    leaf_order: the leaves' indices in the order backprop produces their
+      gradients, from ``acp_jax.backward_order(loss, params, batch)``; the
+      buckets are cut in that order. None for the reverse of the leaf order.
 
   Returns:
     A ``Compressor``; its update runs inside ``jax.shard_map`` or ``jax.pmap``
@@ -106,6 +110,7 @@ def sign_sgd(
     raise ValueError(f"majority_vote must be a bool, got {majority_vote!r}")
   compressor.check_static("sign_sgd", bucket_bytes=bucket_bytes)
   bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, "sign_sgd")
+  leaf_order = collectives.check_leaf_order(leaf_order, "sign_sgd")
 
   def init_fn(params):
     compressor.check_float_leaves(params, "sign_sgd")
@@ -120,7 +125,7 @@ def sign_sgd(
     leaves, treedef = jax.tree.flatten(updates)
     gathered = collectives.bucketed_all_gather(
         [[_pack_signs(g)] for g in leaves],
-        collectives.leaf_plan(leaves, bucket_bytes),
+        collectives.leaf_plan(leaves, bucket_bytes, leaf_order),
         axis_name,
     )
     votes = [
@@ -133,7 +138,7 @@ def sign_sgd(
     scales = [jnp.abs(p).astype(jnp.float32).mean() for p in ps]
     gathered = collectives.bucketed_all_gather(
         [[_pack_signs(p), scale] for p, scale in zip(ps, scales)],
-        collectives.leaf_plan(ps, bucket_bytes),
+        collectives.leaf_plan(ps, bucket_bytes, leaf_order),
         axis_name,
     )
     sent, mean = [], []
@@ -178,4 +183,5 @@ def sign_sgd(
               "bucket_bytes": bucket_bytes,
           },
       ),
+      leaf_order=leaf_order,
   )

@@ -12,14 +12,15 @@ def ssgd(
     axis_name: str = "data",
     comm_dtype=None,
     bucket_bytes: float | None = None,
+    leaf_order=None,
 ) -> compressor.Compressor:
   """S-SGD: the mean gradient over the axis by a dense all-reduce.
 
   ``update = allreduce_sum(G / N)``, sent in ``comm_dtype`` if given (each
   device divides by N first, so fp16 sums do not overflow) and returned in the
   gradient's dtype. The gradients travel in buckets of about
-  ``bucket_bytes``, one all-reduce each, the last layer's first, as in
-  PyTorch DDP (see ``acp_jax.collectives``).
+  ``bucket_bytes``, in backward order, as in PyTorch DDP, each leaf by its
+  own all-reduce (see ``acp_jax.collectives``).
 
   Args:
     axis_name: the mapped axis over which devices hold their data shards.
@@ -28,6 +29,9 @@ def ssgd(
     bucket_bytes: gradient bytes (in the gradients' dtype) per bucket; None
       for 25 MiB (PyTorch DDP's default), ``math.inf`` for one all-reduce per
       dtype.
+    leaf_order: the leaves' indices in the order backprop produces their
+      gradients, from ``acp_jax.backward_order(loss, params, batch)``; the
+      buckets are cut in that order. None for the reverse of the leaf order.
 
   Returns:
     A stateless ``Compressor``; its update runs inside ``jax.shard_map`` or
@@ -40,6 +44,7 @@ def ssgd(
   compressor.check_static("ssgd", bucket_bytes=bucket_bytes)
   bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, "ssgd")
   compressor.check_comm_dtype(comm_dtype)
+  leaf_order = collectives.check_leaf_order(leaf_order, "ssgd")
 
   def init_fn(params):
     compressor.check_float_leaves(params, "ssgd")
@@ -52,7 +57,7 @@ def ssgd(
     leaves, treedef = jax.tree.flatten(updates)
     mean = collectives.bucketed_pmean(
         leaves,
-        collectives.leaf_plan(leaves, bucket_bytes),
+        collectives.leaf_plan(leaves, bucket_bytes, leaf_order),
         axis_name,
         comm_dtype,
     )
@@ -81,4 +86,5 @@ def ssgd(
               "bucket_bytes": bucket_bytes,
           },
       ),
+      leaf_order=leaf_order,
   )

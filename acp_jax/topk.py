@@ -33,6 +33,7 @@ def topk_sgd(
     *,
     axis_name: str = "data",
     bucket_bytes: float | None = None,
+    leaf_order=None,
 ) -> compressor.Compressor:
   """Top-k sparsification with error feedback.
 
@@ -52,6 +53,9 @@ def topk_sgd(
     bucket_bytes: uncompressed gradient bytes per bucket, each bucket
       all-gathered on its own (its values and its indices); None for 25 MiB
       (PyTorch DDP's default), ``math.inf`` for one bucket.
+    leaf_order: the leaves' indices in the order backprop produces their
+      gradients, from ``acp_jax.backward_order(loss, params, batch)``; the
+      buckets are cut in that order. None for the reverse of the leaf order.
 
   Returns:
     A ``Compressor``; its update runs inside ``jax.shard_map`` or ``jax.pmap``
@@ -80,6 +84,7 @@ def topk_sgd(
     raise ValueError(f"density must be a number in (0, 1], got {density!r}")
   compressor.check_static("topk_sgd", bucket_bytes=bucket_bytes)
   bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, "topk_sgd")
+  leaf_order = collectives.check_leaf_order(leaf_order, "topk_sgd")
 
   def init_fn(params):
     compressor.check_float_leaves(params, "topk_sgd")
@@ -91,7 +96,7 @@ def topk_sgd(
     values = [f[i] for f, i in zip(flats, indices)]
     gathered = collectives.bucketed_all_gather(
         [[v, i] for v, i in zip(values, indices)],
-        collectives.leaf_plan(ps, bucket_bytes),
+        collectives.leaf_plan(ps, bucket_bytes, leaf_order),
         axis_name,
     )
     sent, mean = [], []
@@ -135,4 +140,5 @@ def topk_sgd(
               "bucket_bytes": bucket_bytes,
           },
       ),
+      leaf_order=leaf_order,
   )

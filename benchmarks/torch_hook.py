@@ -6,7 +6,9 @@ in a gloo group of world size 1 whose all-reduces move nothing, on one
 bucket that holds every gradient (as acp_jax's Power-SGD packs each round
 into one buffer on CPU), so its time is its compression and decompression:
 error feedback, the products P = MQ, Q = M^T P and the reconstruction
-P Q^T, Gram-Schmidt of the factors, and the copies in and out of the bucket.
+P Q^T, the orthogonalization of the factors (``torch.linalg.qr``, i.e.
+Householder QR in MKL's LAPACK, for float32 at rank > 2; Gram-Schmidt below),
+and the copies in and out of the bucket.
 
 The tensors take PyTorch's layouts (a Linear weight is flax's kernel
 transposed, a conv weight (out, in, kh, kw)); the hook views each as
@@ -77,7 +79,8 @@ def _process_group() -> None:
 class PowerSGDStep:
   """One step of ``powerSGD_hook`` per call (error feedback and warm start
   on, as PyTorch's defaults) on gradients shaped like ``params``, past its
-  uncompressed start.
+  uncompressed start, on ``threads`` threads (``torch.set_num_threads``,
+  which MKL's BLAS and LAPACK follow too).
 
   The bucket keeps what the previous call left in it (the decompressed
   mean), as DDP's buffer would be overwritten by the next backward: the
@@ -92,6 +95,7 @@ class PowerSGDStep:
       threads: int,
       seed: int = 0,
   ):
+    self.threads = threads
     torch.set_num_threads(threads)
     _process_group()
     self.state = powerSGD_hook.PowerSGDState(
@@ -108,4 +112,6 @@ class PowerSGDStep:
       self()  # compressed one allocates the factors and residual
 
   def __call__(self) -> None:
+    # Set on every call: steps of another thread count may take turns.
+    torch.set_num_threads(self.threads)
     powerSGD_hook.powerSGD_hook(self.state, self.bucket).wait()

@@ -89,6 +89,25 @@ SIZES = {jnp.dtype(jnp.float32): 13, jnp.dtype(jnp.int32): 3,
          jnp.dtype(jnp.uint8): 5}
 
 
+ARRAY_SIZES = [
+    (jnp.dtype(jnp.float32), 7),
+    (jnp.dtype(jnp.int32), 3),
+    (jnp.dtype(jnp.float32), 6),
+    (jnp.dtype(jnp.uint8), 5),
+]
+
+
+def test_packed_psum_sends_one_buffer_per_bucket_and_dtype():
+  packed, sent = run(
+      lambda *a: collectives.bucketed_psum(*a, packed=True), False
+  )
+  chex.assert_trees_all_equal(packed, expected("all_reduce"))
+  assert collections.Counter(sent) == collections.Counter(
+      collectives.Sent("all_reduce", "data", NODES, size, dtype)
+      for dtype, size in SIZES.items()
+  )
+
+
 @pytest.mark.parametrize("kind", ["all_reduce", "all_gather"])
 def test_split_collectives_equal_the_unsplit_ones(kind):
   collective = {
@@ -99,9 +118,12 @@ def test_split_collectives_equal_the_unsplit_ones(kind):
   whole, sent_whole = run(collective, False)
   chex.assert_trees_all_equal(whole, expected(kind))
   chex.assert_trees_all_equal(split, whole)
+  # Unsplit, an all-reduce sends each array with elements on its own,
+  # copying nothing into a buffer; an all-gather packs each bucket.
+  sizes = ARRAY_SIZES if kind == "all_reduce" else list(SIZES.items())
   assert collections.Counter(sent_whole) == collections.Counter(
       collectives.Sent(kind, "data", NODES, size, dtype)
-      for dtype, size in SIZES.items()
+      for dtype, size in sizes
   )
   # Each device sends its chunk of each buffer (padded up to a multiple of
   # LOCAL elements), and gets the others' chunks back over "local".
@@ -142,3 +164,41 @@ def test_an_axis_of_one_device_splits_nothing():
   with collectives.recording() as sent:
     jax.eval_shape(f)
   assert sent == [collectives.Sent("all_reduce", "data", NODES, 3, jnp.float32)]
+
+
+def test_bucket_plan_follows_the_leaf_order():
+  sizes = [4, 4, 4, 4]
+  assert collectives.bucket_plan(sizes, 8) == ((3, 2), (1, 0))
+  assert collectives.bucket_plan(sizes, 8, (0, 3, 1, 2)) == ((0, 3), (1, 2))
+  with pytest.raises(ValueError, match="does not order the 4 leaves"):
+    collectives.bucket_plan(sizes, 8, (0, 1, 2))
+
+
+def test_backward_order_puts_a_tied_embedding_last():
+  params = {
+      "a_embed": jnp.zeros((10, 4)),
+      "b_hidden": jnp.zeros((4, 4)),
+      "c_bias": jnp.zeros((4,)),
+  }
+
+  def loss(p, tokens):
+    h = jnp.tanh(p["a_embed"][tokens] @ p["b_hidden"] + p["c_bias"])
+    return jnp.sum(h @ p["a_embed"].T)  # the output shares the embedding
+
+  tokens = jax.ShapeDtypeStruct((3,), jnp.int32)
+  # The reverse of the leaf order would send the embedding first.
+  assert collectives.backward_order(loss, params, tokens) == (2, 1, 0)
+  # The same through a jitted loss, whose gradients one call returns.
+  assert collectives.backward_order(jax.jit(loss), params, tokens) == (2, 1, 0)
+
+
+def test_a_compressor_cuts_its_buckets_in_its_leaf_order():
+  import acp_jax  # pylint: disable=g-import-not-at-top
+
+  params = {k: jnp.zeros((64, 64)) for k in "abc"}
+  size = 64 * 64 * 4
+  for make in (acp_jax.ssgd, lambda **kw: acp_jax.acp_sgd(4, **kw)):
+    tx = make(bucket_bytes=2 * size, leaf_order=(1, 0, 2))
+    assert tx.buckets(params) == ((1, 0), (2,))
+  with pytest.raises(ValueError, match="leaf_order must be None or"):
+    acp_jax.power_sgd(4, leaf_order=(0, 0))

@@ -196,7 +196,7 @@ OUT_OF_RANGE = [
 
 @pytest.mark.parametrize("key, value, bound", OUT_OF_RANGE)
 def test_numbers_out_of_range_are_refused_naming_the_key(
-    key, value, bound, monkeypatch
+    key, value, bound, monkeypatch, tmp_path
 ):
   config = get_config("default")
   section, _, field = key.rpartition(".")
@@ -208,16 +208,17 @@ def test_numbers_out_of_range_are_refused_naming_the_key(
   monkeypatch.setattr(train, "compile_steps", compiled)
   message = f"config.{key} must be {bound}, got {value!r}"
   with pytest.raises(ValueError, match=re.escape(message)):
-    train.train_and_evaluate(config, "/tmp/unused")
+    train.train_and_evaluate(config, str(tmp_path))
 
 
 def test_the_default_config_holds_every_compressor_argument():
   """So that each can be set from the command line (keep_dense is a tree or
-  a function of the params, which no flag can hold)."""
+  a function of the params, which no flag can hold; the trainer reads
+  leaf_order from the model's loss)."""
   config = get_config("default")
   for name, factory in config_lib.COMPRESSORS.items():
     arguments = set(inspect.signature(factory).parameters)
-    assert arguments - {"axis_name", "keep_dense"} == set(
+    assert arguments - {"axis_name", "keep_dense", "leaf_order"} == set(
         config.compressor[name]
     ), name
 
@@ -286,3 +287,23 @@ def test_a_config_file_of_another_kind_is_refused_naming_it(
   result = _command(tmp_path, f"--config={path}")
   assert result.returncode != 0
   assert f"{path}" in result.stderr and message in result.stderr
+
+
+def test_the_trainer_buckets_gradients_in_backward_order():
+  # The default model's output layer, "fc", is its first leaf: the reverse
+  # of the leaf order would send its gradients last, backprop makes them
+  # first.
+  import jax  # pylint: disable=g-import-not-at-top
+
+  experiment = experiment_lib.build(get_config("default"))
+  paths = [
+      jax.tree_util.keystr(path)
+      for path, _ in jax.tree_util.tree_leaves_with_path(
+          experiment.abstract_params
+      )
+  ]
+  order = experiment.compressor.leaf_order
+  assert sorted(order) == list(range(len(paths)))
+  assert {paths[i] for i in order[:2]} == {"['fc']['bias']", "['fc']['kernel']"}
+  first_bucket = experiment.compressor.buckets(experiment.abstract_params)[0]
+  assert first_bucket[:2] == order[:2]

@@ -231,35 +231,39 @@ def test_combined_all_reduce_waits_for_every_gradient():
 
 
 @pytest.mark.parametrize("phase", ["p", "q"])
-def test_acp_sgd_in_one_bucket_waits_for_all_of_backprop(phase):
-  report = step_report("acp_sgd", phase)
+def test_acp_sgd_combined_waits_for_all_of_backprop(phase):
+  # XLA:CPU's combiner merges every factor's all-reduce into one.
+  report = step_report("acp_sgd", phase, combine=True)
   assert_shares_add_up(report)
-  (packed,) = gradient_all_reduces(report)  # factors and biases
-  assert packed.round == 1
-  assert packed.upstream_share < 0.1
+  (combined,) = gradient_all_reduces(report)  # factors and biases
+  assert combined.round == 1
+  assert combined.upstream_share < 0.1
   # What is beside it comes after backprop: the residual update, which
   # needs only this device's factor.
-  assert packed.independent_share > packed.upstream_share
+  assert combined.independent_share > combined.upstream_share
 
 
 @pytest.mark.parametrize(
     "name, phase", [("ssgd", None), ("acp_sgd", "p"), ("acp_sgd", "q")]
 )
-def test_a_bucket_per_layer_overlaps_the_backprop_of_the_others(name, phase):
-  one = step_report(name, phase)
-  layered = step_report(name, phase, bucket_bytes=LAYER_BYTES)
-  assert_shares_add_up(layered)
-  grads = gradient_all_reduces(layered)
-  assert len(grads) == len(WIDTHS) - 1
-  assert {c.round for c in grads} == {1}
-  # Each bucket waits for its own layer's gradients only: every one has
-  # backprop beside it, the others' layers', that it does not wait for.
-  assert all(c.upstream_share > 0.1 for c in grads)
-  assert len({c.ancestor_share for c in grads}) == len(grads)
-  assert (
-      layered.bytes_weighted_upstream_potential
-      > one.bytes_weighted_upstream_potential + 0.2
-  )
+def test_each_leaf_all_reduce_overlaps_the_backprop_of_the_others(
+    name, phase
+):
+  # In one bucket or a bucket per layer, each leaf's gradient (or factor)
+  # goes by its own all-reduce: nothing packs a bucket into one buffer that
+  # would wait for its last leaf.
+  for bucket_bytes in (math.inf, LAYER_BYTES):
+    report = step_report(name, phase, bucket_bytes=bucket_bytes)
+    assert_shares_add_up(report)
+    grads = gradient_all_reduces(report)
+    assert len(grads) == 2 * (len(WIDTHS) - 1)  # a kernel and a bias a layer
+    assert {c.round for c in grads} == {1}
+    assert all(c.upstream_share > 0.1 for c in grads)
+    combined = step_report(name, phase, combine=True)
+    assert (
+        report.bytes_weighted_upstream_potential
+        > combined.bytes_weighted_upstream_potential + 0.2
+    )
 
 
 def test_power_sgd_second_round_has_nothing_beside_it():

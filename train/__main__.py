@@ -60,6 +60,12 @@ _DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
     "Seconds to wait for all processes to join, or for a silent peer, before"
     " the run fails.",
 )
+_LAPACK_THREADS = flags.DEFINE_integer(
+    "lapack_threads",
+    1,
+    "Threads of the BLAS behind jaxlib's QR and Cholesky (one is faster for"
+    " the compressors' small factors); 0 leaves the library's own setting.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -105,6 +111,7 @@ def main(argv):
       process_id=_PROCESS_ID.value,
       auto_distributed=_AUTO_DISTRIBUTED.value,
       distributed_timeout_s=_DISTRIBUTED_TIMEOUT.value,
+      lapack_threads=_LAPACK_THREADS.value or None,
   )
   config, workdir = _CONFIG.value, _WORKDIR.value
   try:

@@ -272,13 +272,18 @@ def global_batch_size(config: ml_collections.ConfigDict, num_devices: int):
 
 
 def compressor(
-    config: ml_collections.ConfigDict, axis_name: str
+    config: ml_collections.ConfigDict,
+    axis_name: str,
+    leaf_order: tuple[int, ...] | None = None,
 ) -> acp_jax.Compressor:
   """The compressor ``config.compressor.name``, called with the arguments in
   ``config.compressor[name]`` (each compressor has its own dict, so none is
-  ever ignored); a bad argument names its key."""
+  ever ignored); a bad argument names its key. ``leaf_order`` (the model's
+  ``acp_jax.backward_order``) orders its buckets, unless the config sets one."""
   name = config.compressor.name
   args = dict(config.compressor.get(name, {}))
+  if leaf_order is not None:
+    args.setdefault("leaf_order", leaf_order)
   try:
     return COMPRESSORS[name](axis_name=axis_name, **args)
   except TypeError as e:  # an argument the factory does not take

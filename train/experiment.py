@@ -143,6 +143,41 @@ def _model_kwargs(config, dataset) -> dict[str, Any]:
   return kwargs
 
 
+def _backward_order(config, dataset, model_kwargs, split) -> tuple[int, ...]:
+  """The order in which backprop computes the model's gradients
+  (``acp_jax.backward_order``), read from a train-mode forward pass on one
+  example's shapes, for the compressor's buckets.
+
+  ``split`` is the abstract model's (graphdef, params, batch_stats). With
+  synchronized BatchNorm, which needs its mapped axis, the order is read
+  from a model with local statistics: the same params, the same backprop.
+  """
+  if config.batch_norm == "sync":
+    split = nnx.split(
+        nnx.eval_shape(
+            lambda: models.create(
+                config.model.name,
+                rngs=nnx.Rngs(jax.random.key(config.seed, impl="rbg")),
+                **model_kwargs,
+            )
+        ),
+        nnx.Param,
+        nnx.BatchStat,
+    )
+  graphdef, params, batch_stats = split
+  example = dataset.train.get(np.arange(1))["inputs"]
+  inputs = jax.ShapeDtypeStruct(example.shape, example.dtype)
+
+  def loss(params, batch_stats, inputs):
+    model = nnx.merge(graphdef, params, batch_stats)
+    outputs = model(inputs, train=True, rngs=nnx.Rngs(dropout=0))
+    return jnp.sum(outputs.astype(jnp.float32))
+
+  return acp_jax.backward_order(
+      loss, nnx.to_pure_dict(params), nnx.to_pure_dict(batch_stats), inputs
+  )
+
+
 def build(config: ml_collections.ConfigDict) -> Experiment:
   """Checks ``config`` and builds everything but the compiled steps."""
   num_devices = jax.device_count()
@@ -165,7 +200,13 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
   graphdef, params, batch_stats = nnx.split(
       nnx.eval_shape(create), nnx.Param, nnx.BatchStat
   )
-  compressor = config_lib.compressor(config, AXIS)
+  compressor = config_lib.compressor(
+      config,
+      AXIS,
+      leaf_order=_backward_order(
+          config, dataset, model_kwargs, (graphdef, params, batch_stats)
+      ),
+  )
   schedule = config_lib.schedule(config)
   mesh = jax.make_mesh(
       (num_devices,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,)

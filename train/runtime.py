@@ -12,6 +12,7 @@ import socket
 import sys
 import threading
 
+import acp_jax
 import jax
 from jax.experimental import multihost_utils
 import numpy as np
@@ -25,8 +26,10 @@ def setup(
     process_id: int | None = None,
     auto_distributed: bool = False,
     distributed_timeout_s: int = 300,
+    lapack_threads: int | None = 1,
 ) -> None:
-  """Simulates CPU devices and joins a multi-process cluster, as asked.
+  """Simulates CPU devices and joins a multi-process cluster, as asked, and
+  limits the BLAS threads of jaxlib's LAPACK calls.
 
   Must run before anything asks JAX for its devices.
 
@@ -40,7 +43,13 @@ def setup(
       clusters JAX detects by itself (SLURM, Cloud TPU, ...).
     distributed_timeout_s: how long to wait for every process to join, and
       for a silent peer, before the run fails.
+    lapack_threads: threads of the process's BLAS libraries, the one behind
+      jaxlib's QR and Cholesky included (``acp_jax.limit_lapack_threads``:
+      one is faster for the compressors' small factors); None leaves them as
+      they are.
   """
+  if lapack_threads is not None:
+    acp_jax.limit_lapack_threads(lapack_threads)
   if num_cpu_devices is not None:
     if num_cpu_devices < 1:
       raise ValueError(

@@ -1,0 +1,176 @@
+"""The low-rank compressors' arithmetic: the orthogonalization of tall
+factors and the passes that a step makes over each gradient matrix."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import acp_jax
+from acp_jax import hlo
+from acp_jax import lowrank
+from tests import helpers
+
+# Tall enough, at a rank high enough, for Cholesky-QR2 on a CPU.
+N, R = 1024, 32
+
+
+def defect(q):
+  """max |Q^T Q - I|."""
+  q = np.asarray(q, np.float64)
+  return np.abs(q.T @ q - np.eye(q.shape[1])).max()
+
+
+def normal(shape, seed=0):
+  return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def ill_conditioned(cond, seed=0):
+  """An N x R matrix with singular values from 1 down to 1 / ``cond``."""
+  u, _ = np.linalg.qr(normal((N, R), seed))
+  v, _ = np.linalg.qr(normal((R, R), seed + 1))
+  return ((u * np.logspace(0, -np.log10(cond), R)) @ v.T).astype(np.float32)
+
+
+def test_tall_factors_take_cholesky_qr2_and_come_out_orthonormal():
+  assert lowrank.uses_cholesky_qr(N, R)
+  assert not lowrank.uses_cholesky_qr(N, 4)  # Householder is faster there
+  assert not lowrank.uses_cholesky_qr(64, R)
+  x = normal((N, R))
+  q = jax.jit(lowrank.orthogonalize)(x)
+  householder = np.linalg.qr(x)[0]
+  # Not Householder's own result (its columns carry other signs, at least),
+  # but the same span, and orthonormal to float32 accuracy.
+  assert not np.array_equal(np.asarray(q), householder)
+  assert defect(q) < 1e-5
+  np.testing.assert_allclose(
+      np.abs(np.asarray(q).T @ householder), np.eye(R), atol=1e-4
+  )
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "zero",
+        "rank_deficient",
+        "cond_1e7",
+    ],
+)
+def test_cholesky_qr2_falls_back_to_householder_where_it_would_fail(case):
+  x = {
+      "zero": np.zeros((N, R), np.float32),
+      "rank_deficient": normal((N, 5)) @ normal((5, R), 1),
+      "cond_1e7": ill_conditioned(1e7),
+  }[case]
+  # Unguarded, one pass of Cholesky-QR is NaN or far from orthonormal here.
+  gram = jnp.asarray(x).T @ jnp.asarray(x)
+  first = jnp.asarray(x) @ lowrank._inverse_cholesky_factor(gram)
+  assert not np.isfinite(first).all() or defect(first) > 0.1
+  q = jax.jit(lowrank.orthogonalize)(x)
+  np.testing.assert_array_equal(q, jax.jit(lowrank._householder)(x))
+  assert defect(q) < 1e-5
+  if case != "zero":  # the span of x is kept
+    q = np.asarray(q)
+    np.testing.assert_allclose(q @ (q.T @ x), x, atol=1e-4)
+
+
+def test_acp_sgd_on_a_zero_gradient_keeps_finite_orthonormal_factors():
+  # Its P-step all-reduces a zero P, which the Q-step orthogonalizes (on
+  # the Cholesky-QR2 path, a 1024 x 32 factor).
+  tx = acp_jax.acp_sgd(rank=R)
+  params = {"w": jnp.zeros((N, 128))}
+  dp = acp_jax.DataParallel(tx, helpers.mesh())
+  compress = jax.jit(dp.compress)
+  state = dp.init_comm(params)
+  grads = jax.tree.map(lambda g: jnp.zeros((dp.num_devices,) + g.shape), params)
+  for _ in range(3):  # P, Q, P
+    mean, state = compress(grads, state)
+    np.testing.assert_array_equal(mean["w"], 0.0)
+  assert np.isfinite(state.q["w"]).all() and np.isfinite(state.p["w"]).all()
+  assert defect(lowrank.orthogonalize(state.p["w"])) < 1e-5
+
+
+def step_passes(name, phase, shape=(3072, 768), devices=1):
+  """``hlo.buffer_passes`` over the leaf's n x m matrix in one compiled
+  step of ``name`` at rank 32 under ``DataParallel``."""
+  tx = getattr(acp_jax, name)(rank=32)
+  mesh = jax.make_mesh(
+      (devices,),
+      ("data",),
+      devices=jax.devices()[:devices],
+      axis_types=(jax.sharding.AxisType.Auto,),
+  )
+  dp = acp_jax.DataParallel(tx, mesh)
+  params = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
+  comm = dp.phase_states(dp.abstract_comm(params))[phase]
+  text = (
+      jax.jit(dp.compress, donate_argnums=(1,))
+      .lower(dp.abstract_local_grads(params), comm)
+      .compile()
+      .as_text()
+  )
+  return hlo.buffer_passes(text, int(np.prod(shape)))
+
+
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+@pytest.mark.parametrize(
+    "name, phase, most",
+    [
+        # Reads of G and E by the projection (2), E' = G + E - F B^T in one
+        # fusion (3), the update (1).
+        ("acp_sgd", "p", 6),
+        ("acp_sgd", "q", 6),
+        # Two projections read G and E each.
+        ("power_sgd", "step", 8),
+    ],
+)
+def test_error_feedback_makes_the_fewest_passes_over_the_matrix(
+    name, phase, most
+):
+  passes = step_passes(name, phase)
+  assert sum(p.reads + p.writes for p in passes) == most, passes
+  # No n x m temporary is written and read back, nor E' copied.
+  assert [p.writes for p in passes].count(1) == 2, passes
+  assert "copy" not in [p.op for p in passes], passes
+
+
+def test_buffer_passes_reads_operands_and_results_of_the_size():
+  text = """
+ENTRY %main (a: f32[4,8], b: f32[1,4,8]) -> f32[4,8] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %b = f32[1,4,8]{2,1,0} parameter(1)
+  %bitcast = f32[4,8]{1,0} bitcast(%b)
+  %fusion = f32[4,8]{1,0} fusion(%a, %bitcast), kind=kLoop, calls=%f
+  %dot = f32[4,2]{1,0} dot(%fusion, %c), lhs_contracting_dims={1}
+  ROOT %copy = f32[4,8]{1,0} copy(%fusion)
+}
+"""
+  assert hlo.buffer_passes(text, 32) == [
+      hlo.BufferPass("%fusion", "fusion", 2, 1),
+      hlo.BufferPass("%dot", "dot", 1, 0),
+      hlo.BufferPass("%copy", "copy", 1, 1),
+  ]
+
+
+def test_limit_lapack_threads_limits_the_blas_behind_jaxlib_and_restores():
+  from threadpoolctl import threadpool_info  # pylint: disable=g-import-not-at-top
+
+  jax.block_until_ready(jnp.linalg.qr(jnp.ones((4, 2))))  # loads the LAPACK
+  scipy_blas = lambda: [
+      i["num_threads"] for i in threadpool_info() if "scipy" in i["filepath"]
+  ]
+  before = scipy_blas()
+  assert before
+  with acp_jax.limit_lapack_threads(1):
+    assert set(scipy_blas()) == {1}
+    with acp_jax.limit_lapack_threads(2):
+      assert set(scipy_blas()) == {2}
+  assert scipy_blas() == before
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1"])
+def test_limit_lapack_threads_refuses_a_bad_count(bad):
+  with pytest.raises(
+      ValueError, match=f"num_threads must be a positive int, got {bad!r}"
+  ):
+    acp_jax.limit_lapack_threads(bad)
