@@ -98,7 +98,10 @@ class DataParallel:
       whole step is skipped, ``tx``'s state kept too and the updates zero,
       without ``optax.apply_if_finite``. ``"propagate"``: no check, the
       residuals take the non-finite values (and every later step's).
-      Each is a select on every replica alike, no conditional, no byte sent.
+      Each is a select on every replica alike, no conditional, no byte sent;
+      on XLA:CPU, keeping a low-rank residual costs one copy of it per step
+      (two passes over each compressed matrix, ``tests/
+      test_lowrank_arithmetic.py``); ``"propagate"`` saves them.
 
   Example (pure params; ``loss_fn(params, batch)`` returns a scalar)::
 

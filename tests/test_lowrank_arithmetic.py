@@ -90,7 +90,9 @@ def test_acp_sgd_on_a_zero_gradient_keeps_finite_orthonormal_factors():
   assert defect(lowrank.orthogonalize(state.p["w"])) < 1e-5
 
 
-def step_passes(name, phase, shape=(3072, 768), devices=1):
+def step_passes(
+    name, phase, shape=(3072, 768), devices=1, nonfinite="propagate"
+):
   """``hlo.buffer_passes`` over the leaf's n x m matrix in one compiled
   step of ``name`` at rank 32 under ``DataParallel``."""
   tx = getattr(acp_jax, name)(rank=32)
@@ -100,7 +102,7 @@ def step_passes(name, phase, shape=(3072, 768), devices=1):
       devices=jax.devices()[:devices],
       axis_types=(jax.sharding.AxisType.Auto,),
   )
-  dp = acp_jax.DataParallel(tx, mesh)
+  dp = acp_jax.DataParallel(tx, mesh, nonfinite=nonfinite)
   params = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
   comm = dp.phase_states(dp.abstract_comm(params))[phase]
   text = (
@@ -132,6 +134,12 @@ def test_error_feedback_makes_the_fewest_passes_over_the_matrix(
   # No n x m temporary is written and read back, nor E' copied.
   assert [p.writes for p in passes].count(1) == 2, passes
   assert "copy" not in [p.op for p in passes], passes
+  # Keeping the residual through a non-finite step (DataParallel's default)
+  # selects between E and E', and XLA:CPU then copies E once: two passes
+  # more, no other.
+  kept = step_passes(name, phase, nonfinite="keep")
+  assert sum(p.reads + p.writes for p in kept) == most + 2, kept
+  assert [p.op for p in kept].count("copy") == 1, kept
 
 
 def test_buffer_passes_reads_operands_and_results_of_the_size():
