@@ -149,12 +149,8 @@ def recording() -> Iterator[list[Sent]]:
   Yields:
     The list that the ``Sent`` records are appended to, in tracing order.
   """
-  sent = []
-  token = _RECORD.set(sent)
-  try:
+  with _listing(_RECORD) as sent:
     yield sent
-  finally:
-    _RECORD.reset(token)
 
 
 @contextlib.contextmanager
@@ -167,12 +163,19 @@ def receiving() -> Iterator[list[jax.Array]]:
   Yields:
     The list that the received buffers are appended to, in tracing order.
   """
-  received = []
-  token = _RECEIVED.set(received)
-  try:
+  with _listing(_RECEIVED) as received:
     yield received
+
+
+@contextlib.contextmanager
+def _listing(var: contextvars.ContextVar) -> Iterator[list]:
+  """A fresh list in ``var`` for the duration of the block."""
+  listed = []
+  token = var.set(listed)
+  try:
+    yield listed
   finally:
-    _RECEIVED.reset(token)
+    var.reset(token)
 
 
 def axis_size(axis_name: str, caller: str) -> int:
