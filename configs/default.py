@@ -69,7 +69,7 @@ def get_config() -> ml_collections.ConfigDict:
   # number of classes or the vocabulary comes from the data.
   config.model = ml_collections.ConfigDict({"name": "small_cnn", "width": 32})
 
-  # The loader by name (train/data.py) with its arguments beside it.
+  # The loader by name (train/data/) with its arguments beside it.
   config.data = ml_collections.ConfigDict({"name": "digits"})
 
   # The compressor by name, and each compressor's factory arguments in a

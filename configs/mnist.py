@@ -1,7 +1,7 @@
 """MNIST from IDX files on the small CNN.
 
 The data set is not bundled: point --config.data.path at a folder of MNIST's
-IDX files (DATA_SOURCES in train/data.py says where to get them). With only
+IDX files (DATA_SOURCES in train/data/ says where to get them). With only
 the 10,000-image test set there, it splits 8,000 train / 2,000 held out.
 """
 

@@ -9,9 +9,12 @@ the paper, with nothing to download:
   --config.data.name=synthetic_images
 """
 
+import dataclasses
+
 import ml_collections
 
 from configs import default
+from train import images
 
 
 def get_config():
@@ -26,17 +29,12 @@ def get_config():
           # Images of any size: random-resized crops and flips for
           # training, resize and central crop for evaluation.
           "preprocess": "imagenet",
-          # The crops' side; also the side of --config.data.name=
-          # synthetic_images.
-          "image_size": 224,
-          # A training crop's area (fraction of the image) and aspect ratio.
-          "crop_scale": (0.08, 1.0),
-          "crop_ratio": (3 / 4, 4 / 3),
-          # Evaluation resizes the shorter side to image_size / crop_fraction.
-          "crop_fraction": 0.875,
-          # Per-channel statistics of ImageNet's training set, on [0, 1].
-          "mean": (0.485, 0.456, 0.406),
-          "std": (0.229, 0.224, 0.225),
+          # The crops' side (also the side of --config.data.name=
+          # synthetic_images), a training crop's area (fraction of the
+          # image) and aspect ratio, the crop_fraction of the shorter side
+          # that evaluation keeps, ImageNet's channel mean and std:
+          # images.Preprocess's defaults, here so that each can be set.
+          **dataclasses.asdict(images.Preprocess()),
           # Used by --config.data.name=synthetic_images:
           "num_classes": 1000,
       }

@@ -10,7 +10,7 @@ def get_config():
   config.data = ml_collections.ConfigDict(
       {
           "name": "text",
-          # Required: tiny-shakespeare's input.txt (train/data.py, DATA_SOURCES).
+          # Required: tiny-shakespeare's input.txt (train/data/, DATA_SOURCES).
           "path": "",
           "seq_len": 128,
       }

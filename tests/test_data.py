@@ -1,4 +1,4 @@
-"""Tests of train/data.py: loaders on files in the data sets' formats, batch
+"""Tests of train/data/: loaders on files in the data sets' formats, batch
 order, errors; the real data sets too where ``ACP_DATA_DIR`` has them."""
 
 import collections
