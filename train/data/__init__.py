@@ -18,8 +18,6 @@ loader, its fields the loader's arguments), ``idx`` (MNIST's file format),
 batches and evaluation passes).
 """
 
-from typing import Any
-
 import ml_collections
 
 from train.data import arguments
@@ -50,7 +48,7 @@ from train.data.tfds import PREPROCESS
 from train.data.tfds import Tfds
 
 # config.data.name -> the loader's dataclass, its fields its arguments.
-LOADERS: dict[str, Any] = {
+LOADERS: dict[str, type] = {
     "digits": Digits,
     "mnist": Mnist,
     "text": Text,
