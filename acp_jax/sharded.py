@@ -53,7 +53,6 @@ with the all-gathers of the params on the local axis.
 shardings.
 """
 
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -67,13 +66,18 @@ from acp_jax import compressor as compressor_lib
 from acp_jax import data_parallel
 
 
+# The compressors whose update on blocks of rows is the whole leaves' one:
+# their only sums over a leaf's rows go through ``collectives.row_sum``.
+ROW_SHARDED = ("ssgd", "power_sgd", "acp_sgd")
+
+
 class ShardedDataParallel(data_parallel.DataParallel):
   """``DataParallel`` with params, optimizer state and residuals sharded
   within each node (see the module's docstring).
 
   Args:
-    compressor: made by an ``acp_jax`` factory; its ``axis_name`` is the
-      node axis of ``mesh``.
+    compressor: made by ``ssgd``, ``power_sgd`` or ``acp_sgd``; its
+      ``axis_name`` is the node axis of ``mesh``.
     mesh: nodes x devices per node.
     local_axis: the axis of a node's devices, over which the model is
       sharded and gradients are summed densely.
@@ -104,6 +108,14 @@ class ShardedDataParallel(data_parallel.DataParallel):
           "ShardedDataParallel needs local_axis, the mesh axis of a node's"
           " devices over which the model is sharded; for a model replicated"
           " on every device use DataParallel"
+      )
+    made_by = getattr(compressor, "made_by", None) or ("a custom compressor",)
+    if made_by[0] not in ROW_SHARDED:
+      raise ValueError(
+          f"ShardedDataParallel runs {', '.join(ROW_SHARDED)} on blocks of"
+          f" rows, not {made_by[0]}, whose scale (sign_sgd) or selection"
+          " (topk_sgd) spans the whole leaf; use DataParallel(compressor,"
+          " mesh, local_axis=...) for it"
       )
     super().__init__(
         compressor, mesh, local_axis=local_axis, nonfinite=nonfinite
@@ -229,8 +241,10 @@ class ShardedDataParallel(data_parallel.DataParallel):
           [x for x in received if jnp.issubdtype(x.dtype, jnp.inexact)]
       )
       # A device's blocks reach only its peers of the same index on the
-      # other nodes: the node's devices agree on the verdict.
-      if self.nonfinite != "propagate":
+      # other nodes: the node's devices agree on the verdict, where it is
+      # used (a stateless compressor's is, only to skip the step).
+      used = jax.tree.leaves(state) or self.nonfinite == "skip"
+      if self.nonfinite != "propagate" and used:
         bad = collectives.all_reduce((~finite).astype(jnp.float32), local)
         finite = bad == 0
         state = data_parallel._where(finite, state, old)
@@ -249,7 +263,7 @@ class ShardedDataParallel(data_parallel.DataParallel):
 
   def _as_param(self, rows: jax.Array, param: Any) -> jax.Array:
     """A leaf from the compressor's padded rows, placed as the param."""
-    x = rows[: math.prod(param.shape[:1]) or 1].reshape(param.shape)
+    x = rows[: param.shape[0] if param.shape else 1].reshape(param.shape)
     return lax.with_sharding_constraint(
         x, self._sharding(self.param_spec(tuple(param.shape)))
     )
