@@ -65,7 +65,6 @@ from acp_jax import collectives
 from acp_jax import compressor as compressor_lib
 from acp_jax import data_parallel
 
-
 # The compressors whose update on blocks of rows is the whole leaves' one:
 # their only sums over a leaf's rows go through ``collectives.row_sum``.
 ROW_SHARDED = ("ssgd", "power_sgd", "acp_sgd")
@@ -109,17 +108,17 @@ class ShardedDataParallel(data_parallel.DataParallel):
           " devices over which the model is sharded; for a model replicated"
           " on every device use DataParallel"
       )
-    made_by = getattr(compressor, "made_by", None) or ("a custom compressor",)
-    if made_by[0] not in ROW_SHARDED:
-      raise ValueError(
-          f"ShardedDataParallel runs {', '.join(ROW_SHARDED)} on blocks of"
-          f" rows, not {made_by[0]}, whose scale (sign_sgd) or selection"
-          " (topk_sgd) spans the whole leaf; use DataParallel(compressor,"
-          " mesh, local_axis=...) for it"
-      )
     super().__init__(
         compressor, mesh, local_axis=local_axis, nonfinite=nonfinite
     )
+    made_by = (compressor.made_by or ("a custom compressor",))[0]
+    if made_by not in ROW_SHARDED:
+      raise ValueError(
+          f"ShardedDataParallel runs {', '.join(ROW_SHARDED)} on blocks of"
+          f" rows, not {made_by}, whose scale (sign_sgd) or selection"
+          " (topk_sgd) spans the whole leaf; use DataParallel(compressor,"
+          " mesh, local_axis=...) for it"
+      )
     self.local_size = mesh.shape[local_axis]
 
   # -- layout -----------------------------------------------------------------
@@ -139,9 +138,7 @@ class ShardedDataParallel(data_parallel.DataParallel):
         lambda x: self._sharding(self.param_spec(tuple(x.shape))), params
     )
 
-  def _inner_init(
-      self, tx: optax.GradientTransformation, params: Any
-  ) -> Any:
+  def _inner_init(self, tx: optax.GradientTransformation, params: Any) -> Any:
     """``tx.init``, jitted to lay out each array of its state as a param of
     its shape."""
     shardings = self.param_shardings(jax.eval_shape(tx.init, params))
@@ -203,7 +200,9 @@ class ShardedDataParallel(data_parallel.DataParallel):
       )
 
     shardings = jax.tree.map(
-        self._sharding, self._comm_specs(shapes), is_leaf=_is_spec
+        self._sharding,
+        self._comm_specs(shapes),
+        is_leaf=data_parallel._is_spec,
     )
     return jax.jit(make, out_shardings=shardings)
 
@@ -224,7 +223,9 @@ class ShardedDataParallel(data_parallel.DataParallel):
     def block_of_sum(g, rows):
       g = collectives.all_reduce(g, local) / parts
       g = g.reshape((-1,) + g.shape[1:])  # a scalar as a vector
-      g = jnp.pad(g, [(0, rows.shape[0] - g.shape[0])] + [(0, 0)] * (g.ndim - 1))
+      g = jnp.pad(
+          g, [(0, rows.shape[0] - g.shape[0])] + [(0, 0)] * (g.ndim - 1)
+      )
       size = rows.shape[0] // parts
       return lax.dynamic_slice_in_dim(g, lax.axis_index(local) * size, size)
 
@@ -351,7 +352,9 @@ def memory_per_device(
   )
   return MemoryPerDevice(
       params=_shard_bytes(placed),
-      opt_state=_shard_bytes(jax.eval_shape(dp._inner_init(tx, placed), placed)),
+      opt_state=_shard_bytes(
+          jax.eval_shape(dp._inner_init(tx, placed), placed)
+      ),
       compressor=_shard_bytes(dp.abstract_comm(placed)),
   )
 
@@ -365,7 +368,3 @@ def _shard_bytes(tree: Any) -> int:
     shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
     total += collectives.nbytes(shape, x.dtype)
   return total
-
-
-def _is_spec(x) -> bool:
-  return isinstance(x, P)

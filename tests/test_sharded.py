@@ -153,7 +153,10 @@ def _orthogonalized_blocks(x):
   mesh = th.mesh2d()
   return jax.jit(
       jax.shard_map(
-          body, mesh=mesh, in_specs=P("local"), out_specs=P("local"),
+          body,
+          mesh=mesh,
+          in_specs=P("local"),
+          out_specs=P("local"),
           check_vma=False,
       )
   )(x)
@@ -289,9 +292,7 @@ def test_nnx_model_with_sharding_annotations_in_its_own_loop():
       optimizer.update(model, grads)
       return loss
 
-    x, y = jax.device_put(
-        (th.X, th.Y), NamedSharding(dp.mesh, dp.device_spec)
-    )
+    x, y = jax.device_put((th.X, th.Y), NamedSharding(dp.mesh, dp.device_spec))
     for i in range(4):
       dp.at_step(optimizer, i)
       train_step(model, optimizer, x, y)
