@@ -21,6 +21,9 @@ from acp_jax.hlo import overlap_potential
 from acp_jax.hlo import scheduled_overlap
 from acp_jax.lapack import limit_lapack_threads
 from acp_jax.powersgd import power_sgd
+from acp_jax.sharded import memory_per_device
+from acp_jax.sharded import MemoryPerDevice
+from acp_jax.sharded import ShardedDataParallel
 from acp_jax.powersgd import PowerSgdState
 from acp_jax.sign import sign_sgd
 from acp_jax.sign import SignSgdState
@@ -37,8 +40,10 @@ __all__ = (
     "DataParallel",
     "DataParallelState",
     "LocalGrads",
+    "MemoryPerDevice",
     "Phase",
     "PowerSgdState",
+    "ShardedDataParallel",
     "SignSgdState",
     "TopkSgdState",
     "acp_sgd",
@@ -47,6 +52,7 @@ __all__ = (
     "collective_stats",
     "comm_bytes",
     "limit_lapack_threads",
+    "memory_per_device",
     "overlap_potential",
     "power_sgd",
     "scheduled_overlap",

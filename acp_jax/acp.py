@@ -187,7 +187,10 @@ def acp_sgd(
       # E' = M - B F^T
       rank_one_terms = lambda ft, b: (b, ft)
       previous = lowrank.leaves_of(s, state.p)
-    bases = [lowrank.orthogonalize(f) for f in previous]
+    orthogonalize = (
+        lowrank.orthogonalize if p_step else lowrank.orthogonalize_rows
+    )
+    bases = [orthogonalize(f) for f in previous]
     factors = [
         lowrank.as_sent(lr, project(m, b)) for m, b in zip(s.matrices, bases)
     ]
@@ -197,7 +200,7 @@ def acp_sgd(
     ]
     # The one round: each bucket's factors and dense leaves together.
     reduced, dense = lowrank.psum_round(
-        s, factors, s.dense, axis_name, lr.comm_dtype
+        s, factors, s.dense, axis_name, lr.comm_dtype, row_sums=not p_step
     )
     reduced = [f / n for f in reduced]
     dense = [x / n for x in dense]

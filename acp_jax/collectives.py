@@ -56,6 +56,16 @@ axis is still node ``j``'s whole buffer. Each device then sends
 moves the rest over the fast local axis. The compressors do not know about
 it: ``DataParallel`` enters the context while it traces their update.
 
+Rows sharded over a second axis (``row_shards``): in sharded data
+parallelism each device of a node holds its own block of rows of every leaf
+(and of its gradient, already summed over the node). A buffer of such
+blocks differs from device to device and is sent whole, each device's
+blocks being its own share. The sums over the rows of a matrix (``row_sum``:
+a low-rank compressor's M^T P, a Gram matrix) are identical on the node's
+devices once summed over ``row_shards``'s axis; those that a compressor
+sends across nodes are split over it as ``split_over`` splits buffers
+(``bucketed_psum``'s ``row_sums``).
+
 ``recording`` lists the collectives that buffers go through while a
 function is traced (under ``jax.eval_shape``, nothing runs), by axis: the
 exact bytes per device of a step, however its buffers were split.
@@ -80,6 +90,11 @@ BucketPlan = tuple[tuple[int, ...], ...]
 # The axis over which packed buffers are split, or None (see ``split_over``).
 _SPLIT_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "split_axis", default=None
+)
+# The axis over which leaves' rows are sharded and its size, or None (see
+# ``row_shards``).
+_ROW_AXIS: contextvars.ContextVar[tuple[str, int] | None] = (
+    contextvars.ContextVar("row_axis", default=None)
 )
 # Where the collectives of packed buffers are listed (see ``recording``).
 _RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar(
@@ -134,6 +149,53 @@ def split_over(axis_name: str | None) -> Iterator[None]:
     yield
   finally:
     _SPLIT_AXIS.reset(token)
+
+
+@contextlib.contextmanager
+def row_shards(axis_name: str, parts: int) -> Iterator[None]:
+  """Within it, every leaf a compressor is handed is one device's block of
+  rows: its leading axis is sharded over ``axis_name`` (see the module's
+  docstring). A compressor's matrix view is then decided on the whole leaf,
+  ``parts`` blocks stacked (``global_shape``); sums over rows go through
+  ``row_sum``, and buffers marked ``row_sums`` are split over the axis.
+
+  Args:
+    axis_name: a mapped axis other than the collectives' own.
+    parts: its size.
+  """
+  token = _ROW_AXIS.set((axis_name, parts))
+  try:
+    yield
+  finally:
+    _ROW_AXIS.reset(token)
+
+
+def row_axis() -> tuple[str, int] | None:
+  """The axis name and size of ``row_shards``, or None outside it."""
+  return _ROW_AXIS.get()
+
+
+def global_shape(shape: Sequence[int]) -> tuple[int, ...]:
+  """The whole leaf's shape for a block of ``shape`` (``shape`` itself
+  outside ``row_shards``)."""
+  rows = _ROW_AXIS.get()
+  if rows is None or not shape:
+    return tuple(shape)
+  return (shape[0] * rows[1],) + tuple(shape[1:])
+
+
+def row_sum(x: jax.Array) -> jax.Array:
+  """``x`` summed over the axis of ``row_shards`` (listed where
+  ``recording``); ``x`` itself outside it."""
+  rows = _ROW_AXIS.get()
+  if rows is None:
+    return x
+  return all_reduce(x, rows[0])
+
+
+def all_reduce(x: jax.Array, axis_name: str) -> jax.Array:
+  """``lax.psum(x, axis_name)``, listed where ``recording``."""
+  return _collective("all_reduce", x, axis_name)
 
 
 @contextlib.contextmanager
@@ -352,10 +414,20 @@ def _collective(
   return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
 
 
-def _send(kind: str, flat: jax.Array, axis_name: str) -> jax.Array:
-  """The ``kind`` collective of a flat buffer, in chunks over the axis of
-  ``split_over`` if one is set (see the module's docstring)."""
-  local = _SPLIT_AXIS.get()
+def _split_axis(row_sums: bool) -> str | None:
+  """The axis a buffer is split over: ``split_over``'s, or for a buffer of
+  ``row_sums`` the axis of ``row_shards``."""
+  rows = _ROW_AXIS.get()
+  if row_sums and rows is not None:
+    return rows[0]
+  return _SPLIT_AXIS.get()
+
+
+def _send(
+    kind: str, flat: jax.Array, axis_name: str, local: str | None
+) -> jax.Array:
+  """The ``kind`` collective of a flat buffer, in chunks over the axis
+  ``local`` if not None (see the module's docstring)."""
   if local == axis_name:
     raise ValueError(
         f"split_over: axis_name={local!r} is the collectives' own axis; a"
@@ -375,7 +447,10 @@ def _send(kind: str, flat: jax.Array, axis_name: str) -> jax.Array:
 
 
 def _packed(
-    kind: str, arrays: Sequence[jax.Array], axis_name: str
+    kind: str,
+    arrays: Sequence[jax.Array],
+    axis_name: str,
+    local: str | None = None,
 ) -> list[jax.Array]:
   """The ``kind`` collective of one flat buffer per dtype, split back into
   arrays (an all-gather prepends the axis size). A buffer with no elements
@@ -388,7 +463,7 @@ def _packed(
   for dtype, members in by_dtype.items():
     flat = jnp.concatenate([arrays[i].ravel() for i in members])
     flat = (
-        _send(kind, flat, axis_name)
+        _send(kind, flat, axis_name, local)
         if flat.size
         else jnp.zeros(lead + flat.shape, dtype)
     )
@@ -427,23 +502,30 @@ def _bucketed(
     plan: BucketPlan,
     axis_name: str,
     packed: bool = True,
+    row_sums: Sequence[bool] | None = None,
 ) -> list[list[jax.Array]]:
   """The ``kind`` collective of each bucket's arrays (``_packed``, or
   ``_each`` for an all-reduce that is not ``packed`` and not split);
   ``per_leaf[i]`` are the arrays leaf ``i`` sends (any number, none
-  included)."""
-  one_by_one = (
-      kind == "all_reduce" and not packed and _SPLIT_AXIS.get() is None
-  )
+  included). Within ``row_shards``, a bucket's arrays of leaves marked in
+  ``row_sums`` and the others go as two groups, each split its own way."""
+  marked = [False] * len(per_leaf) if row_sums is None else list(row_sums)
+  if _ROW_AXIS.get() is None:
+    marked = [False] * len(per_leaf)
   out = [[] for _ in per_leaf]
   for bucket in plan:
-    arrays = [x for i in bucket for x in per_leaf[i]]
-    if one_by_one:
-      done = iter(_each(arrays, axis_name))
-    else:
-      done = iter(_packed(kind, arrays, axis_name))
-    for i in bucket:
-      out[i] = [next(done) for _ in per_leaf[i]]
+    for group in (False, True):
+      members = [i for i in bucket if marked[i] == group]
+      arrays = [x for i in members for x in per_leaf[i]]
+      if not members:
+        continue
+      local = _split_axis(group)
+      if kind == "all_reduce" and not packed and local is None:
+        done = iter(_each(arrays, axis_name))
+      else:
+        done = iter(_packed(kind, arrays, axis_name, local))
+      for i in members:
+        out[i] = [next(done) for _ in per_leaf[i]]
   return out
 
 
@@ -453,6 +535,7 @@ def bucketed_psum(
     axis_name: str,
     *,
     packed: bool = False,
+    row_sums: Sequence[bool] | None = None,
 ) -> list[list[jax.Array]]:
   """``lax.psum`` of every array, bucket by bucket: one all-reduce per
   array, or with ``packed`` (or within ``split_over``) one per bucket and
@@ -464,11 +547,14 @@ def bucketed_psum(
     plan: the buckets, from ``bucket_plan`` over the same leaves.
     axis_name: the mapped axis to sum over.
     packed: pack each bucket into one buffer per dtype.
+    row_sums: None, or for each leaf whether its arrays are sums over rows
+      (``row_sum``), identical over the axis of ``row_shards``: within it,
+      they are split over that axis. Ignored outside it.
 
   Returns:
     The summed arrays, nested like ``per_leaf``.
   """
-  return _bucketed("all_reduce", per_leaf, plan, axis_name, packed)
+  return _bucketed("all_reduce", per_leaf, plan, axis_name, packed, row_sums)
 
 
 def bucketed_all_gather(

@@ -211,6 +211,10 @@ class DataParallel:
     A compressor's initial state depends on the params' shapes only, so it
     is made on the devices directly, in its layout.
     """
+    return self._comm_init(params)()
+
+  def _comm_init(self, params: Any) -> Callable[[], Any]:
+    """``init_comm(params)``'s program, jitted with its out shardings."""
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     specs = self.comm_specs(jax.eval_shape(self.compressor.init, shapes))
     n = self.num_nodes
@@ -222,11 +226,22 @@ class DataParallel:
       )
 
     shardings = jax.tree.map(self._sharding, specs, is_leaf=_is_spec)
-    return jax.jit(make, out_shardings=shardings)()
+    return jax.jit(make, out_shardings=shardings)
+
+  def param_shardings(self, params: Any) -> Any:
+    """Where the params live: replicated, a ``NamedSharding`` per leaf."""
+    return jax.tree.map(lambda _: self._sharding(P()), params)
+
+  def _inner_init(
+      self, tx: optax.GradientTransformation, params: Any
+  ) -> Callable[[Any], Any]:
+    """``tx.init``, jitted to lay its state out replicated."""
+    del params
+    return jax.jit(tx.init, out_shardings=self._sharding(P()))
 
   def abstract_comm(self, params: Any) -> Any:
     """Shapes and shardings of ``init_comm(params)``, allocating nothing."""
-    return jax.eval_shape(self.init_comm, params)
+    return jax.eval_shape(self._comm_init(params))
 
   def abstract_local_grads(self, params: Any) -> Any:
     """Shapes and shardings of the stacked local gradients of ``params``."""
@@ -439,10 +454,9 @@ class DataParallel:
     """
 
     def init_fn(params):
-      replicated = self._sharding(P())
       return DataParallelState(
           comm=self.init_comm(params),
-          inner=jax.jit(tx.init, out_shardings=replicated)(params),
+          inner=self._inner_init(tx, params)(params),
       )
 
     def update_fn(updates, state, params=None, **extra_args):

@@ -181,14 +181,22 @@ class LowRank(NamedTuple):
   leaf_order: tuple[int, ...] | None = None  # see collectives.bucket_plan
 
   def plan(self, tree: Any) -> list[MatrixSpec | None]:
-    """``matrix_spec`` of every leaf of ``tree``, honouring ``keep_dense``."""
+    """``matrix_spec`` of every leaf of ``tree``, honouring ``keep_dense``.
+
+    Within ``collectives.row_shards`` the leaves are blocks of rows: the
+    view is decided on the whole leaf, and ``n`` is the block's rows.
+    """
     dense = compressor.keep_dense_leaves(self.keep_dense, tree)
-    return [
-        None
-        if d
-        else matrix_spec(tuple(x.shape), self.rank, self.min_compression_rate)
-        for x, d in zip(jax.tree.leaves(tree), dense)
-    ]
+    specs = []
+    for x, d in zip(jax.tree.leaves(tree), dense):
+      whole = collectives.global_shape(x.shape)
+      spec = None if d else matrix_spec(
+          whole, self.rank, self.min_compression_rate
+      )
+      if spec is not None:
+        spec = spec._replace(n=spec.n * x.shape[0] // whole[0])
+      specs.append(spec)
+    return specs
 
   def factor_dtype(self, leaf_dtype) -> Any:
     """The dtype in which a leaf's factors are all-reduced."""
@@ -369,6 +377,53 @@ def orthogonalize(x: jax.Array) -> jax.Array:
   return _householder(x32).astype(x.dtype)
 
 
+def orthogonalize_rows(x: jax.Array) -> jax.Array:
+  """``orthogonalize`` for an n x r factor with a row per row of a matrix:
+  within ``collectives.row_shards``, ``x`` is this device's block of rows,
+  and the result is its block of the whole factor's basis (``_row_sharded_qr``).
+  """
+  if collectives.row_axis() is None:
+    return orthogonalize(x)
+  return _row_sharded_qr(x.astype(jnp.float32)).astype(x.dtype)
+
+
+def _row_sharded_qr(x: jax.Array) -> jax.Array:
+  """Cholesky-QR2 of a factor whose rows are sharded: each pass's Gram
+  matrix, r x r, is summed over the blocks (``collectives.row_sum``), so
+  every device forms the same R and takes its own rows of Q = X R^-1.
+
+  Guarded like ``_cholesky_qr2``, where the fallback may not communicate
+  (it sits in a conditional): where the check fails, the basis comes from
+  the eigendecomposition of the first Gram matrix, X V diag(w)^-1/2 on the
+  eigenvalues w above float32's rounding of the largest, and zero columns
+  for the others. So an all-zero input gives zeros, and a rank-deficient
+  one an orthonormal basis of its span padded with zero columns, which
+  every compressor takes as a projection on that span; Householder's
+  fallback completes the basis with arbitrary columns instead.
+  """
+  gram = collectives.row_sum(x.T @ x)
+  first = _inverse_cholesky_factor(gram)
+  q1 = x @ first
+  second_gram = collectives.row_sum(q1.T @ q1)
+  second = _inverse_cholesky_factor(second_gram)
+  eye = jnp.eye(x.shape[1], dtype=x.dtype)
+  ok = (
+      jnp.all(jnp.isfinite(first))
+      & jnp.all(jnp.isfinite(second))
+      & jnp.all(jnp.abs(second_gram - eye) <= _CHOLESKY_MAX_DEFECT)
+  )
+
+  def by_eigenvectors(q, x, gram):
+    del q
+    w, v = jnp.linalg.eigh(gram)
+    keep = w > jnp.finfo(w.dtype).eps * x.shape[1] * jnp.max(w)
+    return x @ (v * jnp.where(keep, jax.lax.rsqrt(jnp.where(keep, w, 1)), 0))
+
+  return jax.lax.cond(
+      ok, lambda q, x, gram: q, by_eigenvectors, q1 @ second, x, gram
+  )
+
+
 def project_transposed(m: jax.Array, b: jax.Array) -> jax.Array:
   """B^T M for an n x m matrix M and an n x r basis B: the transpose of the
   factor M^T B, r x m.
@@ -415,8 +470,11 @@ def project(mat: Matrix, b: jax.Array) -> jax.Array:
 
 
 def project_terms_transposed(mat: Matrix, b: jax.Array) -> jax.Array:
-  """B^T M for an n x r ``b``, r x m (``project_transposed`` of each term)."""
-  return sum(project_transposed(x, b) for x in mat.terms())
+  """B^T M for an n x r ``b``, r x m (``project_transposed`` of each term),
+  summed over the row blocks within ``collectives.row_shards``."""
+  return collectives.row_sum(
+      sum(project_transposed(x, b) for x in mat.terms())
+  )
 
 
 def residual(mat: Matrix, u: jax.Array, vt: jax.Array) -> jax.Array:
@@ -612,7 +670,9 @@ def dense_step(
     return tree, errors, q
   means = [x.reshape(spec.n, spec.m) for x, spec in zip(mean, s.specs) if spec]
   qs = [
-      project_transposed(m, orthogonalize(m @ orthogonalize(f))).T
+      collectives.row_sum(
+          project_transposed(m, orthogonalize_rows(m @ orthogonalize(f)))
+      ).T
       for m, f in zip(means, leaves_of(s, q))
   ]
   masked = [optax.MaskedNode()] * len(s.dense)
@@ -627,12 +687,15 @@ def psum_round(
     comm_dtype: Any = None,
     *,
     packed: bool = False,
+    row_sums: bool = False,
 ) -> tuple[list[jax.Array], list[jax.Array]]:
   """One round of all-reduces, a bucket at a time: a factor of each
   compressed leaf (in ``comm_dtype``, if given) and, unless ``dense`` is
   None, each dense leaf, riding in its own leaf's bucket; ``packed`` into
   one buffer per bucket and dtype (see ``collectives.bucketed_psum``).
-  Returns the summed factors, in their own dtype, and dense leaves."""
+  ``row_sums``: the factors are sums over the matrices' rows (r x m), not
+  factors with a row per row (n x r). Returns the summed factors, in their
+  own dtype, and dense leaves."""
   dtypes = [f.dtype for f in factors]
   factors = iter([f.astype(comm_dtype or f.dtype) for f in factors])
   dense_in = iter(dense or ())
@@ -643,7 +706,11 @@ def psum_round(
     else:
       per_leaf.append([next(dense_in)] if dense is not None else [])
   summed = collectives.bucketed_psum(
-      per_leaf, s.buckets, axis_name, packed=packed
+      per_leaf,
+      s.buckets,
+      axis_name,
+      packed=packed,
+      row_sums=[row_sums and spec is not None for spec in s.specs],
   )
   reduced, dense_out = [], []
   for sent, spec in zip(summed, s.specs):

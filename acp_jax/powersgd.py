@@ -176,7 +176,7 @@ def power_sgd(
         lr.comm_dtype,
         packed=True,
     )
-    ps = [lowrank.orthogonalize(p) for p in ps]
+    ps = [lowrank.orthogonalize_rows(p) for p in ps]
     # Q needs the reduced P: a second all-reduce per bucket that can neither
     # fuse with the bucket's first nor start before it ends.
     qts, _ = lowrank.psum_round(
@@ -189,6 +189,7 @@ def power_sgd(
         axis_name,
         lr.comm_dtype,
         packed=True,
+        row_sums=True,
     )
     qts = [qt / n for qt in qts]
     approx = [p @ qt for p, qt in zip(ps, qts)]

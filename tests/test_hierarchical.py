@@ -108,6 +108,29 @@ def _groups(attribute: str) -> frozenset[tuple[int, ...]]:
   )
 
 
+def _mesh_groups(line: str) -> frozenset[tuple[int, ...]] | None:
+  """The groups of a ``replica_groups=mesh[...]`` value, as XLA prints the
+  collectives its sharding inserts: device ids (an iota reshaped and
+  maybe transposed) on named mesh axes, grouped over the axes in braces."""
+  m = re.search(
+      r"replica_groups=mesh\[([^\]]*)\], device_ids=\(\[([0-9,]+)\]"
+      r"(?:T\(([0-9,]+)\))?\) \{([^}]*)\}",
+      line,
+  )
+  if m is None:
+    return None
+  axes = [(a, int(n)) for a, n in re.findall(r"'(\w+)'=(\d+)", m[1])]
+  dims = [int(d) for d in m[2].split(",")]
+  perm = [int(p) for p in m[3].split(",")] if m[3] else range(len(dims))
+  ids = np.arange(np.prod(dims)).reshape(dims).transpose(perm)
+  ids = ids.reshape([n for _, n in axes])
+  names = set(re.findall(r"'(\w+)'", m[4]))
+  grouped = [i for i, (a, _) in enumerate(axes) if a in names]
+  size = int(np.prod([axes[i][1] for i in grouped]))
+  rows = np.moveaxis(ids, grouped, range(-len(grouped), 0)).reshape(-1, size)
+  return frozenset(tuple(sorted(row.tolist())) for row in rows)
+
+
 def bytes_by_axis(hlo_text: str, mesh) -> dict[str, acp_jax.CommVolume]:
   """All-reduce and all-gather result bytes per device, by the mesh axes
   each collective runs over (read from its replica groups: positions in the
@@ -126,8 +149,10 @@ def bytes_by_axis(hlo_text: str, mesh) -> dict[str, acp_jax.CommVolume]:
       continue
     (kind, stat), = stats.items()
     assert kind in kinds, line
-    groups = re.search(r"replica_groups=(\{[{}0-9,]*\})", line)[1]
-    axis = axes_of[_groups(groups)]
+    groups = _mesh_groups(line)
+    if groups is None:
+      groups = _groups(re.search(r"replica_groups=(\{[{}0-9,]*\})", line)[1])
+    axis = axes_of[groups]
     volume = totals.get(axis, acp_jax.CommVolume())
     totals[axis] = volume._replace(
         **{kinds[kind]: getattr(volume, kinds[kind]) + stat.bytes}
