@@ -7,7 +7,6 @@ returns their (approximate) mean over the data-parallel axis.
 
 from acp_jax.acp import acp_sgd
 from acp_jax.acp import AcpSgdState
-from acp_jax.lowrank import Phase
 from acp_jax.collectives import backward_order
 from acp_jax.compressor import comm_bytes
 from acp_jax.compressor import CommVolume
@@ -20,6 +19,7 @@ from acp_jax.hlo import collective_stats
 from acp_jax.hlo import overlap_potential
 from acp_jax.hlo import scheduled_overlap
 from acp_jax.lapack import limit_lapack_threads
+from acp_jax.phase import Phase
 from acp_jax.powersgd import power_sgd
 from acp_jax.powersgd import PowerSgdState
 from acp_jax.sign import sign_sgd

@@ -8,13 +8,9 @@ import optax
 
 from acp_jax import compressor
 from acp_jax import lowrank
+from acp_jax import phase as phase_lib
 
-
-# The phase of the next step, carried by the shape of the state's ``phase``
-# array (see ``lowrank.Phase``).
-Phase = lowrank.Phase
-phase_marker = lowrank.phase_marker
-phase_of = lowrank.phase_of
+Phase = phase_lib.Phase
 
 
 class AcpSgdState(NamedTuple):
@@ -28,7 +24,7 @@ class AcpSgdState(NamedTuple):
       first Q-step: random from the seed).
     phase: uint8 zeros whose shape says what the next step does: (1,) a
       P-step, (2, 2) a Q-step, (3, 3, 3) a dense warm-up step (see
-      ``phase_of``).
+      ``acp_jax.phase``).
     count: int32 scalar, the number of steps taken.
   """
 
@@ -40,7 +36,7 @@ class AcpSgdState(NamedTuple):
 
   @property
   def next_phase(self) -> Phase:
-    return phase_of(self.phase)
+    return phase_lib.phase_of(self.phase)
 
 
 def acp_sgd(
@@ -167,7 +163,7 @@ def acp_sgd(
     compressor.check_state(state, AcpSgdState, "acp_sgd")
     s = lowrank.split(lr, updates, state.error)
     lowrank.check_factors(lr, s, state.q, "m")
-    phase = phase_of(state.phase)
+    phase = phase_lib.phase_of(state.phase)
     count = state.count + 1
     if phase is Phase.DENSE:
       lowrank.check_dense_step(lr, state.count)
@@ -213,7 +209,9 @@ def acp_sgd(
         error=lowrank.errors_tree(lr, s, errors),
         p=reduced_tree if p_step else state.p,
         q=state.q if p_step else reduced_tree,
-        phase=lowrank.next_marker(state.phase, Phase.Q if p_step else Phase.P),
+        phase=phase_lib.next_marker(
+            state.phase, Phase.Q if p_step else Phase.P
+        ),
         count=count,
     )
     return lowrank.merge(s, applied, dense, reshape=True), new_state
@@ -236,7 +234,7 @@ def acp_sgd(
     names = [Phase.P, Phase.Q]
     if lr.warmup_steps:
       names.insert(0, Phase.DENSE)
-    return lowrank.phase_states(state, {p.value: p for p in names})
+    return phase_lib.abstract_states(state, {p.value: p for p in names})
 
   return compressor.Compressor(
       init_fn,
@@ -248,6 +246,6 @@ def acp_sgd(
       leaf_order=lr.leaf_order,
       cycle=(Phase.P.value, Phase.Q.value),
       warmup_steps=lr.warmup_steps,
-      to_phase=lowrank.to_phase(Phase.P),
+      to_phase=phase_lib.switch_to(Phase.P),
       made_by=("acp_sgd", {**lr._asdict(), "axis_name": axis_name}),
   )

@@ -49,6 +49,7 @@ import optax
 
 from acp_jax import collectives
 from acp_jax import compressor as compressor_lib
+from acp_jax import phase as phase_lib
 
 
 class DataParallelState(NamedTuple):
@@ -416,7 +417,7 @@ class DataParallel:
           [x for x in received if jnp.issubdtype(x.dtype, jnp.inexact)]
       )
       if self.nonfinite != "propagate":
-        state = _where(finite, state, old)
+        state = phase_lib.where(finite, state, old)
       return mean, self._map_local(lambda x: x[None], state), finite
 
     return jax.shard_map(
@@ -453,7 +454,7 @@ class DataParallel:
       mean, comm, finite = self._compress(updates, state.comm)
       mean, inner = tx.update(mean, state.inner, params, **extra_args)
       if self.nonfinite == "skip":
-        inner = _where(finite, inner, state.inner)
+        inner = phase_lib.where(finite, inner, state.inner)
         mean = jax.tree.map(lambda u: jnp.where(finite, u, 0), mean)
       return mean, DataParallelState(comm=comm, inner=inner)
 
@@ -930,17 +931,6 @@ def _all_finite(arrays: list[jax.Array]) -> jax.Array:
   ``x * 0`` reads a broadcast zero array beside it on XLA:CPU)."""
   zeros = [jnp.sum((x - x).astype(jnp.float32)) for x in arrays]
   return jnp.isfinite(sum(zeros, jnp.float32(0)))
-
-
-def _where(keep_new: jax.Array, new: Any, old: Any) -> Any:
-  """``new`` where ``keep_new``, else ``old``, leaf by leaf; a leaf whose
-  shape changed (ACP-SGD's phase marker: its shape is the phase) is
-  ``new``'s."""
-  return jax.tree.map(
-      lambda n, o: jnp.where(keep_new, n, o) if n.shape == o.shape else n,
-      new,
-      old,
-  )
 
 
 def _is_spec(x) -> bool:

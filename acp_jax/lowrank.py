@@ -1,7 +1,6 @@
 """Pieces shared by the low-rank compressors (Power-SGD and ACP-SGD)."""
 
 from collections.abc import Callable
-import enum
 import math
 from typing import Any, NamedTuple
 import warnings
@@ -11,102 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from acp_jax import compressor
 from acp_jax import collectives
-
-
-class Phase(enum.Enum):
-  """What a low-rank compressor's next step does: compute and all-reduce
-  the P factors (Power-SGD's one compressing phase, ACP-SGD's P-step), the
-  Q factors (ACP-SGD's Q-step), or, during a warm-up, S-SGD's dense
-  all-reduce."""
-
-  P = "p"
-  Q = "q"
-  DENSE = compressor.DENSE
-
-
-# The phase is carried by the *shape* of a tiny array in the state. Its shape
-# is static to jit, which compiles one variant per phase, each holding only
-# its own all-reduce, so no collective sits inside a run-time conditional.
-# Being an array, it survives every path that keeps only array values
-# (nnx.Optimizer, orbax), and paths that need a fixed state type (lax.scan
-# carries, lax.cond) refuse it when tracing instead of training something
-# else. (Orbax cannot save zero-size arrays, hence sizes from 1.) Each phase
-# has a rank of its own, (1,), (2, 2), (3, 3, 3): a plain orbax restore into
-# a target of another phase then fails even with strict=False, which pads or
-# truncates an array of one rank into another shape of that rank.
-_PHASE_SHAPE = {Phase.P: (1,), Phase.Q: (2, 2), Phase.DENSE: (3, 3, 3)}
-MARKER_SHAPES = frozenset(_PHASE_SHAPE.values())
-
-
-def phase_marker(phase: Phase) -> jax.Array:
-  """The array whose shape records ``phase`` in a low-rank state."""
-  return jnp.zeros(_PHASE_SHAPE[phase], jnp.uint8)
-
-
-def phase_of(marker) -> Phase:
-  """The phase that a state's ``phase`` array (or its abstract shape)
-  records; a marker stacked on leading axes (a ``jax.pmap``-ed state, one
-  per device) records it in its trailing axes."""
-  return _phase_and_lead(marker)[0]
-
-
-def _phase_and_lead(marker) -> tuple[Phase, tuple[int, ...]]:
-  """The phase a marker records and its leading (device) axes."""
-  shape = tuple(marker.shape)
-  for phase, own in _PHASE_SHAPE.items():
-    if shape[len(shape) - len(own):] == own:
-      return phase, shape[: len(shape) - len(own)]
-  raise ValueError(
-      "a low-rank compressor's phase marker has shape (1,), (2, 2) or"
-      f" (3, 3, 3) (after any leading device axes), got {marker.shape}"
-  )
-
-
-def next_marker(marker: jax.Array, phase: Phase) -> jax.Array:
-  """The marker of ``phase``, inside a step. It is made from the old marker,
-  so that the step always reads one of its inputs (a shard_map whose inputs
-  are all unused or empty fails to compile under Shardy, jax 0.10.2)."""
-  return jnp.broadcast_to(marker.reshape(-1)[0], _PHASE_SHAPE[phase])
-
-
-def marker_as(marker, phase: Phase):
-  """The marker of ``phase`` where ``marker`` lives, outside a step, with its
-  leading device axes if any: an abstract one for an abstract marker, else
-  made on ``marker``'s devices with its sharding (which works across
-  processes and for ``jax.pmap``-ed states too)."""
-  lead = _phase_and_lead(marker)[1]
-  own = _PHASE_SHAPE[phase]
-  shape = lead + own
-  if tuple(marker.shape) == shape:
-    return marker
-  sharding = getattr(marker, "sharding", None)
-  if isinstance(marker, jax.ShapeDtypeStruct):
-    return jax.ShapeDtypeStruct(shape, jnp.uint8, sharding=sharding)
-  return jax.jit(
-      lambda m: jnp.broadcast_to(
-          m.reshape(lead + (-1,))[..., :1].reshape(lead + (1,) * len(own)),
-          shape,
-      ),
-      out_shardings=sharding if isinstance(marker, jax.Array) else None,
-  )(marker)
-
-
-def to_phase(compressing: Phase) -> Callable[[Any, bool], Any]:
-  """``Compressor.at_step``'s switch of a state with a ``phase`` marker: into
-  the dense phase, or out of it into ``compressing``; ``state`` itself if it
-  is in that phase already."""
-
-  def switch(state, dense):
-    current = phase_of(state.phase)
-    if dense and current is not Phase.DENSE:
-      return state._replace(phase=marker_as(state.phase, Phase.DENSE))
-    if not dense and current is Phase.DENSE:
-      return state._replace(phase=marker_as(state.phase, compressing))
-    return state
-
-  return switch
+from acp_jax import compressor
+from acp_jax import phase as phase_lib
 
 
 def check_dense_step(lr: "LowRank", count: jax.Array) -> None:
@@ -119,9 +25,9 @@ def check_dense_step(lr: "LowRank", count: jax.Array) -> None:
   none."""
   if not lr.warmup_steps:
     raise ValueError(
-        f"{lr.caller}: the state is in the dense warm-up phase (its phase"
-        " marker has shape (3,)), but this compressor has no warmup_steps, so"
-        " nothing would ever end it and every step would be S-SGD's: the"
+        f"{lr.caller}: the state is in the dense warm-up phase"
+        " (Phase.DENSE), but this compressor has no warmup_steps, so nothing"
+        " would ever end it and every step would be S-SGD's: the"
         " state was saved during a warm-up. Make the compressor with the"
         f" warmup_steps it was saved with ({lr.caller}(..., warmup_steps=N))"
         " and call at_step before every step."
@@ -140,20 +46,6 @@ def check_dense_step(lr: "LowRank", count: jax.Array) -> None:
       )
 
   jax.debug.callback(check, count)
-
-
-def phase_states(state: Any, phases: dict[str, Phase]) -> dict[str, Any]:
-  """``Compressor.phases``: ``state`` with an abstract marker of each of
-  ``phases``, by phase name, for lowering each phase's step."""
-  abstract = jax.ShapeDtypeStruct(
-      state.phase.shape,
-      jnp.uint8,
-      sharding=getattr(state.phase, "sharding", None),
-  )
-  return {
-      name: state._replace(phase=marker_as(abstract, phase))
-      for name, phase in phases.items()
-  }
 
 
 class MatrixSpec(NamedTuple):
@@ -194,9 +86,11 @@ class LowRank(NamedTuple):
     """The dtype in which a leaf's factors are all-reduced."""
     return self.comm_dtype or leaf_dtype
 
-  def first_phase(self, compressing: Phase) -> jax.Array:
+  def first_phase(self, compressing: phase_lib.Phase) -> jax.Array:
     """The initial phase marker: dense if there is a warm-up."""
-    return phase_marker(Phase.DENSE if self.warmup_steps else compressing)
+    return phase_lib.marker(
+        phase_lib.Phase.DENSE if self.warmup_steps else compressing
+    )
 
 
 def settings(
@@ -731,4 +625,7 @@ def with_warmup(
   dense = sum(
       collectives.nbytes(x.shape, x.dtype) for x in jax.tree.leaves(params)
   )
-  return {Phase.DENSE.value: compressor.CommVolume(all_reduce=dense), **volumes}
+  return {
+      phase_lib.Phase.DENSE.value: compressor.CommVolume(all_reduce=dense),
+      **volumes,
+  }

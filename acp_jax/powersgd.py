@@ -9,8 +9,9 @@ import optax
 from acp_jax import collectives
 from acp_jax import compressor
 from acp_jax import lowrank
+from acp_jax import phase as phase_lib
 
-Phase = lowrank.Phase
+Phase = phase_lib.Phase
 
 
 class PowerSgdState(NamedTuple):
@@ -22,7 +23,7 @@ class PowerSgdState(NamedTuple):
     q: warm-start factor Q per compressed leaf, (m, r), leaf dtype: the mean
       of the last step's all-reduced Q, identical on every device.
     phase: uint8 zeros whose shape says what the next step does: (1,)
-      compress, (3, 3, 3) a dense warm-up step (see ``lowrank.phase_of``).
+      compress, (3, 3, 3) a dense warm-up step (see ``acp_jax.phase``).
     count: int32 scalar, the number of steps taken.
   """
 
@@ -35,7 +36,7 @@ class PowerSgdState(NamedTuple):
   def next_phase(self) -> Phase:
     """What the next step does: ``Phase.P`` (a compressing step) or
     ``Phase.DENSE`` (a warm-up step)."""
-    return lowrank.phase_of(self.phase)
+    return phase_lib.phase_of(self.phase)
 
 
 def power_sgd(
@@ -156,7 +157,7 @@ def power_sgd(
     lowrank.check_factors(lr, s, state.q, "m")
     count = state.count + 1
     masked = [optax.MaskedNode()] * len(s.dense)
-    if lowrank.phase_of(state.phase) is Phase.DENSE:
+    if phase_lib.phase_of(state.phase) is Phase.DENSE:
       lowrank.check_dense_step(lr, state.count)
       mean, error, q = lowrank.dense_step(lr, s, state.q, axis_name)
       return mean, state._replace(error=error, q=q, count=count)
@@ -218,7 +219,7 @@ def power_sgd(
   def phases(state):
     if not lr.warmup_steps:
       return {"step": state}
-    return lowrank.phase_states(
+    return phase_lib.abstract_states(
         state, {Phase.DENSE.value: Phase.DENSE, "step": Phase.P}
     )
 
@@ -232,6 +233,6 @@ def power_sgd(
       leaf_order=lr.leaf_order,
       dependent_rounds=True,
       warmup_steps=lr.warmup_steps,
-      to_phase=lowrank.to_phase(Phase.P),
+      to_phase=phase_lib.switch_to(Phase.P),
       made_by=("power_sgd", {**lr._asdict(), "axis_name": axis_name}),
   )

@@ -143,12 +143,8 @@ def train_step(
     finite = jnp.all(
         jnp.isfinite(jnp.stack([metrics[k] for k in NONFINITE]))
     ) & (state_nonfinite == 0)
-    new_state = jax.tree.map(
-        lambda new, old: jnp.where(finite, new, old)
-        if new.shape == old.shape
-        else new,  # ACP-SGD's phase marker: its shape is the phase
-        new_state._replace(step=state.step),
-        state,
+    new_state = acp_jax.phase.where(
+        finite, new_state._replace(step=state.step), state
     )._replace(step=state.step + 1)
     metrics["skipped"] = 1 - finite.astype(jnp.float32)
   return new_state, metrics
