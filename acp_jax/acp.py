@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from acp_jax import _checks
 from acp_jax import compressor
 from acp_jax import lowrank
 from acp_jax import phase as phase_lib
@@ -159,8 +160,8 @@ def acp_sgd(
 
   def update_fn(updates, state, params=None):
     del params
-    n = compressor.begin_update(updates, axis_name, "acp_sgd")
-    compressor.check_state(state, AcpSgdState, "acp_sgd")
+    n = _checks.begin_update(updates, axis_name, "acp_sgd")
+    _checks.check_state(state, AcpSgdState, "acp_sgd")
     s = lowrank.split(lr, updates, state.error)
     lowrank.check_factors(lr, s, state.q, "m")
     phase = phase_lib.phase_of(state.phase)

@@ -47,6 +47,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import optax
 
+from acp_jax import _checks
 from acp_jax import collectives
 from acp_jax import compressor as compressor_lib
 from acp_jax import phase as phase_lib
@@ -154,11 +155,7 @@ class DataParallel:
           " dense mean runs within a node and the compressor across nodes,"
           " over two different axes of the mesh"
       )
-    if nonfinite not in NONFINITE:
-      raise ValueError(
-          f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got"
-          f" {nonfinite!r}"
-      )
+    _checks.choice("nonfinite", nonfinite, NONFINITE)
     self.nonfinite = nonfinite
     self.compressor = compressor
     self.mesh = mesh
@@ -447,7 +444,7 @@ class DataParallel:
       )
 
     def update_fn(updates, state, params=None, **extra_args):
-      compressor_lib.check_not_in_conditional("DataParallel.chain")
+      _checks.check_not_in_conditional("DataParallel.chain")
       updates = _stacked_local_grads(updates)
       if params is not None:
         self._check_local_grads(updates, params)

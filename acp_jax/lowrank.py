@@ -10,8 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from acp_jax import _checks
 from acp_jax import collectives
 from acp_jax import compressor
+from acp_jax import state_trees
 from acp_jax import phase as phase_lib
 
 
@@ -109,58 +111,22 @@ def settings(
     leaf_order: Any = None,
 ) -> LowRank:
   """Checks a low-rank factory's arguments."""
-  compressor.check_static(
-      caller,
-      rank=rank,
-      min_compression_rate=min_compression_rate,
-      seed=seed,
-      bucket_bytes=bucket_bytes,
-      warmup_steps=warmup_steps,
-  )
-  if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-    raise ValueError(f"rank must be a positive int, got {rank!r}")
-  if (
-      isinstance(min_compression_rate, bool)
-      or not isinstance(min_compression_rate, (int, float))
-      or not min_compression_rate >= 0
-  ):
-    raise ValueError(
-        "min_compression_rate must be a non-negative number, got"
-        f" {min_compression_rate!r}"
-    )
-  if warmup_steps is None:
-    warmup_steps = 0
-  if (
-      isinstance(warmup_steps, bool)
-      or not isinstance(warmup_steps, int)
-      or warmup_steps < 0
-  ):
-    raise ValueError(
-        f"warmup_steps must be a non-negative int, got {warmup_steps!r}"
-    )
-  for name, flag in (
-      ("use_error_feedback", use_error_feedback),
-      ("warm_start", warm_start),
-      ("warmup_factors", warmup_factors),
-  ):
-    if not isinstance(flag, bool):
-      raise ValueError(f"{name} must be a bool, got {flag!r}")
-  compressor.check_comm_dtype(comm_dtype)
-  bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, caller)
-  leaf_order = collectives.check_leaf_order(leaf_order, caller)
   return LowRank(
-      rank,
-      min_compression_rate,
-      keep_dense,
-      seed,
-      caller,
-      bucket_bytes,
-      use_error_feedback,
-      warm_start,
-      comm_dtype,
-      warmup_steps,
-      warmup_factors,
-      leaf_order,
+      keep_dense=keep_dense,
+      caller=caller,
+      **_checks.factory_args(
+          caller,
+          rank=rank,
+          min_compression_rate=min_compression_rate,
+          seed=seed,
+          bucket_bytes=bucket_bytes,
+          warmup_steps=warmup_steps,
+          use_error_feedback=use_error_feedback,
+          warm_start=warm_start,
+          warmup_factors=warmup_factors,
+          comm_dtype=comm_dtype,
+          leaf_order=leaf_order,
+      ),
   )
 
 
@@ -387,7 +353,7 @@ def init_trees(lr: LowRank, params: Any) -> tuple[Any, Any, Any]:
   from ``seed``, so every replica starts from the same factors wherever
   ``init`` runs.
   """
-  compressor.check_float_leaves(params, lr.caller)
+  _checks.check_float_leaves(params, lr.caller)
   specs = lr.plan(params)
   leaves, treedef = jax.tree.flatten(params)
   _warn_if_nothing_compressed(lr, leaves, specs, params)
@@ -444,12 +410,12 @@ class Split(NamedTuple):
 def split(lr: LowRank, grads: Any, errors: Any) -> Split:
   """Checks ``grads`` against the state and pairs them with the residuals
   (without error feedback, ``errors`` is all ``MaskedNode`` and M = G)."""
-  compressor.check_tree_matches(grads, errors, lr.caller)
+  _checks.check_tree_matches(grads, errors, lr.caller)
   leaves, treedef = jax.tree.flatten(grads)
   specs = lr.plan(grads)
   matrices, dense = [], []
-  for g, e, spec in zip(leaves, compressor.state_leaves(errors), specs):
-    if lr.use_error_feedback and (spec is None) != compressor.is_masked(e):
+  for g, e, spec in zip(leaves, state_trees.state_leaves(errors), specs):
+    if lr.use_error_feedback and (spec is None) != state_trees.is_masked(e):
       raise ValueError(
           f"{lr.caller}: the state was initialized to compress other leaves;"
           " init and update must use the same compressor (rank,"
@@ -458,7 +424,7 @@ def split(lr: LowRank, grads: Any, errors: Any) -> Split:
     if spec is None:
       dense.append(g)
     else:
-      matrices.append(Matrix(g, None if compressor.is_masked(e) else e, spec))
+      matrices.append(Matrix(g, None if state_trees.is_masked(e) else e, spec))
   return Split(
       treedef,
       [x.shape for x in leaves],
@@ -579,7 +545,7 @@ def leaves_of(s: Split, tree: Any) -> list[jax.Array]:
   """Leaves of a state tree at the compressed positions of ``s``."""
   return [
       x
-      for x, spec in zip(compressor.state_leaves(tree), s.specs)
+      for x, spec in zip(state_trees.state_leaves(tree), s.specs)
       if spec is not None
   ]
 

@@ -56,7 +56,7 @@ def _phase_and_lead(marker_: Any) -> tuple[Phase, tuple[int, ...]]:
   """The phase a marker records and its leading (device) axes."""
   shape = tuple(marker_.shape)
   for phase, own in _SHAPE.items():
-    if shape[len(shape) - len(own):] == own:
+    if shape[len(shape) - len(own) :] == own:
       return phase, shape[: len(shape) - len(own)]
   raise ValueError(
       "a low-rank compressor's phase marker has shape (1,), (2, 2) or"

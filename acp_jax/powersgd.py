@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from acp_jax import _checks
 from acp_jax import collectives
 from acp_jax import compressor
 from acp_jax import lowrank
@@ -151,8 +152,8 @@ def power_sgd(
 
   def update_fn(updates, state, params=None):
     del params
-    n = compressor.begin_update(updates, axis_name, "power_sgd")
-    compressor.check_state(state, PowerSgdState, "power_sgd")
+    n = _checks.begin_update(updates, axis_name, "power_sgd")
+    _checks.check_state(state, PowerSgdState, "power_sgd")
     s = lowrank.split(lr, updates, state.error)
     lowrank.check_factors(lr, s, state.q, "m")
     count = state.count + 1
