@@ -2,7 +2,8 @@
 
 Each factory returns an ``optax.GradientTransformation`` whose update, called
 inside ``jax.shard_map`` or ``jax.pmap`` with a device's local gradients,
-returns their (approximate) mean over the data-parallel axis.
+returns their (approximate) mean over the data-parallel axis. The readers of
+compiled HLO live in ``acp_jax.hlo``.
 """
 
 from acp_jax.acp import acp_sgd
@@ -14,10 +15,7 @@ from acp_jax.compressor import Compressor
 from acp_jax.data_parallel import DataParallel
 from acp_jax.data_parallel import DataParallelState
 from acp_jax.data_parallel import LocalGrads
-from acp_jax.hlo import collective_rounds
-from acp_jax.hlo import collective_stats
-from acp_jax.hlo import overlap_potential
-from acp_jax.hlo import scheduled_overlap
+from acp_jax import hlo  # pylint: disable=unused-import
 from acp_jax.lapack import limit_lapack_threads
 from acp_jax.phase import Phase
 from acp_jax.powersgd import power_sgd
@@ -43,13 +41,9 @@ __all__ = (
     "TopkSgdState",
     "acp_sgd",
     "backward_order",
-    "collective_rounds",
-    "collective_stats",
     "comm_bytes",
     "limit_lapack_threads",
-    "overlap_potential",
     "power_sgd",
-    "scheduled_overlap",
     "sign_sgd",
     "ssgd",
     "topk_sgd",

@@ -153,7 +153,7 @@ def test_each_phase_compiles_its_own_collectives_and_no_conditional(name):
         .as_text()
     )
     assert "conditional(" not in text
-    stats = acp_jax.collective_stats(text)
+    stats = acp_jax.hlo.collective_stats(text)
     loss = 4  # the loss that value_and_grad averages
     assert stats["all-reduce"].bytes == volumes[phase].total + loss, phase
 
