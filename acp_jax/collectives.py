@@ -465,3 +465,10 @@ def bucketed_pmean(
 def nbytes(shape: Sequence[int], dtype) -> int:
   """Bytes of an array of this shape and dtype."""
   return math.prod(shape) * jnp.dtype(dtype).itemsize
+
+
+def dense_nbytes(tree: Any, dtype: Any = None) -> int:
+  """Bytes of every leaf of ``tree`` (arrays or ``jax.ShapeDtypeStruct``),
+  in ``dtype`` if given, else in its own: what one dense all-reduce of it
+  sends per device."""
+  return sum(nbytes(x.shape, dtype or x.dtype) for x in jax.tree.leaves(tree))

@@ -274,9 +274,7 @@ class DataParallel:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
     )
     grads = self.abstract_local_grads(shapes)
-    dense = sum(
-        collectives.nbytes(x.shape, x.dtype) for x in jax.tree.leaves(shapes)
-    )
+    dense = collectives.dense_nbytes(shapes)
     volumes = {self.axis_name: {}, self.local_axis: {}}
     for phase, comm in self.phase_states(self.abstract_comm(shapes)).items():
       with collectives.recording() as sent:

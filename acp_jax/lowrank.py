@@ -588,9 +588,7 @@ def with_warmup(
   dense phase's: every leaf all-reduced whole."""
   if not lr.warmup_steps:
     return volumes
-  dense = sum(
-      collectives.nbytes(x.shape, x.dtype) for x in jax.tree.leaves(params)
-  )
+  dense = collectives.dense_nbytes(params)
   return {
       phase_lib.Phase.DENSE.value: compressor.CommVolume(all_reduce=dense),
       **volumes,

@@ -69,10 +69,7 @@ def ssgd(
 
   def volume(params, num_devices):
     del num_devices
-    step = sum(
-        collectives.nbytes(x.shape, comm_dtype or x.dtype)
-        for x in jax.tree.leaves(params)
-    )
+    step = collectives.dense_nbytes(params, comm_dtype)
     return {"step": compressor.CommVolume(all_reduce=step)}
 
   return compressor.Compressor(

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import acp_jax
+from acp_jax import collectives
 from acp_jax import lowrank
 from tests import helpers
 from tests import shapes
@@ -124,10 +125,8 @@ def test_compiled_bytes_equal_accounting_with_zero_size_leaves(name, params):
 
 def dense_bytes(params, rank):
   specs = lowrank.settings(rank, 2.0, None, 0, "test").plan(params)
-  return sum(
-      x.size * x.dtype.itemsize
-      for x, spec in zip(jax.tree.leaves(params), specs)
-      if spec is None
+  return collectives.dense_nbytes(
+      [x for x, spec in zip(jax.tree.leaves(params), specs) if spec is None]
   )
 
 
