@@ -133,7 +133,7 @@ def acp_sgd(
     Zhang et al., "Evaluation and Optimization of Gradient Compression for
     Distributed Deep Learning", ICDCS 2023. https://arxiv.org/abs/2306.08881
   """
-  lr = lowrank.settings(
+  cfg = lowrank.settings(
       rank,
       min_compression_rate,
       keep_dense,
@@ -149,12 +149,12 @@ def acp_sgd(
   )
 
   def init_fn(params):
-    error, p, q = lowrank.init_trees(lr, params)
+    error, p, q = lowrank.init_trees(cfg, params)
     return AcpSgdState(
         error=error,
         p=p,
         q=q,
-        phase=lr.first_phase(Phase.P),
+        phase=cfg.first_phase(Phase.P),
         count=jnp.zeros((), jnp.int32),
     )
 
@@ -162,13 +162,13 @@ def acp_sgd(
     del params
     n = _checks.begin_update(updates, axis_name, "acp_sgd")
     _checks.check_state(state, AcpSgdState, "acp_sgd")
-    s = lowrank.split(lr, updates, state.error)
-    lowrank.check_factors(lr, s, state.q, "m")
+    s = lowrank.split(cfg, updates, state.error)
+    lowrank.check_factors(cfg, s, state.q, "m")
     phase = phase_lib.phase_of(state.phase)
     count = state.count + 1
     if phase is Phase.DENSE:
-      lowrank.check_dense_step(lr, state.count)
-      mean, error, q = lowrank.dense_step(lr, s, state.q, axis_name)
+      lowrank.check_dense_step(cfg, state.count)
+      mean, error, q = lowrank.dense_step(cfg, s, state.q, axis_name)
       return mean, state._replace(error=error, q=q, count=count)
     # P-step: F = M B, approximation F B^T. Q-step: F^T = B^T M (kept
     # transposed, see lowrank.project_transposed), approximation B F^T.
@@ -177,7 +177,7 @@ def acp_sgd(
       project, expand = lowrank.project, (lambda f, b: f @ b.T)
       # E' = M - F B^T
       rank_one_terms = lambda f, b: (f, b.T)
-      previous = lowrank.start_factors(lr, s, state.q, state.count)
+      previous = lowrank.start_factors(cfg, s, state.q, state.count)
     else:
       project = lowrank.project_terms_transposed
       expand = lambda ft, b: b @ ft
@@ -186,7 +186,7 @@ def acp_sgd(
       previous = lowrank.leaves_of(s, state.p)
     bases = [lowrank.orthogonalize(f) for f in previous]
     factors = [
-        lowrank.as_sent(lr, project(m, b)) for m, b in zip(s.matrices, bases)
+        lowrank.as_sent(cfg, project(m, b)) for m, b in zip(s.matrices, bases)
     ]
     errors = [
         lowrank.residual(m, *rank_one_terms(f, b))
@@ -194,7 +194,7 @@ def acp_sgd(
     ]
     # The one round: each bucket's factors and dense leaves together.
     reduced, dense = lowrank.psum_round(
-        s, factors, s.dense, axis_name, lr.comm_dtype
+        s, factors, s.dense, axis_name, cfg.comm_dtype
     )
     reduced = [f / n for f in reduced]
     dense = [x / n for x in dense]
@@ -207,7 +207,7 @@ def acp_sgd(
         reshape=False,
     )
     new_state = AcpSgdState(
-        error=lowrank.errors_tree(lr, s, errors),
+        error=lowrank.errors_tree(cfg, s, errors),
         p=reduced_tree if p_step else state.p,
         q=state.q if p_step else reduced_tree,
         phase=phase_lib.next_marker(
@@ -220,10 +220,10 @@ def acp_sgd(
   def volume(params, num_devices):
     del num_devices
     phase_volume = lambda rows: compressor.CommVolume(
-        all_reduce=lowrank.volume(lr, params, rows)
+        all_reduce=lowrank.volume(cfg, params, rows)
     )
     return lowrank.with_warmup(
-        lr,
+        cfg,
         params,
         {
             "p": phase_volume(lambda spec: spec.n),
@@ -233,7 +233,7 @@ def acp_sgd(
 
   def phases(state):
     names = [Phase.P, Phase.Q]
-    if lr.warmup_steps:
+    if cfg.warmup_steps:
       names.insert(0, Phase.DENSE)
     return phase_lib.abstract_states(state, {p.value: p for p in names})
 
@@ -243,10 +243,10 @@ def acp_sgd(
       volume,
       axis_name=axis_name,
       phases=phases,
-      bucket_bytes=lr.bucket_bytes,
-      leaf_order=lr.leaf_order,
+      bucket_bytes=cfg.bucket_bytes,
+      leaf_order=cfg.leaf_order,
       cycle=(Phase.P.value, Phase.Q.value),
-      warmup_steps=lr.warmup_steps,
+      warmup_steps=cfg.warmup_steps,
       to_phase=phase_lib.switch_to(Phase.P),
-      made_by=("acp_sgd", {**lr._asdict(), "axis_name": axis_name}),
+      made_by=("acp_sgd", {**cfg._asdict(), "axis_name": axis_name}),
   )

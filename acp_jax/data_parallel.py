@@ -68,7 +68,7 @@ class DataParallelState(NamedTuple):
 
 
 # DataParallel's choices for a step whose mean gradient is not finite.
-NONFINITE = ("keep", "skip", "propagate")
+NONFINITE_POLICIES = ("keep", "skip", "propagate")
 
 
 def _nnx():
@@ -155,7 +155,7 @@ class DataParallel:
           " dense mean runs within a node and the compressor across nodes,"
           " over two different axes of the mesh"
       )
-    _checks.choice("nonfinite", nonfinite, NONFINITE)
+    _checks.choice("nonfinite", nonfinite, NONFINITE_POLICIES)
     self.nonfinite = nonfinite
     self.compressor = compressor
     self.mesh = mesh

@@ -17,7 +17,7 @@ from acp_jax import state_trees
 from acp_jax import phase as phase_lib
 
 
-def check_dense_step(lr: "LowRank", count: jax.Array) -> None:
+def check_dense_step(cfg: "LowRank", count: jax.Array) -> None:
   """Refuses a dense warm-up step that should not run: when tracing, if the
   compressor has no warm-up at all (a state saved during another one's
   warm-up would then run dense forever); when running, if the state has
@@ -25,22 +25,22 @@ def check_dense_step(lr: "LowRank", count: jax.Array) -> None:
   result not used). The run-time check is a host callback of the dense
   programs only: the compressing ones, which make up the training, carry
   none."""
-  if not lr.warmup_steps:
+  if not cfg.warmup_steps:
     raise ValueError(
-        f"{lr.caller}: the state is in the dense warm-up phase"
+        f"{cfg.caller}: the state is in the dense warm-up phase"
         " (Phase.DENSE), but this compressor has no warmup_steps, so nothing"
         " would ever end it and every step would be S-SGD's: the"
         " state was saved during a warm-up. Make the compressor with the"
-        f" warmup_steps it was saved with ({lr.caller}(..., warmup_steps=N))"
+        f" warmup_steps it was saved with ({cfg.caller}(..., warmup_steps=N))"
         " and call at_step before every step."
     )
 
   def check(taken):
     taken = int(np.asarray(taken))
-    if taken >= lr.warmup_steps:
+    if taken >= cfg.warmup_steps:
       raise ValueError(
-          f"{lr.caller}: a dense warm-up step ran after {taken} steps, but"
-          f" warmup_steps={lr.warmup_steps}: the warm-up should have ended."
+          f"{cfg.caller}: a dense warm-up step ran after {taken} steps, but"
+          f" warmup_steps={cfg.warmup_steps}: the warm-up should have ended."
           " Call opt_state = dp.at_step(opt_state, step) (or"
           " compressor.at_step) before every step, with the number of steps"
           " taken, and use the state it returns (an nnx.Optimizer is"
@@ -59,7 +59,8 @@ class MatrixSpec(NamedTuple):
 
 
 class LowRank(NamedTuple):
-  """Settings of a low-rank compressor; build it with ``settings``."""
+  """Settings of a low-rank compressor; build it with ``settings``. The
+  functions of this module take it as ``cfg``."""
 
   rank: int
   min_compression_rate: float
@@ -300,7 +301,7 @@ def residual(mat: Matrix, u: jax.Array, vt: jax.Array) -> jax.Array:
 
 
 def _warn_if_nothing_compressed(
-    lr: LowRank,
+    cfg: LowRank,
     leaves: list[Any],
     specs: list[MatrixSpec | None],
     params: Any,
@@ -313,7 +314,7 @@ def _warn_if_nothing_compressed(
   """
   if any(spec is not None for spec in specs):
     return
-  dense = compressor.keep_dense_leaves(lr.keep_dense, params)
+  dense = compressor.keep_dense_leaves(cfg.keep_dense, params)
   shapes = [
       tuple(x.shape)
       for x, d in zip(leaves, dense)
@@ -322,8 +323,8 @@ def _warn_if_nothing_compressed(
   if shapes:
     largest = max(shapes, key=math.prod)
     warnings.warn(
-        f"{lr.caller}: no matrix leaf is compressed at rank={lr.rank} and"
-        f" min_compression_rate={lr.min_compression_rate} (the largest,"
+        f"{cfg.caller}: no matrix leaf is compressed at rank={cfg.rank} and"
+        f" min_compression_rate={cfg.min_compression_rate} (the largest,"
         f" {largest}, would not shrink by that rate), so every leaf is sent"
         " dense, as by ssgd. Lower rank or min_compression_rate to compress"
         " them.",
@@ -345,7 +346,7 @@ def _normal_factors(key: jax.Array, shapes: list[tuple[int, int]], dtypes):
   ]
 
 
-def init_trees(lr: LowRank, params: Any) -> tuple[Any, Any, Any]:
+def init_trees(cfg: LowRank, params: Any) -> tuple[Any, Any, Any]:
   """Zero residuals E, zero P factors and random Q factors, like ``params``.
 
   Each tree holds ``optax.MaskedNode()`` at the leaves sent dense (and the
@@ -353,14 +354,14 @@ def init_trees(lr: LowRank, params: Any) -> tuple[Any, Any, Any]:
   from ``seed``, so every replica starts from the same factors wherever
   ``init`` runs.
   """
-  _checks.check_float_leaves(params, lr.caller)
-  specs = lr.plan(params)
+  _checks.check_float_leaves(params, cfg.caller)
+  specs = cfg.plan(params)
   leaves, treedef = jax.tree.flatten(params)
-  _warn_if_nothing_compressed(lr, leaves, specs, params)
+  _warn_if_nothing_compressed(cfg, leaves, specs, params)
   compressed = [(x, spec) for x, spec in zip(leaves, specs) if spec]
   draw = iter(
       _normal_factors(
-          jax.random.key(lr.seed),
+          jax.random.key(cfg.seed),
           [(spec.m, spec.rank) for _, spec in compressed],
           [x.dtype for x, _ in compressed],
       )
@@ -373,7 +374,7 @@ def init_trees(lr: LowRank, params: Any) -> tuple[Any, Any, Any]:
         tree.append(masked)
       continue
     errors.append(
-        jnp.zeros(x.shape, x.dtype) if lr.use_error_feedback else masked
+        jnp.zeros(x.shape, x.dtype) if cfg.use_error_feedback else masked
     )
     ps.append(jnp.zeros((spec.n, spec.rank), x.dtype))
     qs.append(next(draw))
@@ -381,14 +382,14 @@ def init_trees(lr: LowRank, params: Any) -> tuple[Any, Any, Any]:
 
 
 def start_factors(
-    lr: LowRank, s: "Split", q: Any, count: jax.Array
+    cfg: LowRank, s: "Split", q: Any, count: jax.Array
 ) -> list[jax.Array]:
   """The m x r factors a step starts its projection from: the state's ``q``
   with warm start, else new random ones for step ``count``, the same on
   every replica."""
-  if lr.warm_start:
+  if cfg.warm_start:
     return leaves_of(s, q)
-  key = jax.random.fold_in(jax.random.key(lr.seed), count)
+  key = jax.random.fold_in(jax.random.key(cfg.seed), count)
   return _normal_factors(
       key,
       [(spec.m, spec.rank) for spec in s.specs if spec],
@@ -407,17 +408,17 @@ class Split(NamedTuple):
   buckets: collectives.BucketPlan  # of all leaves, by their gradients' bytes
 
 
-def split(lr: LowRank, grads: Any, errors: Any) -> Split:
+def split(cfg: LowRank, grads: Any, errors: Any) -> Split:
   """Checks ``grads`` against the state and pairs them with the residuals
   (without error feedback, ``errors`` is all ``MaskedNode`` and M = G)."""
-  _checks.check_tree_matches(grads, errors, lr.caller)
+  _checks.check_tree_matches(grads, errors, cfg.caller)
   leaves, treedef = jax.tree.flatten(grads)
-  specs = lr.plan(grads)
+  specs = cfg.plan(grads)
   matrices, dense = [], []
   for g, e, spec in zip(leaves, state_trees.state_leaves(errors), specs):
-    if lr.use_error_feedback and (spec is None) != state_trees.is_masked(e):
+    if cfg.use_error_feedback and (spec is None) != state_trees.is_masked(e):
       raise ValueError(
-          f"{lr.caller}: the state was initialized to compress other leaves;"
+          f"{cfg.caller}: the state was initialized to compress other leaves;"
           " init and update must use the same compressor (rank,"
           " min_compression_rate, keep_dense, use_error_feedback)."
       )
@@ -431,21 +432,21 @@ def split(lr: LowRank, grads: Any, errors: Any) -> Split:
       specs,
       matrices,
       dense,
-      collectives.leaf_plan(leaves, lr.bucket_bytes, lr.leaf_order),
+      collectives.leaf_plan(leaves, cfg.bucket_bytes, cfg.leaf_order),
   )
 
 
-def errors_tree(lr: LowRank, s: Split, errors: list[jax.Array]) -> Any:
+def errors_tree(cfg: LowRank, s: Split, errors: list[jax.Array]) -> Any:
   """The state's residual tree: ``errors`` (in the leaves' shapes) at the
   compressed leaves, or all ``MaskedNode`` without error feedback."""
   masked = [optax.MaskedNode()] * len(s.dense)
-  if not lr.use_error_feedback:
+  if not cfg.use_error_feedback:
     errors = [optax.MaskedNode()] * len(s.matrices)
   return merge(s, errors, masked, reshape=False)
 
 
 def dense_step(
-    lr: LowRank, s: Split, q: Any, axis_name: str
+    cfg: LowRank, s: Split, q: Any, axis_name: str
 ) -> tuple[Any, Any, Any]:
   """A warm-up step: S-SGD's exchange, and the factors warmed on its result.
 
@@ -467,8 +468,8 @@ def dense_step(
   )
   mean = collectives.bucketed_pmean(leaves, s.buckets, axis_name)
   tree = jax.tree.unflatten(s.treedef, mean)
-  errors = errors_tree(lr, s, [jnp.zeros_like(m.grad) for m in s.matrices])
-  if not lr.warmup_factors:
+  errors = errors_tree(cfg, s, [jnp.zeros_like(m.grad) for m in s.matrices])
+  if not cfg.warmup_factors:
     return tree, errors, q
   means = [x.reshape(spec.n, spec.m) for x, spec in zip(mean, s.specs) if spec]
   qs = [
@@ -511,10 +512,10 @@ def psum_round(
   return [f.astype(d) for f, d in zip(reduced, dtypes)], dense_out
 
 
-def as_sent(lr: LowRank, factor: jax.Array) -> jax.Array:
+def as_sent(cfg: LowRank, factor: jax.Array) -> jax.Array:
   """``factor`` rounded to ``comm_dtype`` as it will be sent, in its own
   dtype: what error feedback must subtract."""
-  return factor.astype(lr.factor_dtype(factor.dtype)).astype(factor.dtype)
+  return factor.astype(cfg.factor_dtype(factor.dtype)).astype(factor.dtype)
 
 
 def _leaves(
@@ -550,43 +551,43 @@ def leaves_of(s: Split, tree: Any) -> list[jax.Array]:
   ]
 
 
-def check_factors(lr: LowRank, s: Split, factors: Any, rows: str) -> None:
+def check_factors(cfg: LowRank, s: Split, factors: Any, rows: str) -> None:
   """Raises unless the state's factors (``rows`` x r per compressed leaf, rows
   "n" or "m") have this compressor's rank."""
   for x, spec in zip(leaves_of(s, factors), (p for p in s.specs if p)):
     expected = (getattr(spec, rows), spec.rank)
     if tuple(x.shape) != expected:
       raise ValueError(
-          f"{lr.caller}(rank={lr.rank}) was given a state whose factors are"
+          f"{cfg.caller}(rank={cfg.rank}) was given a state whose factors are"
           f" {tuple(x.shape)}, not {expected}: it was made with another rank."
           " Init and update must come from the same factory call."
       )
 
 
 def volume(
-    lr: LowRank, params: Any, factor_rows: Callable[[MatrixSpec], int]
+    cfg: LowRank, params: Any, factor_rows: Callable[[MatrixSpec], int]
 ) -> int:
   """Bytes of one all-reduce carrying a factor of each compressed leaf (with
   ``factor_rows(spec)`` x rank elements, in ``comm_dtype``) and every dense
   leaf."""
-  specs = lr.plan(params)
+  specs = cfg.plan(params)
   total = 0
   for x, spec in zip(jax.tree.leaves(params), specs):
     if spec is None:
       total += collectives.nbytes(x.shape, x.dtype)
     else:
       total += collectives.nbytes(
-          (factor_rows(spec), spec.rank), lr.factor_dtype(x.dtype)
+          (factor_rows(spec), spec.rank), cfg.factor_dtype(x.dtype)
       )
   return total
 
 
 def with_warmup(
-    lr: LowRank, params: Any, volumes: dict[str, compressor.CommVolume]
+    cfg: LowRank, params: Any, volumes: dict[str, compressor.CommVolume]
 ) -> dict[str, compressor.CommVolume]:
   """``volumes`` of the compressing phases, preceded with a warm-up by the
   dense phase's: every leaf all-reduced whole."""
-  if not lr.warmup_steps:
+  if not cfg.warmup_steps:
     return volumes
   dense = collectives.dense_nbytes(params)
   return {
