@@ -2,12 +2,12 @@
 
 Each factory returns an ``optax.GradientTransformation`` whose update, called
 inside ``jax.shard_map`` or ``jax.pmap`` with a device's local gradients,
-returns their (approximate) mean over the data-parallel axis.
+returns their (approximate) mean over the data-parallel axis. The readers of
+compiled HLO live in ``acp_jax.hlo``.
 """
 
 from acp_jax.acp import acp_sgd
 from acp_jax.acp import AcpSgdState
-from acp_jax.lowrank import Phase
 from acp_jax.collectives import backward_order
 from acp_jax.compressor import comm_bytes
 from acp_jax.compressor import CommVolume
@@ -15,11 +15,9 @@ from acp_jax.compressor import Compressor
 from acp_jax.data_parallel import DataParallel
 from acp_jax.data_parallel import DataParallelState
 from acp_jax.data_parallel import LocalGrads
-from acp_jax.hlo import collective_rounds
-from acp_jax.hlo import collective_stats
-from acp_jax.hlo import overlap_potential
-from acp_jax.hlo import scheduled_overlap
+from acp_jax import hlo  # pylint: disable=unused-import
 from acp_jax.lapack import limit_lapack_threads
+from acp_jax.phase import Phase
 from acp_jax.powersgd import power_sgd
 from acp_jax.sharded import memory_per_device
 from acp_jax.sharded import MemoryPerDevice
@@ -48,14 +46,10 @@ __all__ = (
     "TopkSgdState",
     "acp_sgd",
     "backward_order",
-    "collective_rounds",
-    "collective_stats",
     "comm_bytes",
     "limit_lapack_threads",
     "memory_per_device",
-    "overlap_potential",
     "power_sgd",
-    "scheduled_overlap",
     "sign_sgd",
     "ssgd",
     "topk_sgd",

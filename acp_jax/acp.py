@@ -6,15 +6,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from acp_jax import _checks
 from acp_jax import compressor
 from acp_jax import lowrank
+from acp_jax import phase as phase_lib
 
-
-# The phase of the next step, carried by the shape of the state's ``phase``
-# array (see ``lowrank.Phase``).
-Phase = lowrank.Phase
-phase_marker = lowrank.phase_marker
-phase_of = lowrank.phase_of
+Phase = phase_lib.Phase
 
 
 class AcpSgdState(NamedTuple):
@@ -28,7 +25,7 @@ class AcpSgdState(NamedTuple):
       first Q-step: random from the seed).
     phase: uint8 zeros whose shape says what the next step does: (1,) a
       P-step, (2, 2) a Q-step, (3, 3, 3) a dense warm-up step (see
-      ``phase_of``).
+      ``acp_jax.phase``).
     count: int32 scalar, the number of steps taken.
   """
 
@@ -40,7 +37,7 @@ class AcpSgdState(NamedTuple):
 
   @property
   def next_phase(self) -> Phase:
-    return phase_of(self.phase)
+    return phase_lib.phase_of(self.phase)
 
 
 def acp_sgd(
@@ -136,7 +133,7 @@ def acp_sgd(
     Zhang et al., "Evaluation and Optimization of Gradient Compression for
     Distributed Deep Learning", ICDCS 2023. https://arxiv.org/abs/2306.08881
   """
-  lr = lowrank.settings(
+  cfg = lowrank.settings(
       rank,
       min_compression_rate,
       keep_dense,
@@ -152,26 +149,26 @@ def acp_sgd(
   )
 
   def init_fn(params):
-    error, p, q = lowrank.init_trees(lr, params)
+    error, p, q = lowrank.init_trees(cfg, params)
     return AcpSgdState(
         error=error,
         p=p,
         q=q,
-        phase=lr.first_phase(Phase.P),
+        phase=cfg.first_phase(Phase.P),
         count=jnp.zeros((), jnp.int32),
     )
 
   def update_fn(updates, state, params=None):
     del params
-    n = compressor.begin_update(updates, axis_name, "acp_sgd")
-    compressor.check_state(state, AcpSgdState, "acp_sgd")
-    s = lowrank.split(lr, updates, state.error)
-    lowrank.check_factors(lr, s, state.q, "m")
-    phase = phase_of(state.phase)
+    n = _checks.begin_update(updates, axis_name, "acp_sgd")
+    _checks.check_state(state, AcpSgdState, "acp_sgd")
+    s = lowrank.split(cfg, updates, state.error)
+    lowrank.check_factors(cfg, s, state.q, "m")
+    phase = phase_lib.phase_of(state.phase)
     count = state.count + 1
     if phase is Phase.DENSE:
-      lowrank.check_dense_step(lr, state.count)
-      mean, error, q = lowrank.dense_step(lr, s, state.q, axis_name)
+      lowrank.check_dense_step(cfg, state.count)
+      mean, error, q = lowrank.dense_step(cfg, s, state.q, axis_name)
       return mean, state._replace(error=error, q=q, count=count)
     # P-step: F = M B, approximation F B^T. Q-step: F^T = B^T M (kept
     # transposed, see lowrank.project_transposed), approximation B F^T.
@@ -180,7 +177,7 @@ def acp_sgd(
       project, expand = lowrank.project, (lambda f, b: f @ b.T)
       # E' = M - F B^T
       rank_one_terms = lambda f, b: (f, b.T)
-      previous = lowrank.start_factors(lr, s, state.q, state.count)
+      previous = lowrank.start_factors(cfg, s, state.q, state.count)
     else:
       project = lowrank.project_terms_transposed
       expand = lambda ft, b: b @ ft
@@ -192,7 +189,7 @@ def acp_sgd(
     )
     bases = [orthogonalize(f) for f in previous]
     factors = [
-        lowrank.as_sent(lr, project(m, b)) for m, b in zip(s.matrices, bases)
+        lowrank.as_sent(cfg, project(m, b)) for m, b in zip(s.matrices, bases)
     ]
     errors = [
         lowrank.residual(m, *rank_one_terms(f, b))
@@ -200,7 +197,7 @@ def acp_sgd(
     ]
     # The one round: each bucket's factors and dense leaves together.
     reduced, dense = lowrank.psum_round(
-        s, factors, s.dense, axis_name, lr.comm_dtype, row_sums=not p_step
+        s, factors, s.dense, axis_name, cfg.comm_dtype, row_sums=not p_step
     )
     reduced = [f / n for f in reduced]
     dense = [x / n for x in dense]
@@ -213,10 +210,12 @@ def acp_sgd(
         reshape=False,
     )
     new_state = AcpSgdState(
-        error=lowrank.errors_tree(lr, s, errors),
+        error=lowrank.errors_tree(cfg, s, errors),
         p=reduced_tree if p_step else state.p,
         q=state.q if p_step else reduced_tree,
-        phase=lowrank.next_marker(state.phase, Phase.Q if p_step else Phase.P),
+        phase=phase_lib.next_marker(
+            state.phase, Phase.Q if p_step else Phase.P
+        ),
         count=count,
     )
     return lowrank.merge(s, applied, dense, reshape=True), new_state
@@ -224,10 +223,10 @@ def acp_sgd(
   def volume(params, num_devices):
     del num_devices
     phase_volume = lambda rows: compressor.CommVolume(
-        all_reduce=lowrank.volume(lr, params, rows)
+        all_reduce=lowrank.volume(cfg, params, rows)
     )
     return lowrank.with_warmup(
-        lr,
+        cfg,
         params,
         {
             "p": phase_volume(lambda spec: spec.n),
@@ -237,9 +236,9 @@ def acp_sgd(
 
   def phases(state):
     names = [Phase.P, Phase.Q]
-    if lr.warmup_steps:
+    if cfg.warmup_steps:
       names.insert(0, Phase.DENSE)
-    return lowrank.phase_states(state, {p.value: p for p in names})
+    return phase_lib.abstract_states(state, {p.value: p for p in names})
 
   return compressor.Compressor(
       init_fn,
@@ -247,10 +246,10 @@ def acp_sgd(
       volume,
       axis_name=axis_name,
       phases=phases,
-      bucket_bytes=lr.bucket_bytes,
-      leaf_order=lr.leaf_order,
+      bucket_bytes=cfg.bucket_bytes,
+      leaf_order=cfg.leaf_order,
       cycle=(Phase.P.value, Phase.Q.value),
-      warmup_steps=lr.warmup_steps,
-      to_phase=lowrank.to_phase(Phase.P),
-      made_by=("acp_sgd", {**lr._asdict(), "axis_name": axis_name}),
+      warmup_steps=cfg.warmup_steps,
+      to_phase=phase_lib.switch_to(Phase.P),
+      made_by=("acp_sgd", {**cfg._asdict(), "axis_name": axis_name}),
   )

@@ -9,7 +9,7 @@ raises ``DamagedError`` (naming the path and the array) if a file cannot be
 read or an array or the record no longer matches its checksum.
 
 The low-rank compressors record their phase in the shape of a small array
-(``lowrank.phase_of``), so a restore into a freshly initialized state, which
+(``acp_jax.phase``), so a restore into a freshly initialized state, which
 is always in its first phase, would ask orbax for the wrong shape.
 ``restore`` takes the phase from the checkpoint instead and checks every
 other array against the live state.
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from acp_jax import lowrank
+from acp_jax import phase as phase_lib
 
 # The key of this module's record in an orbax checkpoint's custom metadata.
 _RECORD = "acp_jax"
@@ -250,8 +250,7 @@ def _is_phase(path, dtype: str, shape: tuple[int, ...]) -> bool:
   return (
       bool(names)
       and names[-1] == "phase"
-      and dtype == "uint8"
-      and shape in lowrank.MARKER_SHAPES
+      and phase_lib.is_marker(dtype, shape)
   )
 
 

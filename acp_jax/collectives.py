@@ -253,46 +253,6 @@ def axis_size(axis_name: str, caller: str) -> int:
     ) from None
 
 
-def check_bucket_bytes(bucket_bytes, caller: str) -> float:
-  """``bucket_bytes``, or ``DEFAULT_BUCKET_BYTES`` for None; raises unless it
-  is a positive number (``math.inf``: one bucket)."""
-  if bucket_bytes is None:
-    return DEFAULT_BUCKET_BYTES
-  if (
-      isinstance(bucket_bytes, bool)
-      or not isinstance(bucket_bytes, (int, float))
-      or not bucket_bytes > 0
-  ):
-    raise ValueError(
-        f"{caller}: bucket_bytes must be a positive number (math.inf for one"
-        f" bucket), got {bucket_bytes!r}"
-    )
-  return bucket_bytes
-
-
-def check_leaf_order(leaf_order, caller: str) -> tuple[int, ...] | None:
-  """``leaf_order`` as a tuple, or None; raises unless it is None or a
-  sequence of distinct non-negative ints."""
-  if leaf_order is None:
-    return None
-  try:
-    order = tuple(leaf_order)
-  except TypeError:
-    order = None
-  if (
-      order is None
-      or any(isinstance(i, bool) or not isinstance(i, int) for i in order)
-      or any(i < 0 for i in order)
-      or len(set(order)) != len(order)
-  ):
-    raise ValueError(
-        f"{caller}: leaf_order must be None or a sequence of distinct leaf"
-        " indices (e.g. acp_jax.backward_order(loss, params, batch)), got"
-        f" {leaf_order!r}"
-    )
-  return order
-
-
 def bucket_plan(
     leaf_bytes: Sequence[int],
     bucket_bytes: float,
@@ -591,3 +551,10 @@ def bucketed_pmean(
 def nbytes(shape: Sequence[int], dtype) -> int:
   """Bytes of an array of this shape and dtype."""
   return math.prod(shape) * jnp.dtype(dtype).itemsize
+
+
+def dense_nbytes(tree: Any, dtype: Any = None) -> int:
+  """Bytes of every leaf of ``tree`` (arrays or ``jax.ShapeDtypeStruct``),
+  in ``dtype`` if given, else in its own: what one dense all-reduce of it
+  sends per device."""
+  return sum(nbytes(x.shape, dtype or x.dtype) for x in jax.tree.leaves(tree))

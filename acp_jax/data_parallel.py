@@ -47,8 +47,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import optax
 
+from acp_jax import _checks
 from acp_jax import collectives
 from acp_jax import compressor as compressor_lib
+from acp_jax import phase as phase_lib
 
 
 class DataParallelState(NamedTuple):
@@ -66,7 +68,7 @@ class DataParallelState(NamedTuple):
 
 
 # DataParallel's choices for a step whose mean gradient is not finite.
-NONFINITE = ("keep", "skip", "propagate")
+NONFINITE_POLICIES = ("keep", "skip", "propagate")
 
 
 def _nnx():
@@ -153,11 +155,7 @@ class DataParallel:
           " dense mean runs within a node and the compressor across nodes,"
           " over two different axes of the mesh"
       )
-    if nonfinite not in NONFINITE:
-      raise ValueError(
-          f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got"
-          f" {nonfinite!r}"
-      )
+    _checks.choice("nonfinite", nonfinite, NONFINITE_POLICIES)
     self.nonfinite = nonfinite
     self.compressor = compressor
     self.mesh = mesh
@@ -291,9 +289,7 @@ class DataParallel:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
     )
     grads = self.abstract_local_grads(shapes)
-    dense = sum(
-        collectives.nbytes(x.shape, x.dtype) for x in jax.tree.leaves(shapes)
-    )
+    dense = collectives.dense_nbytes(shapes)
     volumes = {self.axis_name: {}, self.local_axis: {}}
     for phase, comm in self.phase_states(self.abstract_comm(shapes)).items():
       with collectives.recording() as sent:
@@ -431,7 +427,7 @@ class DataParallel:
           [x for x in received if jnp.issubdtype(x.dtype, jnp.inexact)]
       )
       if self.nonfinite != "propagate":
-        state = _where(finite, state, old)
+        state = phase_lib.where(finite, state, old)
       return mean, self._map_local(lambda x: x[None], state), finite
 
     return jax.shard_map(
@@ -460,14 +456,14 @@ class DataParallel:
       )
 
     def update_fn(updates, state, params=None, **extra_args):
-      compressor_lib.check_not_in_conditional("DataParallel.chain")
+      _checks.check_not_in_conditional("DataParallel.chain")
       updates = _stacked_local_grads(updates)
       if params is not None:
         self._check_local_grads(updates, params)
       mean, comm, finite = self._compress(updates, state.comm)
       mean, inner = tx.update(mean, state.inner, params, **extra_args)
       if self.nonfinite == "skip":
-        inner = _where(finite, inner, state.inner)
+        inner = phase_lib.where(finite, inner, state.inner)
         mean = jax.tree.map(lambda u: jnp.where(finite, u, 0), mean)
       return mean, DataParallelState(comm=comm, inner=inner)
 
@@ -944,17 +940,6 @@ def _all_finite(arrays: list[jax.Array]) -> jax.Array:
   ``x * 0`` reads a broadcast zero array beside it on XLA:CPU)."""
   zeros = [jnp.sum((x - x).astype(jnp.float32)) for x in arrays]
   return jnp.isfinite(sum(zeros, jnp.float32(0)))
-
-
-def _where(keep_new: jax.Array, new: Any, old: Any) -> Any:
-  """``new`` where ``keep_new``, else ``old``, leaf by leaf; a leaf whose
-  shape changed (ACP-SGD's phase marker: its shape is the phase) is
-  ``new``'s."""
-  return jax.tree.map(
-      lambda n, o: jnp.where(keep_new, n, o) if n.shape == o.shape else n,
-      new,
-      old,
-  )
 
 
 def _is_spec(x) -> bool:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from acp_jax import compressor
+from acp_jax import _checks
 
 # [p per leaf] -> ([what this device sent, decoded], [mean over devices]).
 CompressFn = Callable[
@@ -26,7 +26,7 @@ def zeros_like(params):
 
 def apply(grads, errors, compress: CompressFn, caller: str):
   """Returns (mean update tree, new residual tree)."""
-  compressor.check_tree_matches(grads, errors, caller)
+  _checks.check_tree_matches(grads, errors, caller)
   leaves, treedef = jax.tree.flatten(grads)
   ps = [g + e for g, e in zip(leaves, jax.tree.leaves(errors))]
   # A zero-size leaf has nothing to send, so it passes through and

@@ -12,7 +12,7 @@ scheduled it, what each collective does run beside (``scheduled_overlap``).
 import collections
 import functools
 import re
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 _OPS = (
     "all-reduce",
@@ -153,6 +153,21 @@ def collective_stats(hlo_text: str) -> dict[str, CollectiveStats]:
       count[kind] += 1
       nbytes[kind] += _collective_bytes(match["op"], match["shape"])
   return {op: CollectiveStats(count[op], nbytes[op]) for op in count}
+
+
+def traffic(compiled: Any) -> dict[str, CollectiveStats]:
+  """What a compiled program sends, by collective: ``collective_stats`` of
+  its text, with every kind (``"all-reduce"``, ``"all-gather"``,
+  ``"reduce-scatter"``, ``"all-to-all"``, ``"collective-permute"``) present,
+  zero where it runs none.
+
+  Args:
+    compiled: a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``)
+      or its ``as_text()``.
+  """
+  text = compiled if isinstance(compiled, str) else compiled.as_text()
+  stats = collective_stats(text)
+  return {kind: stats.get(kind, CollectiveStats(0, 0)) for kind in _OPS}
 
 
 def _computations(hlo_text: str) -> tuple[str, dict[str, list[_Instruction]]]:

@@ -11,6 +11,8 @@ cores, QR of a 768 x 32 factor took 0.70 ms at 2 threads against 0.18 ms at 1
 
 import threadpoolctl
 
+from acp_jax import _checks
+
 
 def limit_lapack_threads(
     num_threads: int = 1,
@@ -37,12 +39,7 @@ def limit_lapack_threads(
     threadpoolctl's limiter: ``restore_original_limits()`` undoes it, and
     leaving it as a context manager does too.
   """
-  if (
-      isinstance(num_threads, bool)
-      or not isinstance(num_threads, int)
-      or num_threads < 1
-  ):
-    raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
+  _checks.integer("num_threads", num_threads, 1)
   # threadpoolctl sees only loaded libraries, and jaxlib loads SciPy's LAPACK
   # at its first call: load it now.
   # pylint: disable-next=g-import-not-at-top,unused-import

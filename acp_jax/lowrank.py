@@ -1,7 +1,6 @@
 """Pieces shared by the low-rank compressors (Power-SGD and ACP-SGD)."""
 
 from collections.abc import Callable
-import enum
 import math
 from typing import Any, NamedTuple
 import warnings
@@ -11,105 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from acp_jax import compressor
+from acp_jax import _checks
 from acp_jax import collectives
+from acp_jax import compressor
+from acp_jax import state_trees
+from acp_jax import phase as phase_lib
 
 
-class Phase(enum.Enum):
-  """What a low-rank compressor's next step does: compute and all-reduce
-  the P factors (Power-SGD's one compressing phase, ACP-SGD's P-step), the
-  Q factors (ACP-SGD's Q-step), or, during a warm-up, S-SGD's dense
-  all-reduce."""
-
-  P = "p"
-  Q = "q"
-  DENSE = compressor.DENSE
-
-
-# The phase is carried by the *shape* of a tiny array in the state. Its shape
-# is static to jit, which compiles one variant per phase, each holding only
-# its own all-reduce, so no collective sits inside a run-time conditional.
-# Being an array, it survives every path that keeps only array values
-# (nnx.Optimizer, orbax), and paths that need a fixed state type (lax.scan
-# carries, lax.cond) refuse it when tracing instead of training something
-# else. (Orbax cannot save zero-size arrays, hence sizes from 1.) Each phase
-# has a rank of its own, (1,), (2, 2), (3, 3, 3): a plain orbax restore into
-# a target of another phase then fails even with strict=False, which pads or
-# truncates an array of one rank into another shape of that rank.
-_PHASE_SHAPE = {Phase.P: (1,), Phase.Q: (2, 2), Phase.DENSE: (3, 3, 3)}
-MARKER_SHAPES = frozenset(_PHASE_SHAPE.values())
-
-
-def phase_marker(phase: Phase) -> jax.Array:
-  """The array whose shape records ``phase`` in a low-rank state."""
-  return jnp.zeros(_PHASE_SHAPE[phase], jnp.uint8)
-
-
-def phase_of(marker) -> Phase:
-  """The phase that a state's ``phase`` array (or its abstract shape)
-  records; a marker stacked on leading axes (a ``jax.pmap``-ed state, one
-  per device) records it in its trailing axes."""
-  return _phase_and_lead(marker)[0]
-
-
-def _phase_and_lead(marker) -> tuple[Phase, tuple[int, ...]]:
-  """The phase a marker records and its leading (device) axes."""
-  shape = tuple(marker.shape)
-  for phase, own in _PHASE_SHAPE.items():
-    if shape[len(shape) - len(own):] == own:
-      return phase, shape[: len(shape) - len(own)]
-  raise ValueError(
-      "a low-rank compressor's phase marker has shape (1,), (2, 2) or"
-      f" (3, 3, 3) (after any leading device axes), got {marker.shape}"
-  )
-
-
-def next_marker(marker: jax.Array, phase: Phase) -> jax.Array:
-  """The marker of ``phase``, inside a step. It is made from the old marker,
-  so that the step always reads one of its inputs (a shard_map whose inputs
-  are all unused or empty fails to compile under Shardy, jax 0.10.2)."""
-  return jnp.broadcast_to(marker.reshape(-1)[0], _PHASE_SHAPE[phase])
-
-
-def marker_as(marker, phase: Phase):
-  """The marker of ``phase`` where ``marker`` lives, outside a step, with its
-  leading device axes if any: an abstract one for an abstract marker, else
-  made on ``marker``'s devices with its sharding (which works across
-  processes and for ``jax.pmap``-ed states too)."""
-  lead = _phase_and_lead(marker)[1]
-  own = _PHASE_SHAPE[phase]
-  shape = lead + own
-  if tuple(marker.shape) == shape:
-    return marker
-  sharding = getattr(marker, "sharding", None)
-  if isinstance(marker, jax.ShapeDtypeStruct):
-    return jax.ShapeDtypeStruct(shape, jnp.uint8, sharding=sharding)
-  return jax.jit(
-      lambda m: jnp.broadcast_to(
-          m.reshape(lead + (-1,))[..., :1].reshape(lead + (1,) * len(own)),
-          shape,
-      ),
-      out_shardings=sharding if isinstance(marker, jax.Array) else None,
-  )(marker)
-
-
-def to_phase(compressing: Phase) -> Callable[[Any, bool], Any]:
-  """``Compressor.at_step``'s switch of a state with a ``phase`` marker: into
-  the dense phase, or out of it into ``compressing``; ``state`` itself if it
-  is in that phase already."""
-
-  def switch(state, dense):
-    current = phase_of(state.phase)
-    if dense and current is not Phase.DENSE:
-      return state._replace(phase=marker_as(state.phase, Phase.DENSE))
-    if not dense and current is Phase.DENSE:
-      return state._replace(phase=marker_as(state.phase, compressing))
-    return state
-
-  return switch
-
-
-def check_dense_step(lr: "LowRank", count: jax.Array) -> None:
+def check_dense_step(cfg: "LowRank", count: jax.Array) -> None:
   """Refuses a dense warm-up step that should not run: when tracing, if the
   compressor has no warm-up at all (a state saved during another one's
   warm-up would then run dense forever); when running, if the state has
@@ -117,22 +25,22 @@ def check_dense_step(lr: "LowRank", count: jax.Array) -> None:
   result not used). The run-time check is a host callback of the dense
   programs only: the compressing ones, which make up the training, carry
   none."""
-  if not lr.warmup_steps:
+  if not cfg.warmup_steps:
     raise ValueError(
-        f"{lr.caller}: the state is in the dense warm-up phase (its phase"
-        " marker has shape (3,)), but this compressor has no warmup_steps, so"
-        " nothing would ever end it and every step would be S-SGD's: the"
+        f"{cfg.caller}: the state is in the dense warm-up phase"
+        " (Phase.DENSE), but this compressor has no warmup_steps, so nothing"
+        " would ever end it and every step would be S-SGD's: the"
         " state was saved during a warm-up. Make the compressor with the"
-        f" warmup_steps it was saved with ({lr.caller}(..., warmup_steps=N))"
+        f" warmup_steps it was saved with ({cfg.caller}(..., warmup_steps=N))"
         " and call at_step before every step."
     )
 
   def check(taken):
     taken = int(np.asarray(taken))
-    if taken >= lr.warmup_steps:
+    if taken >= cfg.warmup_steps:
       raise ValueError(
-          f"{lr.caller}: a dense warm-up step ran after {taken} steps, but"
-          f" warmup_steps={lr.warmup_steps}: the warm-up should have ended."
+          f"{cfg.caller}: a dense warm-up step ran after {taken} steps, but"
+          f" warmup_steps={cfg.warmup_steps}: the warm-up should have ended."
           " Call opt_state = dp.at_step(opt_state, step) (or"
           " compressor.at_step) before every step, with the number of steps"
           " taken, and use the state it returns (an nnx.Optimizer is"
@@ -140,20 +48,6 @@ def check_dense_step(lr: "LowRank", count: jax.Array) -> None:
       )
 
   jax.debug.callback(check, count)
-
-
-def phase_states(state: Any, phases: dict[str, Phase]) -> dict[str, Any]:
-  """``Compressor.phases``: ``state`` with an abstract marker of each of
-  ``phases``, by phase name, for lowering each phase's step."""
-  abstract = jax.ShapeDtypeStruct(
-      state.phase.shape,
-      jnp.uint8,
-      sharding=getattr(state.phase, "sharding", None),
-  )
-  return {
-      name: state._replace(phase=marker_as(abstract, phase))
-      for name, phase in phases.items()
-  }
 
 
 class MatrixSpec(NamedTuple):
@@ -165,7 +59,8 @@ class MatrixSpec(NamedTuple):
 
 
 class LowRank(NamedTuple):
-  """Settings of a low-rank compressor; build it with ``settings``."""
+  """Settings of a low-rank compressor; build it with ``settings``. The
+  functions of this module take it as ``cfg``."""
 
   rank: int
   min_compression_rate: float
@@ -202,9 +97,11 @@ class LowRank(NamedTuple):
     """The dtype in which a leaf's factors are all-reduced."""
     return self.comm_dtype or leaf_dtype
 
-  def first_phase(self, compressing: Phase) -> jax.Array:
+  def first_phase(self, compressing: phase_lib.Phase) -> jax.Array:
     """The initial phase marker: dense if there is a warm-up."""
-    return phase_marker(Phase.DENSE if self.warmup_steps else compressing)
+    return phase_lib.marker(
+        phase_lib.Phase.DENSE if self.warmup_steps else compressing
+    )
 
 
 def settings(
@@ -223,58 +120,22 @@ def settings(
     leaf_order: Any = None,
 ) -> LowRank:
   """Checks a low-rank factory's arguments."""
-  compressor.check_static(
-      caller,
-      rank=rank,
-      min_compression_rate=min_compression_rate,
-      seed=seed,
-      bucket_bytes=bucket_bytes,
-      warmup_steps=warmup_steps,
-  )
-  if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-    raise ValueError(f"rank must be a positive int, got {rank!r}")
-  if (
-      isinstance(min_compression_rate, bool)
-      or not isinstance(min_compression_rate, (int, float))
-      or not min_compression_rate >= 0
-  ):
-    raise ValueError(
-        "min_compression_rate must be a non-negative number, got"
-        f" {min_compression_rate!r}"
-    )
-  if warmup_steps is None:
-    warmup_steps = 0
-  if (
-      isinstance(warmup_steps, bool)
-      or not isinstance(warmup_steps, int)
-      or warmup_steps < 0
-  ):
-    raise ValueError(
-        f"warmup_steps must be a non-negative int, got {warmup_steps!r}"
-    )
-  for name, flag in (
-      ("use_error_feedback", use_error_feedback),
-      ("warm_start", warm_start),
-      ("warmup_factors", warmup_factors),
-  ):
-    if not isinstance(flag, bool):
-      raise ValueError(f"{name} must be a bool, got {flag!r}")
-  compressor.check_comm_dtype(comm_dtype)
-  bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, caller)
-  leaf_order = collectives.check_leaf_order(leaf_order, caller)
   return LowRank(
-      rank,
-      min_compression_rate,
-      keep_dense,
-      seed,
-      caller,
-      bucket_bytes,
-      use_error_feedback,
-      warm_start,
-      comm_dtype,
-      warmup_steps,
-      warmup_factors,
-      leaf_order,
+      keep_dense=keep_dense,
+      caller=caller,
+      **_checks.factory_args(
+          caller,
+          rank=rank,
+          min_compression_rate=min_compression_rate,
+          seed=seed,
+          bucket_bytes=bucket_bytes,
+          warmup_steps=warmup_steps,
+          use_error_feedback=use_error_feedback,
+          warm_start=warm_start,
+          warmup_factors=warmup_factors,
+          comm_dtype=comm_dtype,
+          leaf_order=leaf_order,
+      ),
   )
 
 
@@ -498,7 +359,7 @@ def residual(mat: Matrix, u: jax.Array, vt: jax.Array) -> jax.Array:
 
 
 def _warn_if_nothing_compressed(
-    lr: LowRank,
+    cfg: LowRank,
     leaves: list[Any],
     specs: list[MatrixSpec | None],
     params: Any,
@@ -511,7 +372,7 @@ def _warn_if_nothing_compressed(
   """
   if any(spec is not None for spec in specs):
     return
-  dense = compressor.keep_dense_leaves(lr.keep_dense, params)
+  dense = compressor.keep_dense_leaves(cfg.keep_dense, params)
   shapes = [
       tuple(x.shape)
       for x, d in zip(leaves, dense)
@@ -520,8 +381,8 @@ def _warn_if_nothing_compressed(
   if shapes:
     largest = max(shapes, key=math.prod)
     warnings.warn(
-        f"{lr.caller}: no matrix leaf is compressed at rank={lr.rank} and"
-        f" min_compression_rate={lr.min_compression_rate} (the largest,"
+        f"{cfg.caller}: no matrix leaf is compressed at rank={cfg.rank} and"
+        f" min_compression_rate={cfg.min_compression_rate} (the largest,"
         f" {largest}, would not shrink by that rate), so every leaf is sent"
         " dense, as by ssgd. Lower rank or min_compression_rate to compress"
         " them.",
@@ -543,7 +404,7 @@ def _normal_factors(key: jax.Array, shapes: list[tuple[int, int]], dtypes):
   ]
 
 
-def init_trees(lr: LowRank, params: Any) -> tuple[Any, Any, Any]:
+def init_trees(cfg: LowRank, params: Any) -> tuple[Any, Any, Any]:
   """Zero residuals E, zero P factors and random Q factors, like ``params``.
 
   Each tree holds ``optax.MaskedNode()`` at the leaves sent dense (and the
@@ -551,14 +412,14 @@ def init_trees(lr: LowRank, params: Any) -> tuple[Any, Any, Any]:
   from ``seed``, so every replica starts from the same factors wherever
   ``init`` runs.
   """
-  compressor.check_float_leaves(params, lr.caller)
-  specs = lr.plan(params)
+  _checks.check_float_leaves(params, cfg.caller)
+  specs = cfg.plan(params)
   leaves, treedef = jax.tree.flatten(params)
-  _warn_if_nothing_compressed(lr, leaves, specs, params)
+  _warn_if_nothing_compressed(cfg, leaves, specs, params)
   compressed = [(x, spec) for x, spec in zip(leaves, specs) if spec]
   draw = iter(
       _normal_factors(
-          jax.random.key(lr.seed),
+          jax.random.key(cfg.seed),
           [(spec.m, spec.rank) for _, spec in compressed],
           [x.dtype for x, _ in compressed],
       )
@@ -571,7 +432,7 @@ def init_trees(lr: LowRank, params: Any) -> tuple[Any, Any, Any]:
         tree.append(masked)
       continue
     errors.append(
-        jnp.zeros(x.shape, x.dtype) if lr.use_error_feedback else masked
+        jnp.zeros(x.shape, x.dtype) if cfg.use_error_feedback else masked
     )
     ps.append(jnp.zeros((spec.n, spec.rank), x.dtype))
     qs.append(next(draw))
@@ -579,14 +440,14 @@ def init_trees(lr: LowRank, params: Any) -> tuple[Any, Any, Any]:
 
 
 def start_factors(
-    lr: LowRank, s: "Split", q: Any, count: jax.Array
+    cfg: LowRank, s: "Split", q: Any, count: jax.Array
 ) -> list[jax.Array]:
   """The m x r factors a step starts its projection from: the state's ``q``
   with warm start, else new random ones for step ``count``, the same on
   every replica."""
-  if lr.warm_start:
+  if cfg.warm_start:
     return leaves_of(s, q)
-  key = jax.random.fold_in(jax.random.key(lr.seed), count)
+  key = jax.random.fold_in(jax.random.key(cfg.seed), count)
   return _normal_factors(
       key,
       [(spec.m, spec.rank) for spec in s.specs if spec],
@@ -605,45 +466,45 @@ class Split(NamedTuple):
   buckets: collectives.BucketPlan  # of all leaves, by their gradients' bytes
 
 
-def split(lr: LowRank, grads: Any, errors: Any) -> Split:
+def split(cfg: LowRank, grads: Any, errors: Any) -> Split:
   """Checks ``grads`` against the state and pairs them with the residuals
   (without error feedback, ``errors`` is all ``MaskedNode`` and M = G)."""
-  compressor.check_tree_matches(grads, errors, lr.caller)
+  _checks.check_tree_matches(grads, errors, cfg.caller)
   leaves, treedef = jax.tree.flatten(grads)
-  specs = lr.plan(grads)
+  specs = cfg.plan(grads)
   matrices, dense = [], []
-  for g, e, spec in zip(leaves, compressor.state_leaves(errors), specs):
-    if lr.use_error_feedback and (spec is None) != compressor.is_masked(e):
+  for g, e, spec in zip(leaves, state_trees.state_leaves(errors), specs):
+    if cfg.use_error_feedback and (spec is None) != state_trees.is_masked(e):
       raise ValueError(
-          f"{lr.caller}: the state was initialized to compress other leaves;"
+          f"{cfg.caller}: the state was initialized to compress other leaves;"
           " init and update must use the same compressor (rank,"
           " min_compression_rate, keep_dense, use_error_feedback)."
       )
     if spec is None:
       dense.append(g)
     else:
-      matrices.append(Matrix(g, None if compressor.is_masked(e) else e, spec))
+      matrices.append(Matrix(g, None if state_trees.is_masked(e) else e, spec))
   return Split(
       treedef,
       [x.shape for x in leaves],
       specs,
       matrices,
       dense,
-      collectives.leaf_plan(leaves, lr.bucket_bytes, lr.leaf_order),
+      collectives.leaf_plan(leaves, cfg.bucket_bytes, cfg.leaf_order),
   )
 
 
-def errors_tree(lr: LowRank, s: Split, errors: list[jax.Array]) -> Any:
+def errors_tree(cfg: LowRank, s: Split, errors: list[jax.Array]) -> Any:
   """The state's residual tree: ``errors`` (in the leaves' shapes) at the
   compressed leaves, or all ``MaskedNode`` without error feedback."""
   masked = [optax.MaskedNode()] * len(s.dense)
-  if not lr.use_error_feedback:
+  if not cfg.use_error_feedback:
     errors = [optax.MaskedNode()] * len(s.matrices)
   return merge(s, errors, masked, reshape=False)
 
 
 def dense_step(
-    lr: LowRank, s: Split, q: Any, axis_name: str
+    cfg: LowRank, s: Split, q: Any, axis_name: str
 ) -> tuple[Any, Any, Any]:
   """A warm-up step: S-SGD's exchange, and the factors warmed on its result.
 
@@ -665,8 +526,8 @@ def dense_step(
   )
   mean = collectives.bucketed_pmean(leaves, s.buckets, axis_name)
   tree = jax.tree.unflatten(s.treedef, mean)
-  errors = errors_tree(lr, s, [jnp.zeros_like(m.grad) for m in s.matrices])
-  if not lr.warmup_factors:
+  errors = errors_tree(cfg, s, [jnp.zeros_like(m.grad) for m in s.matrices])
+  if not cfg.warmup_factors:
     return tree, errors, q
   means = [x.reshape(spec.n, spec.m) for x, spec in zip(mean, s.specs) if spec]
   qs = [
@@ -718,10 +579,10 @@ def psum_round(
   return [f.astype(d) for f, d in zip(reduced, dtypes)], dense_out
 
 
-def as_sent(lr: LowRank, factor: jax.Array) -> jax.Array:
+def as_sent(cfg: LowRank, factor: jax.Array) -> jax.Array:
   """``factor`` rounded to ``comm_dtype`` as it will be sent, in its own
   dtype: what error feedback must subtract."""
-  return factor.astype(lr.factor_dtype(factor.dtype)).astype(factor.dtype)
+  return factor.astype(cfg.factor_dtype(factor.dtype)).astype(factor.dtype)
 
 
 def _leaves(
@@ -752,50 +613,51 @@ def leaves_of(s: Split, tree: Any) -> list[jax.Array]:
   """Leaves of a state tree at the compressed positions of ``s``."""
   return [
       x
-      for x, spec in zip(compressor.state_leaves(tree), s.specs)
+      for x, spec in zip(state_trees.state_leaves(tree), s.specs)
       if spec is not None
   ]
 
 
-def check_factors(lr: LowRank, s: Split, factors: Any, rows: str) -> None:
+def check_factors(cfg: LowRank, s: Split, factors: Any, rows: str) -> None:
   """Raises unless the state's factors (``rows`` x r per compressed leaf, rows
   "n" or "m") have this compressor's rank."""
   for x, spec in zip(leaves_of(s, factors), (p for p in s.specs if p)):
     expected = (getattr(spec, rows), spec.rank)
     if tuple(x.shape) != expected:
       raise ValueError(
-          f"{lr.caller}(rank={lr.rank}) was given a state whose factors are"
+          f"{cfg.caller}(rank={cfg.rank}) was given a state whose factors are"
           f" {tuple(x.shape)}, not {expected}: it was made with another rank."
           " Init and update must come from the same factory call."
       )
 
 
 def volume(
-    lr: LowRank, params: Any, factor_rows: Callable[[MatrixSpec], int]
+    cfg: LowRank, params: Any, factor_rows: Callable[[MatrixSpec], int]
 ) -> int:
   """Bytes of one all-reduce carrying a factor of each compressed leaf (with
   ``factor_rows(spec)`` x rank elements, in ``comm_dtype``) and every dense
   leaf."""
-  specs = lr.plan(params)
+  specs = cfg.plan(params)
   total = 0
   for x, spec in zip(jax.tree.leaves(params), specs):
     if spec is None:
       total += collectives.nbytes(x.shape, x.dtype)
     else:
       total += collectives.nbytes(
-          (factor_rows(spec), spec.rank), lr.factor_dtype(x.dtype)
+          (factor_rows(spec), spec.rank), cfg.factor_dtype(x.dtype)
       )
   return total
 
 
 def with_warmup(
-    lr: LowRank, params: Any, volumes: dict[str, compressor.CommVolume]
+    cfg: LowRank, params: Any, volumes: dict[str, compressor.CommVolume]
 ) -> dict[str, compressor.CommVolume]:
   """``volumes`` of the compressing phases, preceded with a warm-up by the
   dense phase's: every leaf all-reduced whole."""
-  if not lr.warmup_steps:
+  if not cfg.warmup_steps:
     return volumes
-  dense = sum(
-      collectives.nbytes(x.shape, x.dtype) for x in jax.tree.leaves(params)
-  )
-  return {Phase.DENSE.value: compressor.CommVolume(all_reduce=dense), **volumes}
+  dense = collectives.dense_nbytes(params)
+  return {
+      phase_lib.Phase.DENSE.value: compressor.CommVolume(all_reduce=dense),
+      **volumes,
+  }

@@ -6,11 +6,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from acp_jax import _checks
 from acp_jax import collectives
 from acp_jax import compressor
 from acp_jax import lowrank
+from acp_jax import phase as phase_lib
 
-Phase = lowrank.Phase
+Phase = phase_lib.Phase
 
 
 class PowerSgdState(NamedTuple):
@@ -22,7 +24,7 @@ class PowerSgdState(NamedTuple):
     q: warm-start factor Q per compressed leaf, (m, r), leaf dtype: the mean
       of the last step's all-reduced Q, identical on every device.
     phase: uint8 zeros whose shape says what the next step does: (1,)
-      compress, (3, 3, 3) a dense warm-up step (see ``lowrank.phase_of``).
+      compress, (3, 3, 3) a dense warm-up step (see ``acp_jax.phase``).
     count: int32 scalar, the number of steps taken.
   """
 
@@ -35,7 +37,7 @@ class PowerSgdState(NamedTuple):
   def next_phase(self) -> Phase:
     """What the next step does: ``Phase.P`` (a compressing step) or
     ``Phase.DENSE`` (a warm-up step)."""
-    return lowrank.phase_of(self.phase)
+    return phase_lib.phase_of(self.phase)
 
 
 def power_sgd(
@@ -124,7 +126,7 @@ def power_sgd(
     Vogels et al., "PowerSGD: Practical Low-Rank Gradient Compression for
     Distributed Optimization", NeurIPS 2019. https://arxiv.org/abs/1905.13727
   """
-  lr = lowrank.settings(
+  cfg = lowrank.settings(
       rank,
       min_compression_rate,
       keep_dense,
@@ -140,28 +142,28 @@ def power_sgd(
   )
 
   def init_fn(params):
-    error, _, q = lowrank.init_trees(lr, params)
+    error, _, q = lowrank.init_trees(cfg, params)
     return PowerSgdState(
         error=error,
         q=q,
-        phase=lr.first_phase(Phase.P),
+        phase=cfg.first_phase(Phase.P),
         count=jnp.zeros((), jnp.int32),
     )
 
   def update_fn(updates, state, params=None):
     del params
-    n = compressor.begin_update(updates, axis_name, "power_sgd")
-    compressor.check_state(state, PowerSgdState, "power_sgd")
-    s = lowrank.split(lr, updates, state.error)
-    lowrank.check_factors(lr, s, state.q, "m")
+    n = _checks.begin_update(updates, axis_name, "power_sgd")
+    _checks.check_state(state, PowerSgdState, "power_sgd")
+    s = lowrank.split(cfg, updates, state.error)
+    lowrank.check_factors(cfg, s, state.q, "m")
     count = state.count + 1
     masked = [optax.MaskedNode()] * len(s.dense)
-    if lowrank.phase_of(state.phase) is Phase.DENSE:
-      lowrank.check_dense_step(lr, state.count)
-      mean, error, q = lowrank.dense_step(lr, s, state.q, axis_name)
+    if phase_lib.phase_of(state.phase) is Phase.DENSE:
+      lowrank.check_dense_step(cfg, state.count)
+      mean, error, q = lowrank.dense_step(cfg, s, state.q, axis_name)
       return mean, state._replace(error=error, q=q, count=count)
     s = s._replace(buckets=collectives.for_dependent_rounds(s.buckets))
-    previous = lowrank.start_factors(lr, s, state.q, state.count)
+    previous = lowrank.start_factors(cfg, s, state.q, state.count)
     # The warm-start Q, a mean of M^T P, carries the gradient's scale, so
     # M Q carries its square: in float16 that overflows (inf, then NaN) on a
     # 512 x 512 leaf with entries near 3. Only the span of Q matters, since P
@@ -173,7 +175,7 @@ def power_sgd(
         [lowrank.project(m, q) for m, q in zip(s.matrices, qs)],
         s.dense,
         axis_name,
-        lr.comm_dtype,
+        cfg.comm_dtype,
         packed=True,
     )
     ps = [lowrank.orthogonalize_rows(p) for p in ps]
@@ -187,7 +189,7 @@ def power_sgd(
         ],
         None,
         axis_name,
-        lr.comm_dtype,
+        cfg.comm_dtype,
         packed=True,
         row_sums=True,
     )
@@ -196,7 +198,7 @@ def power_sgd(
     dense = [x / n for x in dense]
     new_state = PowerSgdState(
         error=lowrank.errors_tree(
-            lr,
+            cfg,
             s,
             [
                 lowrank.residual(m, p, qt)
@@ -211,15 +213,15 @@ def power_sgd(
 
   def volume(params, num_devices):
     del num_devices
-    step = lowrank.volume(lr, params, lambda spec: spec.n + spec.m)
+    step = lowrank.volume(cfg, params, lambda spec: spec.n + spec.m)
     return lowrank.with_warmup(
-        lr, params, {"step": compressor.CommVolume(all_reduce=step)}
+        cfg, params, {"step": compressor.CommVolume(all_reduce=step)}
     )
 
   def phases(state):
-    if not lr.warmup_steps:
+    if not cfg.warmup_steps:
       return {"step": state}
-    return lowrank.phase_states(
+    return phase_lib.abstract_states(
         state, {Phase.DENSE.value: Phase.DENSE, "step": Phase.P}
     )
 
@@ -229,10 +231,10 @@ def power_sgd(
       volume,
       axis_name=axis_name,
       phases=phases,
-      bucket_bytes=lr.bucket_bytes,
-      leaf_order=lr.leaf_order,
+      bucket_bytes=cfg.bucket_bytes,
+      leaf_order=cfg.leaf_order,
       dependent_rounds=True,
-      warmup_steps=lr.warmup_steps,
-      to_phase=lowrank.to_phase(Phase.P),
-      made_by=("power_sgd", {**lr._asdict(), "axis_name": axis_name}),
+      warmup_steps=cfg.warmup_steps,
+      to_phase=phase_lib.switch_to(Phase.P),
+      made_by=("power_sgd", {**cfg._asdict(), "axis_name": axis_name}),
   )

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from acp_jax import _checks
 from acp_jax import collectives
 from acp_jax import compressor
 from acp_jax import error_feedback
@@ -106,14 +107,16 @@ def sign_sgd(
     Bernstein et al., "signSGD with Majority Vote is Communication Efficient
     and Fault Tolerant", ICLR 2019. https://arxiv.org/abs/1810.05291
   """
-  if not isinstance(majority_vote, bool):
-    raise ValueError(f"majority_vote must be a bool, got {majority_vote!r}")
-  compressor.check_static("sign_sgd", bucket_bytes=bucket_bytes)
-  bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, "sign_sgd")
-  leaf_order = collectives.check_leaf_order(leaf_order, "sign_sgd")
+  args = _checks.factory_args(
+      "sign_sgd",
+      majority_vote=majority_vote,
+      bucket_bytes=bucket_bytes,
+      leaf_order=leaf_order,
+  )
+  bucket_bytes, leaf_order = args["bucket_bytes"], args["leaf_order"]
 
   def init_fn(params):
-    compressor.check_float_leaves(params, "sign_sgd")
+    _checks.check_float_leaves(params, "sign_sgd")
     if majority_vote:
       return SignSgdState(
           error=jax.tree.map(lambda _: optax.MaskedNode(), params)
@@ -121,7 +124,7 @@ def sign_sgd(
     return SignSgdState(error=error_feedback.zeros_like(params))
 
   def vote(updates, state):
-    compressor.check_tree_matches(updates, state.error, "sign_sgd")
+    _checks.check_tree_matches(updates, state.error, "sign_sgd")
     leaves, treedef = jax.tree.flatten(updates)
     gathered = collectives.bucketed_all_gather(
         [[_pack_signs(g)] for g in leaves],
@@ -150,8 +153,8 @@ def sign_sgd(
 
   def update_fn(updates, state, params=None):
     del params
-    compressor.begin_update(updates, axis_name, "sign_sgd")
-    compressor.check_state(state, SignSgdState, "sign_sgd")
+    _checks.begin_update(updates, axis_name, "sign_sgd")
+    _checks.check_state(state, SignSgdState, "sign_sgd")
     if majority_vote:
       return vote(updates, state)
     mean, error = error_feedback.apply(

@@ -3,6 +3,7 @@
 import jax
 import optax
 
+from acp_jax import _checks
 from acp_jax import collectives
 from acp_jax import compressor
 
@@ -41,19 +42,22 @@ def ssgd(
 
     tx = optax.chain(acp_jax.ssgd(comm_dtype=jnp.bfloat16), optax.sgd(0.1))
   """
-  compressor.check_static("ssgd", bucket_bytes=bucket_bytes)
-  bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, "ssgd")
-  compressor.check_comm_dtype(comm_dtype)
-  leaf_order = collectives.check_leaf_order(leaf_order, "ssgd")
+  args = _checks.factory_args(
+      "ssgd",
+      comm_dtype=comm_dtype,
+      bucket_bytes=bucket_bytes,
+      leaf_order=leaf_order,
+  )
+  bucket_bytes, leaf_order = args["bucket_bytes"], args["leaf_order"]
 
   def init_fn(params):
-    compressor.check_float_leaves(params, "ssgd")
+    _checks.check_float_leaves(params, "ssgd")
     return optax.EmptyState()
 
   def update_fn(updates, state, params=None):
     del params
-    compressor.begin_update(updates, axis_name, "ssgd")
-    compressor.check_state(state, optax.EmptyState, "ssgd")
+    _checks.begin_update(updates, axis_name, "ssgd")
+    _checks.check_state(state, optax.EmptyState, "ssgd")
     leaves, treedef = jax.tree.flatten(updates)
     mean = collectives.bucketed_pmean(
         leaves,
@@ -65,10 +69,7 @@ def ssgd(
 
   def volume(params, num_devices):
     del num_devices
-    step = sum(
-        collectives.nbytes(x.shape, comm_dtype or x.dtype)
-        for x in jax.tree.leaves(params)
-    )
+    step = collectives.dense_nbytes(params, comm_dtype)
     return {"step": compressor.CommVolume(all_reduce=step)}
 
   return compressor.Compressor(

@@ -8,6 +8,7 @@ from jax import lax
 import jax.numpy as jnp
 import optax
 
+from acp_jax import _checks
 from acp_jax import collectives
 from acp_jax import compressor
 from acp_jax import error_feedback
@@ -75,19 +76,16 @@ def topk_sgd(
     Stich et al., "Sparsified SGD with Memory", NeurIPS 2018.
     https://arxiv.org/abs/1809.07599
   """
-  compressor.check_static("topk_sgd", density=density)
-  if (
-      isinstance(density, bool)
-      or not isinstance(density, (int, float))
-      or not 0 < density <= 1
-  ):
-    raise ValueError(f"density must be a number in (0, 1], got {density!r}")
-  compressor.check_static("topk_sgd", bucket_bytes=bucket_bytes)
-  bucket_bytes = collectives.check_bucket_bytes(bucket_bytes, "topk_sgd")
-  leaf_order = collectives.check_leaf_order(leaf_order, "topk_sgd")
+  args = _checks.factory_args(
+      "topk_sgd",
+      density=density,
+      bucket_bytes=bucket_bytes,
+      leaf_order=leaf_order,
+  )
+  bucket_bytes, leaf_order = args["bucket_bytes"], args["leaf_order"]
 
   def init_fn(params):
-    compressor.check_float_leaves(params, "topk_sgd")
+    _checks.check_float_leaves(params, "topk_sgd")
     return TopkSgdState(error=error_feedback.zeros_like(params))
 
   def compress(ps):
@@ -112,8 +110,8 @@ def topk_sgd(
 
   def update_fn(updates, state, params=None):
     del params
-    compressor.begin_update(updates, axis_name, "topk_sgd")
-    compressor.check_state(state, TopkSgdState, "topk_sgd")
+    _checks.begin_update(updates, axis_name, "topk_sgd")
+    _checks.check_state(state, TopkSgdState, "topk_sgd")
     mean, error = error_feedback.apply(
         updates, state.error, compress, "topk_sgd"
     )

@@ -10,7 +10,7 @@ For the overlap with backprop, the whole train step of ``train/train.py``
 (forward, backward, compressor, optimizer, metrics) is compiled the same
 way, on abstract state and batch, in every phase, once with the
 compressor's default buckets and once with all leaves in one bucket; and
-``acp_jax.overlap_potential`` reads from each how much of the step's
+``acp_jax.hlo.overlap_potential`` reads from each how much of the step's
 compute its collectives could run beside.
 """
 
@@ -48,19 +48,18 @@ def compiled_phases(
         .compile(compiler_options=NO_COMBINER)
         .as_text()
     )
-    stats = acp_jax.collective_stats(text)
-    none = acp_jax.hlo.CollectiveStats(0, 0)
+    traffic = acp_jax.hlo.traffic(text)
     phases.append(
         {
-            "bytes": sum(s.bytes for s in stats.values()),
-            "all_reduce_ops": stats.get("all-reduce", none).count,
-            "all_gather_ops": stats.get("all-gather", none).count,
+            "bytes": sum(s.bytes for s in traffic.values()),
+            "all_reduce_ops": traffic["all-reduce"].count,
+            "all_gather_ops": traffic["all-gather"].count,
             "other_ops": sum(
                 s.count
-                for k, s in stats.items()
+                for k, s in traffic.items()
                 if k not in ("all-reduce", "all-gather")
             ),
-            "rounds": acp_jax.collective_rounds(text),
+            "rounds": acp_jax.hlo.collective_rounds(text),
         }
     )
   return phases
@@ -141,7 +140,7 @@ def step_overlap(
         .compile(compiler_options=NO_COMBINER)
         .as_text()
     )
-    reports[phase] = acp_jax.overlap_potential(text)
+    reports[phase] = acp_jax.hlo.overlap_potential(text)
   return experiment.compressor, reports
 
 

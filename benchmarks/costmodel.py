@@ -21,7 +21,7 @@ import dataclasses
 
 import numpy as np
 
-# Dependent all-reduce rounds per step (``acp_jax.collective_rounds`` of the
+# Dependent all-reduce rounds per step (``acp_jax.hlo.collective_rounds`` of the
 # compiled update); the others take one.
 ROUNDS = {"power_sgd": 2}
 # Methods whose communication can start during backprop.

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import optax
 
 import acp_jax
-from acp_jax import compressor
+from acp_jax import state_trees
 from acp_jax import lowrank
 from benchmarks import workloads
 from train import data as data_lib
@@ -174,7 +174,7 @@ class Variant:
     """``fn(x as n x m, W)`` at the compressed leaves of ``xs``."""
     out, it = list(xs), iter(weights)
     for i, x in enumerate(xs):
-      spec = self._spec(x) if not compressor.is_masked(x) else None
+      spec = self._spec(x) if not state_trees.is_masked(x) else None
       if spec:
         out[i] = fn(x.reshape(spec.n, spec.m), next(it)).reshape(x.shape)
     return out
@@ -200,11 +200,11 @@ class Variant:
       # The residual, stored scaled by the old W, is re-expressed in the new
       # one: the unscaled residual is kept.
       ratios = [g.weights(v, count) / w for v, w in zip(moment, weights)]
-      errors = compressor.state_leaves(inner.error)
+      errors = state_trees.state_leaves(inner.error)
       errors = self._per_matrix(errors, ratios, lambda e, r: e * r)
       inner = inner._replace(
           error=jax.tree.unflatten(
-              jax.tree.structure(inner.error, is_leaf=compressor.is_masked),
+              jax.tree.structure(inner.error, is_leaf=state_trees.is_masked),
               errors,
           )
       )

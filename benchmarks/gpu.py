@@ -17,7 +17,7 @@ the median is reported.
 
 Then the train step of each model is compiled for eight GPUs on this one
 (``jax_mock_gpu_topology``, mock NCCL), with XLA's latency-hiding scheduler
-on, and ``acp_jax.scheduled_overlap`` reads from the scheduled module how
+on, and ``acp_jax.hlo.scheduled_overlap`` reads from the scheduled module how
 much compute sits between each collective's start and its done: the
 backward pass a collective hides behind. Each model compiles in a process
 of its own, since the topology is fixed when JAX's backend starts, beside
@@ -208,7 +208,7 @@ def schedule(model: str, compressors: Sequence[str]) -> None:
       start = time.perf_counter()
       text = train_fn.lower(state, batch).compile().as_text()
       compile_s = time.perf_counter() - start
-      collectives = acp_jax.scheduled_overlap(text)
+      collectives = acp_jax.hlo.scheduled_overlap(text)
       if not collectives:
         print(
             "RESULT "

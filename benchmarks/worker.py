@@ -180,18 +180,22 @@ def step_traffic(step, dp, params, state, batch) -> list[dict[str, int]]:
 
   phases = []
   for comm in dp.phase_states(state.comm).values():
-    text = step.lower(params, state._replace(comm=comm), batch).compile()
-    stats = acp_jax.collective_stats(text.as_text())
-    if set(stats) - {"all-reduce", "all-gather"}:
-      raise ValueError(f"unmodelled collectives in the step: {stats}")
-    reduce_ops, reduce_bytes = stats.get("all-reduce", (0, 0))
-    gather_ops, gather_bytes = stats.get("all-gather", (0, 0))
+    traffic = acp_jax.hlo.traffic(
+        step.lower(params, state._replace(comm=comm), batch).compile()
+    )
+    other = {
+        kind: stats
+        for kind, stats in traffic.items()
+        if stats.count and kind not in ("all-reduce", "all-gather")
+    }
+    if other:
+      raise ValueError(f"unmodelled collectives in the step: {other}")
     phases.append(
         {
-            "all_reduce": reduce_bytes,
-            "all_reduce_ops": reduce_ops,
-            "all_gather": gather_bytes,
-            "all_gather_ops": gather_ops,
+            "all_reduce": traffic["all-reduce"].bytes,
+            "all_reduce_ops": traffic["all-reduce"].count,
+            "all_gather": traffic["all-gather"].bytes,
+            "all_gather_ops": traffic["all-gather"].count,
         }
     )
   return phases

@@ -16,6 +16,7 @@ import jax
 import ml_collections
 
 import acp_jax
+from acp_jax import collectives
 from acp_jax import lowrank
 from train import config as config_lib
 from train import experiment as experiment_lib
@@ -127,10 +128,8 @@ def describe(name: str) -> dict[str, Any]:
       "params": sum(x.size for x in leaves),
       "leaves": len(leaves),
       "compressed_matrices": sum(spec is not None for spec in plan),
-      "dense_bytes": sum(
-          x.size * x.dtype.itemsize
-          for x, spec in zip(leaves, plan)
-          if spec is None
+      "dense_bytes": collectives.dense_nbytes(
+          [x for x, spec in zip(leaves, plan) if spec is None]
       ),
       "rank": low_rank.rank,
       "density": cfg.compressor.topk_sgd.density,

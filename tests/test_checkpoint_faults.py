@@ -640,7 +640,7 @@ def test_plain_orbax_into_a_fresh_init_fails_not_another_phase(
   comm = fresh.comm
   state = fresh._replace(
       comm=comm._replace(
-          phase=acp_jax.lowrank.marker_as(comm.phase, acp_jax.Phase.Q)
+          phase=acp_jax.phase.marker_as(comm.phase, acp_jax.Phase.Q)
       )
   )
   path = tmp_path / "ckpt"

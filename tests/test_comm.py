@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import acp_jax
+from acp_jax import collectives
 from acp_jax import lowrank
 from tests import helpers
 from tests import shapes
@@ -20,13 +21,12 @@ SMALL_RESNET = shapes.resnet(blocks=(1, 1, 1, 1), width=8, num_classes=10)
 
 
 def hlo_volume(tx, params, state):
-  text = helpers.compiled_update(tx, params, state).as_text()
-  stats = acp_jax.collective_stats(text)
-  assert set(stats) <= {"all-reduce", "all-gather"}, stats
-  none = acp_jax.hlo.CollectiveStats(0, 0)
+  traffic = acp_jax.hlo.traffic(helpers.compiled_update(tx, params, state))
+  sent = {kind for kind, stats in traffic.items() if stats.count}
+  assert sent <= {"all-reduce", "all-gather"}, traffic
   return acp_jax.CommVolume(
-      all_reduce=stats.get("all-reduce", none).bytes,
-      all_gather=stats.get("all-gather", none).bytes,
+      all_reduce=traffic["all-reduce"].bytes,
+      all_gather=traffic["all-gather"].bytes,
   )
 
 
@@ -125,10 +125,8 @@ def test_compiled_bytes_equal_accounting_with_zero_size_leaves(name, params):
 
 def dense_bytes(params, rank):
   specs = lowrank.settings(rank, 2.0, None, 0, "test").plan(params)
-  return sum(
-      x.size * x.dtype.itemsize
-      for x, spec in zip(jax.tree.leaves(params), specs)
-      if spec is None
+  return collectives.dense_nbytes(
+      [x for x, spec in zip(jax.tree.leaves(params), specs) if spec is None]
   )
 
 
@@ -167,11 +165,10 @@ def test_collectives_per_step(name, all_reduces, all_gathers, rounds):
   tx = COMPRESSORS[name].make()
   for state in helpers.phase_states(tx, SMALL_RESNET).values():
     text = helpers.compiled_update(tx, SMALL_RESNET, state).as_text()
-    stats = acp_jax.collective_stats(text)
-    none = acp_jax.hlo.CollectiveStats(0, 0)
-    assert stats.get("all-reduce", none).count == all_reduces
-    assert stats.get("all-gather", none).count == all_gathers
-    assert acp_jax.collective_rounds(text) == rounds
+    traffic = acp_jax.hlo.traffic(text)
+    assert traffic["all-reduce"].count == all_reduces
+    assert traffic["all-gather"].count == all_gathers
+    assert acp_jax.hlo.collective_rounds(text) == rounds
 
 
 @pytest.mark.parametrize(
@@ -212,12 +209,12 @@ def test_grad_step_sends_only_the_compressed_bytes(check_vma):
       )
   )
   state = helpers.replicate(tx.init(params))
-  stats = acp_jax.collective_stats(
-      f.lower(params, state, x).compile().as_text()
-  )
+  traffic = acp_jax.hlo.traffic(f.lower(params, state, x).compile())
   expected = acp_jax.comm_bytes(tx, params, num_devices=NUM_DEVICES)["p"]
-  assert set(stats) == {"all-reduce"}
-  assert stats["all-reduce"].bytes == expected.total
+  assert {kind for kind, stats in traffic.items() if stats.count} == {
+      "all-reduce"
+  }
+  assert traffic["all-reduce"].bytes == expected.total
 
 
 @pytest.mark.slow

@@ -220,7 +220,7 @@ def test_accumulated_micro_batches_equal_one_large_batch():
   text = accumulated.lower(params, state, *batch()).compile().as_text()
   volume = acp_jax.comm_bytes(dp.compressor, params, num_devices=NUM_DEVICES)
   # One exchange for both micro-batches (their unused losses are dropped).
-  assert acp_jax.collective_stats(text)["all-reduce"].bytes == (
+  assert acp_jax.hlo.collective_stats(text)["all-reduce"].bytes == (
       volume["p"].all_reduce
   )
 
@@ -244,7 +244,7 @@ def test_compiled_step_sends_the_accounting_plus_the_loss(make):
   volume = acp_jax.comm_bytes(dp.compressor, params, num_devices=NUM_DEVICES)
   for phase, comm in dp.phase_states(state.comm).items():
     text = step.lower(params, state._replace(comm=comm), *batch()).compile()
-    stats = acp_jax.collective_stats(text.as_text())
+    stats = acp_jax.hlo.collective_stats(text.as_text())
     assert set(stats) == {"all-reduce"}
     assert stats["all-reduce"].bytes == volume[phase].total + 4, phase
 

@@ -75,7 +75,7 @@ ENTRY %main.87_spmd (param: f32[512,256], param.1: f32[256,10], param.2: f32[8,5
 
 
 def test_scheduled_overlap_counts_compute_between_start_and_done():
-  first, second = acp_jax.scheduled_overlap(SCHEDULED)
+  first, second = acp_jax.hlo.scheduled_overlap(SCHEDULED)
   assert first == acp_jax.hlo.ScheduledCollective(
       name="%all-reduce-start",
       kind="all-reduce",
@@ -103,7 +103,7 @@ def test_scheduled_overlap_counts_custom_calls_and_other_async_kinds():
       "  %all-gather-done = f32[64,10]{1,0} all-gather-done((f32[8,10]{1,0}, f32[64,10]{1,0}) %all-gather-start)\n"
       "  %all-reduce-done = ",
   )
-  first, gather, _ = acp_jax.scheduled_overlap(text)
+  first, gather, _ = acp_jax.hlo.scheduled_overlap(text)
   assert first.compute_between == 3
   assert (gather.kind, gather.bytes, gather.compute_between) == (
       "all-gather",
@@ -118,12 +118,12 @@ def test_scheduled_overlap_refuses_a_start_without_done():
       "copy((f32[512,256]{1,0}, f32[]) %all-reduce-start.1)",
   )
   with pytest.raises(ValueError, match="all-reduce-start.1"):
-    acp_jax.scheduled_overlap(text)
+    acp_jax.hlo.scheduled_overlap(text)
 
 
 def test_synchronous_collectives_are_not_listed():
   synchronous = SCHEDULED.replace("-start", "").replace("-done", "")
-  assert acp_jax.scheduled_overlap(synchronous) == []
+  assert acp_jax.hlo.scheduled_overlap(synchronous) == []
 
 
 def test_gpu_check_skips_without_a_gpu(tmp_path):

@@ -144,7 +144,7 @@ def bytes_by_axis(hlo_text: str, mesh) -> dict[str, acp_jax.CommVolume]:
   kinds = {"all-reduce": "all_reduce", "all-gather": "all_gather"}
   totals = {}
   for line in hlo_text.splitlines():
-    stats = acp_jax.collective_stats(line)
+    stats = acp_jax.hlo.collective_stats(line)
     if not stats:
       continue
     (kind, stat), = stats.items()

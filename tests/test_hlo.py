@@ -1,8 +1,12 @@
 """Reading collectives and their bytes from HLO text."""
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from acp_jax import hlo
+from tests import helpers
+from tests.conftest import NUM_DEVICES
 
 # Lines in the forms XLA prints: a variadic all-reduce whose tuple carries an
 # index comment, a GPU async all-gather pair, a root instruction, and ops
@@ -35,6 +39,28 @@ def test_async_collective_permute_counts_its_result():
   )
   assert hlo.collective_stats(start) == {
       "collective-permute": hlo.CollectiveStats(1, 24)
+  }
+
+
+def test_traffic_of_a_compiled_program_has_every_kind():
+  P = jax.sharding.PartitionSpec
+  step = jax.jit(
+      jax.shard_map(
+          lambda x: jax.lax.psum(x, helpers.AXIS),
+          mesh=helpers.mesh(),
+          in_specs=P(helpers.AXIS),
+          out_specs=P(),
+      )
+  )
+  compiled = step.lower(jnp.zeros((NUM_DEVICES * 3,), jnp.float32)).compile()
+  traffic = hlo.traffic(compiled)
+  assert traffic == hlo.traffic(compiled.as_text())
+  assert traffic == {
+      "all-reduce": hlo.CollectiveStats(1, 3 * 4),
+      "all-gather": hlo.CollectiveStats(0, 0),
+      "reduce-scatter": hlo.CollectiveStats(0, 0),
+      "all-to-all": hlo.CollectiveStats(0, 0),
+      "collective-permute": hlo.CollectiveStats(0, 0),
   }
 
 

@@ -123,7 +123,9 @@ def test_low_precision_factors_send_half_the_bytes_in_accounting_and_hlo(
     text = helpers.compiled_update(
         tx16, MATRICES, state, compiler_options=NO_COMBINER
     ).as_text()
-    hlo_bytes = sum(s.bytes for s in acp_jax.collective_stats(text).values())
+    hlo_bytes = sum(
+        s.bytes for s in acp_jax.hlo.collective_stats(text).values()
+    )
     if dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
       # XLA:CPU has no bf16 reduction: it widens the all-reduce to f32
       # (its reducer is renamed "..._promoted") and converts back, so here

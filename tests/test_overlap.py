@@ -44,7 +44,7 @@ def by_name(report):
 
 
 def test_shares_split_compute_into_before_after_and_beside():
-  report = acp_jax.overlap_potential(MODULE)
+  report = acp_jax.hlo.overlap_potential(MODULE)
   assert report.compute_bytes == 192
   first, second = report.collectives
   assert first == acp_jax.hlo.CollectiveOverlap(
@@ -75,7 +75,7 @@ def test_shares_split_compute_into_before_after_and_beside():
 
 def test_a_chain_leaves_nothing_beside():
   chain = MODULE.replace("fusion(%y)", "fusion(%b)")
-  first, second = acp_jax.overlap_potential(chain).collectives
+  first, second = acp_jax.hlo.overlap_potential(chain).collectives
   assert first.independent_share == second.independent_share == 0.0
   assert (first.ancestor_share, first.descendant_share) == (32 / 192, 160 / 192)
   assert second.round == 2
@@ -99,7 +99,7 @@ def test_async_pair_is_one_collective_and_control_edges_are_not_data():
       )
   )
   assert "control-predecessors={%ars}" in text
-  first, _ = acp_jax.overlap_potential(text).collectives
+  first, _ = acp_jax.hlo.overlap_potential(text).collectives
   assert (first.name, first.kind, first.bytes) == ("%ars", "all-reduce", 32)
   assert first.independent_share == 96 / 192
   assert first.descendant_share == 64 / 192
@@ -121,7 +121,7 @@ def test_called_computations_weigh_as_their_caller():
 
 ENTRY""",
   )
-  report = acp_jax.overlap_potential(text)
+  report = acp_jax.hlo.overlap_potential(text)
   names = [c.name for c in report.collectives]
   assert names == ["%all-reduce", "%all-reduce.1"]
   assert [c.round for c in report.collectives] == [1, 3]
@@ -132,9 +132,9 @@ ENTRY""",
 
 
 def test_without_collectives_or_compute():
-  empty = acp_jax.overlap_potential("  %x = f32[2]{0} add(%a, %b)")
+  empty = acp_jax.hlo.overlap_potential("  %x = f32[2]{0} add(%a, %b)")
   assert empty == acp_jax.hlo.OverlapReport((), 0.0, 0.0, 0)
-  (only,) = acp_jax.overlap_potential(
+  (only,) = acp_jax.hlo.overlap_potential(
       "  %x = f32[2]{0} parameter(0)\n  %r = f32[2]{0} all-reduce(%x)"
   ).collectives
   assert only.independent_share == only.ancestor_share == 0.0
@@ -195,7 +195,7 @@ def step_report(name, phase=None, combine=False, bucket_bytes=math.inf):
       .lower(params, state, x, y)
       .compile(None if combine else ONE_BY_ONE)
   )
-  return acp_jax.overlap_potential(compiled.as_text())
+  return acp_jax.hlo.overlap_potential(compiled.as_text())
 
 
 def gradient_all_reduces(report):

@@ -234,7 +234,7 @@ def test_resumes_bitwise_from_a_sharded_checkpoint(tmp_path):
   params = jax.device_put(th.PARAMS, dp.param_shardings(th.PARAMS))
   fresh = tx.init(params)
   params, state = run(params, fresh, 0, 4)  # then a Q-step
-  assert state.comm.next_phase is lowrank.Phase.Q
+  assert state.comm.next_phase is acp_jax.Phase.Q
   checkpoint.save(tmp_path / "ckpt", (params, state), compressor=dp.compressor)
   want = run(params, state, 4, 7)
   like = (jax.device_put(th.PARAMS, dp.param_shardings(th.PARAMS)), fresh)

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import acp_jax
-from acp_jax import compressor
+from acp_jax import state_trees
 from tests import helpers
 from tests.conftest import NUM_DEVICES
 
@@ -148,8 +148,8 @@ def test_zero_size_leaves_pass_through(name):
 def test_error_feedback_loses_nothing(name):
   """sum of applied updates + mean residual = sum of mean gradients."""
   grads, updates, state = run_steps(COMPRESSORS[name].make(), "pmap", 10)
-  residuals = compressor.state_leaves(state.error)
-  sent_dense = [compressor.is_masked(e) for e in residuals]
+  residuals = state_trees.state_leaves(state.error)
+  sent_dense = [state_trees.is_masked(e) for e in residuals]
   mean_residuals = [
       0.0 if d else e.mean(0) for e, d in zip(residuals, sent_dense)
   ]

@@ -222,7 +222,7 @@ def _compiled_bytes(experiment):
   totals = []
   for state in experiment_lib.abstract_phase_states(experiment).values():
     text = train_fn.lower(state, batch).compile().as_text()
-    stats = acp_jax.collective_stats(text)
+    stats = acp_jax.hlo.collective_stats(text)
     totals.append(sum(s.bytes for s in stats.values()))
   return totals
 

@@ -153,7 +153,7 @@ def test_each_phase_compiles_its_own_collectives_and_no_conditional(name):
         .as_text()
     )
     assert "conditional(" not in text
-    stats = acp_jax.collective_stats(text)
+    stats = acp_jax.hlo.collective_stats(text)
     loss = 4  # the loss that value_and_grad averages
     assert stats["all-reduce"].bytes == volumes[phase].total + loss, phase
 
@@ -164,16 +164,16 @@ def test_phase_at_and_at_step_follow_the_schedule():
       "dense", "dense", "p", "q", "p", "q"
   ]
   state = tx.init(PARAMS)
-  assert acp_jax.lowrank.phase_of(state.phase) is acp_jax.Phase.DENSE
+  assert acp_jax.phase.phase_of(state.phase) is acp_jax.Phase.DENSE
   assert tx.at_step(state, 1) is state  # nothing to do, no device touched
   # The switch follows the state's count: a state that has taken no step
   # stays in its warm-up.
   assert tx.at_step(state, 2) is state
   p = tx.at_step(state._replace(count=jnp.int32(2)), 2)
-  assert acp_jax.lowrank.phase_of(p.phase) is acp_jax.Phase.P
+  assert acp_jax.phase.phase_of(p.phase) is acp_jax.Phase.P
   assert tx.at_step(p, 3) is p  # the update itself alternates P and Q
   back = tx.at_step(p._replace(count=jnp.int32(0)), 0)
-  assert acp_jax.lowrank.phase_of(back.phase) is acp_jax.Phase.DENSE
+  assert acp_jax.phase.phase_of(back.phase) is acp_jax.Phase.DENSE
   plain = acp_jax.power_sgd(2)
   assert plain.at_step(plain.init(PARAMS), 5) is not None
   assert [plain.phase_at(i) for i in range(2)] == ["step", "step"]

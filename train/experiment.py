@@ -76,7 +76,7 @@ def sync_batch_norm_bytes(batch_stats: Any, batch_norm: str) -> int:
       for path, x in jax.tree_util.tree_leaves_with_path(batch_stats)
       if jax.tree_util.keystr(path).endswith("['mean']")
   ]
-  return sum(4 * x.size * x.dtype.itemsize for x in means)
+  return 4 * acp_jax.collectives.dense_nbytes(means)
 
 
 @dataclasses.dataclass

@@ -141,14 +141,10 @@ def train_step(
   }
   if skip_nonfinite:
     finite = jnp.all(
-        jnp.isfinite(jnp.stack([metrics[k] for k in NONFINITE]))
+        jnp.isfinite(jnp.stack([metrics[k] for k in FINITE_METRICS]))
     ) & (state_nonfinite == 0)
-    new_state = jax.tree.map(
-        lambda new, old: jnp.where(finite, new, old)
-        if new.shape == old.shape
-        else new,  # ACP-SGD's phase marker: its shape is the phase
-        new_state._replace(step=state.step),
-        state,
+    new_state = acp_jax.phase.where(
+        finite, new_state._replace(step=state.step), state
     )._replace(step=state.step + 1)
     metrics["skipped"] = 1 - finite.astype(jnp.float32)
   return new_state, metrics
@@ -156,7 +152,7 @@ def train_step(
 
 # The metrics checked before anything is saved, in the order they arise;
 # then ``state_nonfinite``, which covers every floating array of the state.
-NONFINITE = ("loss", "grad_norm", "update_norm", "param_norm")
+FINITE_METRICS = ("loss", "grad_norm", "update_norm", "param_norm")
 
 
 def _nonfinite_by_device(parts, num_devices: int) -> jax.Array:
@@ -288,9 +284,11 @@ def run_identity(experiment: Experiment, state: TrainState) -> dict[str, Any]:
 
 
 def _first_nonfinite(metrics: dict[str, float]) -> str | None:
-  """The first of ``NONFINITE`` whose value is not finite, else a word on
+  """The first of ``FINITE_METRICS`` whose value is not finite, else a word on
   the state if an array of it is not, else None."""
-  first = next((k for k in NONFINITE if not np.isfinite(metrics[k])), None)
+  first = next(
+      (k for k in FINITE_METRICS if not np.isfinite(metrics[k])), None
+  )
   if first is None and metrics["state_nonfinite"]:
     return "an array of the state (BatchNorm statistics, optimizer, compressor)"
   return first

@@ -1,0 +1,142 @@
+"""The phase of a low-rank compressor, recorded in the shape of its state's
+``phase`` array (the marker).
+
+The marker's shape is static to jit, which compiles one variant per phase,
+each holding only its own all-reduce, so no collective sits inside a run-time
+conditional. Being an array, it survives every path that keeps only array
+values (``nnx.Optimizer``, orbax), and paths that need a fixed state type
+(``lax.scan`` carries, ``lax.cond``) refuse it when tracing instead of
+training something else. Orbax cannot save zero-size arrays, hence sizes from
+1. Each phase has a rank of its own, (1,), (2, 2), (3, 3, 3): a plain orbax
+restore into a target of another phase then fails even with strict=False,
+which pads or truncates an array of one rank into another shape of that rank.
+A ``jax.pmap``-ed state stacks the marker on leading device axes.
+
+This module is the one place that reads a marker's shape.
+"""
+
+from collections.abc import Callable
+import enum
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from acp_jax import compressor
+
+
+class Phase(enum.Enum):
+  """What a low-rank compressor's next step does: compute and all-reduce
+  the P factors (Power-SGD's one compressing phase, ACP-SGD's P-step), the
+  Q factors (ACP-SGD's Q-step), or, during a warm-up, S-SGD's dense
+  all-reduce."""
+
+  P = "p"
+  Q = "q"
+  DENSE = compressor.DENSE
+
+
+_SHAPE = {Phase.P: (1,), Phase.Q: (2, 2), Phase.DENSE: (3, 3, 3)}
+_DTYPE = jnp.uint8
+
+
+def marker(phase: Phase) -> jax.Array:
+  """The array whose shape records ``phase`` in a low-rank state."""
+  return jnp.zeros(_SHAPE[phase], _DTYPE)
+
+
+def phase_of(marker_: Any) -> Phase:
+  """The phase that a state's ``phase`` array (or its abstract shape)
+  records; a marker stacked on leading axes (a ``jax.pmap``-ed state, one
+  per device) records it in its trailing axes."""
+  return _phase_and_lead(marker_)[0]
+
+
+def _phase_and_lead(marker_: Any) -> tuple[Phase, tuple[int, ...]]:
+  """The phase a marker records and its leading (device) axes."""
+  shape = tuple(marker_.shape)
+  for phase, own in _SHAPE.items():
+    if shape[len(shape) - len(own) :] == own:
+      return phase, shape[: len(shape) - len(own)]
+  raise ValueError(
+      "a low-rank compressor's phase marker has shape (1,), (2, 2) or"
+      f" (3, 3, 3) (after any leading device axes), got {marker_.shape}"
+  )
+
+
+def is_marker(dtype: Any, shape: tuple[int, ...]) -> bool:
+  """Whether an array of this dtype and shape (unstacked) can be a marker."""
+  return str(dtype) == jnp.dtype(_DTYPE).name and tuple(shape) in set(
+      _SHAPE.values()
+  )
+
+
+def next_marker(marker_: jax.Array, phase: Phase) -> jax.Array:
+  """The marker of ``phase``, inside a step. It is made from the old marker,
+  so that the step always reads one of its inputs (a shard_map whose inputs
+  are all unused or empty fails to compile under Shardy, jax 0.10.2)."""
+  return jnp.broadcast_to(marker_.reshape(-1)[0], _SHAPE[phase])
+
+
+def marker_as(marker_: Any, phase: Phase) -> Any:
+  """The marker of ``phase`` where ``marker_`` lives, outside a step, with its
+  leading device axes if any: an abstract one for an abstract marker, else
+  made on ``marker_``'s devices with its sharding (which works across
+  processes and for ``jax.pmap``-ed states too)."""
+  lead = _phase_and_lead(marker_)[1]
+  own = _SHAPE[phase]
+  shape = lead + own
+  if tuple(marker_.shape) == shape:
+    return marker_
+  sharding = getattr(marker_, "sharding", None)
+  if isinstance(marker_, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(shape, _DTYPE, sharding=sharding)
+  return jax.jit(
+      lambda m: jnp.broadcast_to(
+          m.reshape(lead + (-1,))[..., :1].reshape(lead + (1,) * len(own)),
+          shape,
+      ),
+      out_shardings=sharding if isinstance(marker_, jax.Array) else None,
+  )(marker_)
+
+
+def switch_to(compressing: Phase) -> Callable[[Any, bool], Any]:
+  """``Compressor.at_step``'s switch of a state with a ``phase`` marker: into
+  the dense phase, or out of it into ``compressing``; ``state`` itself if it
+  is in that phase already."""
+
+  def switch(state, dense):
+    current = phase_of(state.phase)
+    if dense and current is not Phase.DENSE:
+      return state._replace(phase=marker_as(state.phase, Phase.DENSE))
+    if not dense and current is Phase.DENSE:
+      return state._replace(phase=marker_as(state.phase, compressing))
+    return state
+
+  return switch
+
+
+def abstract_states(state: Any, phases: dict[str, Phase]) -> dict[str, Any]:
+  """``Compressor.phases``: ``state`` with an abstract marker of each of
+  ``phases``, by phase name, for lowering each phase's step."""
+  abstract = jax.ShapeDtypeStruct(
+      state.phase.shape,
+      _DTYPE,
+      sharding=getattr(state.phase, "sharding", None),
+  )
+  return {
+      name: state._replace(phase=marker_as(abstract, phase))
+      for name, phase in phases.items()
+  }
+
+
+def where(keep_new: jax.Array, new: Any, old: Any) -> Any:
+  """``new`` where ``keep_new``, else ``old``, leaf by leaf, for two trees
+  of states a step apart. A marker whose shape changed is ``new``'s: the
+  phase advances with every step taken or kept, as its shape cannot be
+  selected at run time."""
+  return jax.tree.map(
+      lambda n, o: jnp.where(keep_new, n, o) if n.shape == o.shape else n,
+      new,
+      old,
+  )
