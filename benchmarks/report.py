@@ -807,3 +807,14 @@ def write(results_dir: os.PathLike) -> str:
   path = out / "REPORT.md"
   path.write_text("\n".join(head + body))
   return f"wrote {path}"
+
+
+HELP = "REPORT.md with tables and plots"
+
+
+def add_arguments(parser) -> None:
+  del parser  # the report reads --results_dir only
+
+
+def main(args) -> None:
+  print(write(args.results_dir))
