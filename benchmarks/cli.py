@@ -77,6 +77,12 @@ def names(known: Sequence[str], what: str) -> Callable[[str], list[str]]:
 WORKLOADS = names(tuple(workloads.WORKLOADS), "workload")
 
 
+def add_models(
+    parser: argparse.ArgumentParser, help: str = "comma-separated workloads"
+) -> None:
+  parser.add_argument("--models", type=WORKLOADS, help=help)
+
+
 def default_models(args, skip: tuple[str, ...] = ()) -> list[str]:
   """``--models``, or without it the workloads of a full or ``--quick`` run
   less ``skip``."""

@@ -371,10 +371,8 @@ HELP = (
 
 def add_arguments(parser) -> None:
   cli.add_quick(parser)
-  parser.add_argument(
-      "--models",
-      type=cli.WORKLOADS,
-      help="comma-separated workloads (default: resnet50,bert_base)",
+  cli.add_models(
+      parser, help="comma-separated workloads (default: resnet50,bert_base)"
   )
 
 

@@ -251,9 +251,7 @@ HELP = "compute each compressor adds"
 
 def add_arguments(parser) -> None:
   cli.add_quick(parser)
-  parser.add_argument(
-      "--models", type=cli.WORKLOADS, help="comma-separated workloads"
-  )
+  cli.add_models(parser)
   parser.add_argument(
       "--repeats", type=cli.int_at_least(1), help="timed calls per update"
   )

@@ -279,9 +279,7 @@ HELP = "the cost model at 8-64 workers and 1-100 Gb/s"
 
 def add_arguments(parser) -> None:
   cli.add_quick(parser)
-  parser.add_argument(
-      "--models", type=cli.WORKLOADS, help="comma-separated workloads"
-  )
+  cli.add_models(parser)
   parser.add_argument(
       "--alpha_us",
       type=float,
