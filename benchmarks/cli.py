@@ -1,7 +1,7 @@
 """What the subcommands of ``python -m benchmarks`` share: argument types
-that refuse a bad value with the flag's name, and the ending of every
-measuring subcommand (its records written with their provenance, a table
-printed).
+that refuse a bad value with the flag's name, and the start and end of every
+measuring subcommand (JAX set up and the run's provenance taken; its records
+written with it, a table printed).
 
 A subcommand is a module of this package that defines ``HELP`` (one line for
 ``--help``), ``add_arguments(parser)`` and ``main(args)``; ``args`` holds the
