@@ -1,8 +1,21 @@
 """The paper's evaluation, reproduced: ``python -m benchmarks SUBCOMMAND``.
 
-Subcommands (each prints a table and writes ``results/SUBCOMMAND.json``):
-``comm`` (bytes and collectives per step, accounting against compiled HLO),
-``overhead`` (compute each compressor adds), ``convergence`` (the five
-methods trained side by side) and ``report`` (``results/REPORT.md`` with
-plots).
+Each subcommand is the module of this package it is named after (``HELP``,
+``add_arguments`` and ``main``, see ``benchmarks.cli``); ``python -m
+benchmarks --help`` lists them. Each measuring subcommand prints a table and
+writes ``results/NAME.json``; ``report`` turns those into
+``results/REPORT.md`` with plots.
 """
+
+# In the order of the report's sections.
+SUBCOMMANDS = (
+    "comm",
+    "overhead",
+    "convergence",
+    "cluster",
+    "project",
+    "sign_scaling",
+    "gpu",
+    "pipeline",
+    "report",
+)

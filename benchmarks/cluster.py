@@ -26,6 +26,7 @@ compressor across nodes) with flat compression over all devices.
 """
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -36,6 +37,7 @@ import tempfile
 import time
 from typing import Any
 
+from benchmarks import cli
 from benchmarks import costmodel
 from benchmarks import links
 from benchmarks import workloads
@@ -463,3 +465,95 @@ HIERARCHICAL_COLUMNS = {
     "local_axis_bytes_per_device": "accounted, local axis",
     "params_identical": "same params",
 }
+
+
+HELP = "worker processes on shaped network links (needs root)"
+
+
+def add_arguments(parser) -> None:
+  cli.add_quick(parser)
+  parser.add_argument(
+      "--workers",
+      type=cli.ints_at_least(2),
+      help="comma-separated worker counts (default: 2,4; with"
+      " --hierarchical, one count, default 2)",
+  )
+  parser.add_argument(
+      "--model",
+      default="bert_base_2l",
+      choices=tuple(workloads.CLUSTER_MODELS),
+      help="a cluster model of benchmarks/workloads.py",
+  )
+  parser.add_argument(
+      "--bandwidths",
+      type=cli.names(tuple(BANDWIDTHS), "bandwidth"),
+      default="1gbit,10gbit,unshaped",
+      help="comma-separated, of 1gbit, 10gbit, unshaped",
+  )
+  parser.add_argument(
+      "--steps", type=cli.int_at_least(4), help="train steps per run"
+  )
+  parser.add_argument(
+      "--compressors",
+      type=cli.names(workloads.COMPRESSORS, "compressor"),
+      help="comma-separated (default: all five)",
+  )
+  parser.add_argument(
+      "--timeout", type=float, default=900, help="seconds per run"
+  )
+  parser.add_argument(
+      "--no_torch", action="store_true", help="skip the PyTorch peer"
+  )
+  parser.add_argument(
+      "--hierarchical",
+      action="store_true",
+      help="each worker a node of --devices_per_worker devices: hierarchical"
+      " ACP-SGD against flat ACP-SGD and S-SGD",
+  )
+  parser.add_argument(
+      "--devices_per_worker", type=cli.int_at_least(1), default=2
+  )
+
+
+def main(args) -> None:
+  reason = links.unavailable()
+  if reason:
+    print(f"cluster: skipped, {reason}")
+    return
+  meta = cli.start(args, 1)  # each worker is a process of its own devices
+  workers = args.workers or ([2] if args.hierarchical else [2, 4])
+  if args.hierarchical and len(workers) != 1:
+    raise SystemExit(
+        f"--workers: --hierarchical takes one count, got {args.workers}"
+    )
+  steps = args.steps or (6 if args.quick else 10)
+  # A SIGTERM unwinds like an error, so the links come down.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+  if args.hierarchical:
+    runs, failures = measure_hierarchical(
+        args.model,
+        workers[0],
+        args.devices_per_worker,
+        args.bandwidths,
+        steps,
+        args.timeout,
+    )
+    outputs = {"cluster_hierarchical": runs}
+    cli.finish(args, meta, outputs, runs, HIERARCHICAL_COLUMNS, failures)
+    return
+  torch = not args.no_torch and importlib.util.find_spec("torch") is not None
+  if not torch and not args.no_torch:
+    print("cluster: torch is not installed, the PyTorch peer is skipped")
+  runs, calibration, failures = measure(
+      args.model,
+      workers,
+      args.bandwidths,
+      steps,
+      args.timeout,
+      torch,
+      args.compressors or workloads.COMPRESSORS,
+      # Asked for by name, they run on every link.
+      () if args.compressors else FASTEST_LINK_ONLY,
+  )
+  outputs = {"cluster": runs, "cluster_links": calibration}
+  cli.finish(args, meta, outputs, runs, COLUMNS, failures)

@@ -22,6 +22,7 @@ from typing import Any
 
 import ml_collections
 
+from benchmarks import cli
 from benchmarks import workloads
 from train import data
 from train import metrics as metrics_lib
@@ -297,3 +298,42 @@ COLUMNS = {
     "bytes_sent": "bytes sent",
     "wall_seconds": "seconds",
 }
+
+
+HELP = "the compressors trained, at equal rank and bytes, several seeds"
+
+
+def add_arguments(parser) -> None:
+  cli.add_quick(parser)
+  parser.add_argument(
+      "--mnist_path",
+      help="folder of MNIST IDX files (needed by the mnist task)",
+  )
+  parser.add_argument(
+      "--tasks",
+      type=cli.names(tuple(TASKS), "task"),
+      default="char_lm,mnist",
+      help="comma-separated tasks, run in this order (default: %(default)s)",
+  )
+  parser.add_argument(
+      "--char_lm_path",
+      help="plain-text file, e.g. tiny-shakespeare (needed by the char_lm"
+      " task)",
+  )
+
+
+def main(args) -> None:
+  meta = cli.start(args, args.num_cpu_devices)
+  given = {"mnist": args.mnist_path, "char_lm": args.char_lm_path}
+  os.makedirs(args.results_dir, exist_ok=True)
+  log_path = os.path.join(args.results_dir, "convergence_runs.partial.jsonl")
+  try:
+    finals, curves = measure(
+        {task: given[task] for task in args.tasks}, args.quick, log_path
+    )
+  except FileNotFoundError as e:
+    raise SystemExit(f"error: {e}") from None
+  outputs = {"convergence": finals, "convergence_curves": curves}
+  cli.finish(args, meta, outputs, summarize(finals), COLUMNS)
+  if os.path.exists(log_path):
+    os.remove(log_path)  # every run is in the records now

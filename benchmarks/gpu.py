@@ -47,6 +47,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from benchmarks import cli
 from benchmarks import overhead
 from benchmarks import workloads
 
@@ -351,7 +352,9 @@ COLUMNS = {
 }
 
 
-def main(argv: list[str] | None = None) -> None:
+def schedule_main(argv: list[str] | None = None) -> None:
+  """``python -m benchmarks.gpu --schedule``: one model's schedules, in the
+  process ``measure`` starts for it."""
   parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu")
   parser.add_argument("--schedule", choices=workloads.WORKLOADS, required=True)
   parser.add_argument(
@@ -361,5 +364,27 @@ def main(argv: list[str] | None = None) -> None:
   schedule(args.schedule, args.compressors.split(","))
 
 
+HELP = (
+    "compute times and the scheduled 8-GPU step, on a GPU (skips without one)"
+)
+
+
+def add_arguments(parser) -> None:
+  cli.add_quick(parser)
+  cli.add_models(
+      parser, help="comma-separated workloads (default: resnet50,bert_base)"
+  )
+
+
+def main(args) -> None:
+  reason = unavailable()
+  if reason:
+    print(f"gpu: skipped, {reason}")
+    return
+  meta = cli.start(args, None)  # on the GPU
+  rows = measure(args.models or list(MODELS), args.quick)
+  cli.finish(args, meta, {"gpu": rows}, summary(rows), COLUMNS)
+
+
 if __name__ == "__main__":
-  main()
+  schedule_main()

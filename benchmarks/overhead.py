@@ -33,6 +33,7 @@ import numpy as np
 from threadpoolctl import threadpool_info
 
 import acp_jax
+from benchmarks import cli
 from benchmarks import targets
 from benchmarks import workloads
 
@@ -243,3 +244,24 @@ COLUMNS = {
     "vs_psum": "x psum per leaf",
     "threads": "threads",
 }
+
+
+HELP = "compute each compressor adds"
+
+
+def add_arguments(parser) -> None:
+  cli.add_quick(parser)
+  cli.add_models(parser)
+  parser.add_argument(
+      "--repeats", type=cli.int_at_least(1), help="timed calls per update"
+  )
+
+
+def main(args) -> None:
+  meta = cli.start(args, args.num_cpu_devices)
+  repeats = args.repeats or (3 if args.quick else 10)
+  # BERT-Large's five compressor states and top-k's sort space outgrow
+  # 24 GB; ask for it with --models where there is more memory.
+  models = cli.default_models(args, skip=("bert_large",))
+  rows = measure(models, repeats)
+  cli.finish(args, meta, {"overhead": rows}, rows, COLUMNS)

@@ -19,6 +19,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from benchmarks import cli
+
 IMAGE_SIZE = 64
 GLOBAL_BATCH = 32
 WORKERS = (0, 1, 2)
@@ -127,3 +129,18 @@ def measure(quick: bool) -> list[dict[str, Any]]:
       {**r, "image_size": IMAGE_SIZE, "global_batch": GLOBAL_BATCH}
       for r in rows
   ]
+
+
+HELP = (
+    "images/s of the input pipeline at 0-2 workers, beside the train step's"
+)
+
+
+def add_arguments(parser) -> None:
+  cli.add_quick(parser)
+
+
+def main(args) -> None:
+  meta = cli.start(args, args.num_cpu_devices)
+  rows = measure(args.quick)
+  cli.finish(args, meta, {"pipeline": rows}, rows, COLUMNS)

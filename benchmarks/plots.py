@@ -1,5 +1,7 @@
 """The report's figures, each drawn from the benchmark records into a PNG."""
 
+import re
+
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
@@ -21,6 +23,13 @@ COLORS = {
     "power_sgd": "#009e73",
     "acp_sgd": "#d55e00",
 }
+
+def link_label(bandwidth: str) -> str:
+  """``1gbit`` as ``1 Gb/s``; a name of another kind (``unshaped``) as it
+  is."""
+  match = re.fullmatch(r"(\d+)gbit", bandwidth)
+  return f"{match[1]} Gb/s" if match else bandwidth
+
 
 def model_names(rows):
   """The models of ``rows``, in order of first appearance."""

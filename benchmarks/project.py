@@ -29,8 +29,10 @@ import jax
 import numpy as np
 
 import acp_jax
+from benchmarks import cli
 from benchmarks import costmodel
 from benchmarks import overhead
+from benchmarks import records as records_lib
 from benchmarks import workloads
 from train import experiment as experiment_lib
 from train import train
@@ -270,3 +272,52 @@ COLUMNS = {
     "predicted_examples_per_sec": "predicted",
     "error": "error",
 }
+
+
+HELP = "the cost model at 8-64 workers and 1-100 Gb/s"
+
+
+def add_arguments(parser) -> None:
+  cli.add_quick(parser)
+  cli.add_models(parser)
+  parser.add_argument(
+      "--alpha_us",
+      type=float,
+      help="link latency (default: calibrated by cluster, unshaped link)",
+  )
+
+
+def _alpha(args) -> float:
+  """``--alpha_us`` in seconds, or the unshaped link's calibrated latency."""
+  if args.alpha_us is not None:
+    if args.alpha_us < 0:
+      raise SystemExit(f"--alpha_us must be >= 0, got {args.alpha_us}")
+    return args.alpha_us * 1e-6
+  links = records_lib.read("cluster_links", args.results_dir)
+  calibrated = [r for r in links if r["bandwidth"] == "unshaped"]
+  if not calibrated:
+    raise SystemExit(
+        "project: no unshaped link calibration in"
+        f" {args.results_dir}/cluster_links.json; run `python -m"
+        " benchmarks cluster` first or pass --alpha_us"
+    )
+  return calibrated[0]["alpha_s"]
+
+
+def main(args) -> None:
+  meta = cli.start(args, 1)  # timed on one device, the clusters modelled
+  alpha = _alpha(args)
+  read = lambda name: records_lib.read(name, args.results_dir)
+  projected = measure(
+      args.models or list(workloads.PAPER),
+      alpha,
+      (2, 4),
+      2 if args.quick else 5,
+      read("overhead"),
+      read("gpu"),
+  ) + validation(read("cluster"))
+  # Hundreds of projected rows: the averages and the checks print.
+  rows = averages([r for r in projected if r["kind"] == "projection"]) + [
+      r for r in projected if r["kind"] == "cluster"
+  ]
+  cli.finish(args, meta, {"projection": projected}, rows, COLUMNS)

@@ -23,6 +23,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from benchmarks import cli
+
 SHAPE = (2048, 2048)
 # Name in the table -> the factory's keyword arguments.
 COMPRESSORS = {
@@ -126,7 +128,9 @@ def measure(
   return rows
 
 
-def main(argv: list[str] | None = None) -> None:
+def one_run(argv: list[str] | None = None) -> None:
+  """``python -m benchmarks.sign_scaling``: one device count and compressor,
+  in the process ``measure`` starts for it."""
   parser = argparse.ArgumentParser(prog="python -m benchmarks.sign_scaling")
   parser.add_argument("--num_devices", type=int, required=True)
   parser.add_argument("--compressor", choices=COMPRESSORS, required=True)
@@ -136,5 +140,32 @@ def main(argv: list[str] | None = None) -> None:
   print("RESULT " + json.dumps(result), flush=True)
 
 
+HELP = "Sign-SGD's update time at 1 to 8 devices, against S-SGD"
+
+
+def add_arguments(parser) -> None:
+  cli.add_quick(parser)
+  parser.add_argument(
+      "--devices",
+      type=cli.ints_at_least(1),
+      help="comma-separated device counts (default: 1,2,4,8; 1,2 if --quick)",
+  )
+  parser.add_argument(
+      "--repeats", type=cli.int_at_least(1), help="timed calls per run"
+  )
+  parser.add_argument(
+      "--timeout", type=float, default=600, help="seconds per run"
+  )
+
+
+def main(args) -> None:
+  # Each device count runs in a process of its own.
+  meta = cli.start(args, 1)
+  devices = args.devices or ([1, 2] if args.quick else [1, 2, 4, 8])
+  repeats = args.repeats or (2 if args.quick else 5)
+  rows = measure(devices, repeats, args.timeout)
+  cli.finish(args, meta, {"sign_scaling": rows}, rows, COLUMNS)
+
+
 if __name__ == "__main__":
-  main()
+  one_run()

@@ -16,6 +16,9 @@ from benchmarks import project
 Row = tuple[str, str, bool | None]
 Records = dict[str, list[dict[str, Any]]]
 
+# ACP-SGD's bytes per step over Power-SGD's (at the same rank), at most, on
+# top of the leaves both send dense.
+ACP_BYTES_VS_POWER_SGD = 0.5
 OVERHEAD_TARGET_MODELS = ("resnet50", "bert_base")
 # ACP-SGD's update time over our Power-SGD's, at most.
 ACP_VS_POWER_SGD = 0.5
@@ -36,6 +39,11 @@ CLUSTER_SPEEDUPS = (
     ("PyTorch DDP + PowerSGD hook", "torch", "power_sgd", 1.3),
 )
 MODEL_ERROR = 0.15  # largest relative error of the cost model
+# ACP-SGD with warm-up against S-SGD, at the end of the convergence runs:
+# the char LM's held-out loss at most this many % above, MNIST's accuracy at
+# most this many points below.
+CHAR_LM_LOSS_VS_SSGD_PCT = 3.0
+MNIST_ACCURACY_VS_SSGD_PTS = 1.0
 # Communication and everything else the cluster adds to ACP-SGD's
 # compute-only step at 1 Gb/s, at most.
 NEAR_LIMIT = 0.10
@@ -62,10 +70,16 @@ def by_workers(rows) -> dict[int, list[dict[str, Any]]]:
   return groups
 
 
-def model_error(row: dict[str, Any]) -> float | None:
-  """The cost model's relative error on a cluster step, if it predicted."""
-  predicted = row.get("predicted_step_s")
-  return predicted / row["step_s"] - 1 if predicted else None
+def model_errors(rows, key: str = "predicted_step_s") -> list[float]:
+  """The cost model's relative error, ``|predicted / measured - 1|``, on
+  each cluster step it predicted (``key``: the step predicted on the idle
+  link or, ``predicted_busy_step_s``, on the busy one)."""
+  return [abs(r[key] / r["step_s"] - 1) for r in rows if r.get(key)]
+
+
+def within_model_error(errors: list[float]) -> int:
+  """How many of ``errors`` meet the cost model's target."""
+  return sum(e <= MODEL_ERROR for e in errors)
 
 
 def _bytes(records: Records) -> list[Row]:
@@ -74,8 +88,8 @@ def _bytes(records: Records) -> list[Row]:
   matches = sum(r["hlo_matches_accounting"] for r in rows)
   worst = max(acp, key=lambda r: r["bytes_per_step"] / r["target_bytes"])
   return [(
-      "ACP-SGD bytes/step <= 0.5 x Power-SGD's + dense leaves, on every"
-      " model, HLO = accounting",
+      f"ACP-SGD bytes/step <= {ACP_BYTES_VS_POWER_SGD} x Power-SGD's + dense"
+      " leaves, on every model, HLO = accounting",
       f"met on {sum(r['meets_target'] for r in acp)} of {len(acp)} models"
       f" (tightest: {worst['model']}, {worst['bytes_per_step']:,.0f} <="
       f" {worst['target_bytes']:,.0f}); HLO = accounting on {matches} of"
@@ -136,8 +150,20 @@ def _accuracy(records: Records) -> list[Row]:
   summary = convergence.summarize(records["convergence"])
   out = []
   for task, stated, key, goal in (
-      ("char_lm", "within 3 % of S-SGD's char-LM held-out loss", "loss_vs_ssgd_pct", 3.0),
-      ("mnist", "within 1 point of S-SGD's MNIST accuracy", "accuracy_vs_ssgd_pts", -1.0),
+      (
+          "char_lm",
+          f"within {CHAR_LM_LOSS_VS_SSGD_PCT:g} % of S-SGD's char-LM held-out"
+          " loss",
+          "loss_vs_ssgd_pct",
+          CHAR_LM_LOSS_VS_SSGD_PCT,
+      ),
+      (
+          "mnist",
+          f"within {MNIST_ACCURACY_VS_SSGD_PTS:g} point of S-SGD's MNIST"
+          " accuracy",
+          "accuracy_vs_ssgd_pts",
+          -MNIST_ACCURACY_VS_SSGD_PTS,
+      ),
   ):
     rows = {r["variant"]: r for r in summary if r["task"] == task}
     power = rows.get("power_sgd")
@@ -168,13 +194,9 @@ def _accuracy(records: Records) -> list[Row]:
 
 def _cluster(records: Records) -> list[Row]:
   out = []
-  errors = [
-      abs(e)
-      for e in (model_error(r) for r in records["cluster"])
-      if e is not None
-  ]
+  errors = model_errors(records["cluster"])
   if errors:
-    within = sum(e <= MODEL_ERROR for e in errors)
+    within = within_model_error(errors)
     out.append((
         f"The cost model predicts each cluster step within {MODEL_ERROR:.0%}",
         f"{within} of {len(errors)} within; largest error {max(errors):.0%}",
@@ -187,11 +209,12 @@ def _cluster(records: Records) -> list[Row]:
 
 def _cluster_at(workers: int, rows) -> list[Row]:
   at = f"{workers} workers"
+  slow = plots.link_label(SLOW_LINK)
   out = []
   for label, system, compressor, goal in CLUSTER_SPEEDUPS:
     r = ratio(rows, ("acp_jax", "acp_sgd"), (system, compressor), SLOW_LINK)
     out.append((
-        f"{at}, 1 Gb/s: ACP-SGD >= {goal} x {label} examples/s",
+        f"{at}, {slow}: ACP-SGD >= {goal} x {label} examples/s",
         "not measured" if r is None else f"{r:.2f}x",
         None if r is None else r >= goal,
     ))
@@ -204,7 +227,7 @@ def _cluster_at(workers: int, rows) -> list[Row]:
   for r in acp:
     cost = r["step_s"] / r["step_local_s"] - 1
     out.append((
-        f"{at}, 1 Gb/s: ACP-SGD's step within {NEAR_LIMIT:.0%} of its"
+        f"{at}, {slow}: ACP-SGD's step within {NEAR_LIMIT:.0%} of its"
         " compute-only step",
         f"{1e3 * r['step_s']:.0f} ms against {1e3 * r['step_local_s']:.0f}"
         f" ms: +{cost:.1%}; the compressor's own arithmetic is"
@@ -254,7 +277,8 @@ def _projection(records: Records) -> list[Row]:
               if a.get("compute_source") == "gpu"
               else f"compute x{a['compute_scale']} of this CPU"
           )
-          + ") beside the paper's 4.06x over S-SGD and 1.43x over Power-SGD",
+          + f") beside the paper's {project.PAPER['acp_vs_ssgd']}x over S-SGD"
+          f" and {project.PAPER['acp_vs_power_sgd']}x over Power-SGD",
           f"{a['acp_vs_ssgd']:.2f}x over S-SGD, {a['acp_vs_power_sgd']:.2f}x"
           " over Power-SGD",
           None,

@@ -1,0 +1,306 @@
+"""The report's sections on clusters: the one on shaped links, the projection
+to the paper's clusters and hierarchical compression across nodes.
+
+The prose is ``report_template.md``'s; the fields come from the records and
+from the constants of the code that the prose names.
+"""
+
+import fractions
+import pathlib
+import re
+from typing import Any
+
+from benchmarks import cluster
+from benchmarks import costmodel
+from benchmarks import plots
+from benchmarks import project
+from benchmarks import records
+from benchmarks import targets
+from benchmarks import template
+from benchmarks import workloads
+from benchmarks.template import fill
+from train import models
+
+_STEP_PARTS_COLUMNS = {
+    "workers": "workers",
+    "bandwidth": "link",
+    "compressor": "compressor",
+    "step": "step",
+    "compute": "compute only",
+    "forward_backward": "forward+backward",
+    "compression": "arithmetic",
+    "collectives": "collectives",
+    "optimizer": "optimizer",
+    "dispatch": "dispatch",
+    "comm": "model comm",
+    "error_pct": "model error, %",
+    "comm_busy": "model comm, busy link",
+}
+_LINKS_COLUMNS = {
+    "workers": "workers",
+    "bandwidth": "link",
+    "alpha_us": "alpha idle, us",
+    "mb_per_s": "1/beta idle, MB/s",
+    "busy_alpha_us": "alpha busy, us",
+    "busy_mb_per_s": "1/beta busy, MB/s",
+}
+_SPEEDUP_COLUMNS = {
+    "bandwidth": "link",
+    **{label: f"x {label}" for label, *_ in targets.CLUSTER_SPEEDUPS},
+    "PyTorch DDP": "x PyTorch DDP",
+}
+_AVERAGES_COLUMNS = {
+    "compute_source": "compute on",
+    "compute_scale": "compute x",
+    "acp_vs_ssgd": "x S-SGD",
+    "paper_acp_vs_ssgd": "paper",
+    "acp_vs_power_sgd": "x Power-SGD",
+    "paper_acp_vs_power_sgd": "paper",
+}
+_HIERARCHICAL_COLUMNS = {
+    "bandwidth": "link",
+    "method": "method",
+    "examples_per_sec": "examples/s",
+    "slow_link_bytes_per_step": "bytes/step on the slow link",
+    "node_axis_bytes_per_device": "node axis, per device",
+    "local_axis_bytes_per_device": "local axis, per device",
+    "params_identical": "same params",
+}
+
+
+def _cores(rows: list[dict[str, Any]]) -> int | None:
+  """The cores of the machine the records name, if one machine and said."""
+  counts = set()
+  for r in rows:
+    match = re.search(r"\((\d+) cores\)", r["machine"])
+    if not match:
+      return None
+    counts.add(int(match[1]))
+  return counts.pop() if len(counts) == 1 else None
+
+
+def _binary_size(size: int) -> str:
+  for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+    if size >= scale:
+      return f"{size / scale:g} {unit}"
+  return f"{size} bytes"
+
+
+def _step_parts(r: dict[str, Any]) -> dict[str, Any]:
+  """A JAX cluster record's step taken apart, in milliseconds."""
+  ms = {k: 1e3 * r[k] for k in r if k.endswith("_s")}
+  return {
+      "workers": r["workers"],
+      "bandwidth": r["bandwidth"],
+      "compressor": r["compressor"],
+      "step": ms["step_s"],
+      "compute": ms["step_local_s"],
+      "forward_backward": ms["forward_backward_s"],
+      "compression": ms["compress_local_s"],
+      "collectives": ms["compress_s"] - ms["compress_local_s"],
+      "optimizer": ms["optimizer_s"],
+      "dispatch": ms["dispatch_s"],
+      "comm": ms["predicted_step_s"] - ms["step_local_s"],
+      "comm_busy": ms["predicted_busy_step_s"] - ms["step_local_s"],
+      "error_pct": r["error_pct"],
+  }
+
+
+def _cluster_reading(mine) -> str:
+  """Where ACP-SGD's step goes on the slowest link, computed."""
+  text = []
+  for r in mine:
+    if r["compressor"] != "acp_sgd" or r["bandwidth"] != targets.SLOW_LINK:
+      continue
+    parts = _step_parts(r)
+    text.append(
+        fill(
+            "cluster_reading",
+            **parts,
+            link=plots.link_label(r["bandwidth"]),
+            added=100 * (parts["step"] / parts["compute"] - 1),
+        )
+    )
+  return " ".join(text)
+
+
+def _within(mine, key: str) -> str:
+  """How many of the model's predictions ``key`` meet its target."""
+  errors = targets.model_errors(mine, key)
+  return fill(
+      "cluster_within",
+      hits=targets.within_model_error(errors),
+      steps=len(errors),
+      goal=targets.MODEL_ERROR,
+      largest=max(errors, default=0),
+  )
+
+
+def _workload(model: dict[str, Any]) -> str:
+  size, base = model["size"], models.BERT_SIZES["base"]
+  text = fill("cluster_workload", **model)
+  if all(size[k] == base[k] for k in ("hidden", "heads", "ffn")):
+    text += " " + fill(
+        "cluster_workload_base",
+        layers=size["num_layers"],
+        base_layers=base["num_layers"],
+        slow_link=plots.link_label(targets.SLOW_LINK),
+    )
+  return text
+
+
+def _on_cores(rows, groups) -> str:
+  """Where the workers ran: the machine's cores, and workers per core."""
+  cores = _cores(rows)
+  if cores is None:
+    return ""
+  per_core = "; ".join(
+      f"{w}{' workers' if i == 0 else ''}: {w / cores:g} per core"
+      for i, w in enumerate(groups)
+  )
+  return " " + fill("cluster_cores", cores=cores, per_core=per_core)
+
+
+def _per_workers(groups) -> list[str]:
+  """Each worker count's records and ACP-SGD's speedups on each link."""
+  blocks = []
+  for workers, group in groups.items():
+    speedups = [
+        {
+            "bandwidth": b,
+            **{
+                label: targets.ratio(
+                    group, ("acp_jax", "acp_sgd"), (system, name), b
+                )
+                for label, system, name, _ in targets.CLUSTER_SPEEDUPS
+            },
+            "PyTorch DDP": targets.ratio(
+                group, ("acp_jax", "acp_sgd"), ("torch", "ssgd"), b
+            ),
+        }
+        for b in dict.fromkeys(r["bandwidth"] for r in group)
+    ]
+    blocks.append(
+        fill(
+            "cluster_workers",
+            workers=workers,
+            table=records.table(group, cluster.COLUMNS),
+            speedups=records.table(speedups, _SPEEDUP_COLUMNS),
+        )
+    )
+  return blocks
+
+
+def _links(calibration) -> list[dict[str, Any]]:
+  """The psum microbenchmark's fit per worker count and link, in us and
+  MB/s."""
+  rows = {}
+  for r in calibration:
+    rows[r["workers"], r["bandwidth"]] = {
+        "workers": r["workers"],
+        "bandwidth": r["bandwidth"],
+        "alpha_us": r["alpha_s"] * 1e6,
+        "mb_per_s": 1 / r["beta_s_per_byte"] / 1e6,
+        "busy_alpha_us": r["busy_alpha_s"] * 1e6,
+        "busy_mb_per_s": 1 / r["busy_beta_s_per_byte"] / 1e6,
+    }
+  return list(rows.values())
+
+
+def cluster_section(rows, calibration, out: pathlib.Path) -> list[str]:
+  plots.cluster(rows, out / "cluster.png")
+  mine = [r for r in rows if r["system"] == "acp_jax"]
+  groups = targets.by_workers(rows)
+  head = fill(
+      "cluster",
+      provenance=template.provenance(rows),
+      workers=template.and_list(map(str, groups)),
+      on_cores=_on_cores(rows, groups),
+      workload=_workload(workloads.CLUSTER_MODELS[rows[0]["model"]]),
+      psum_from=_binary_size(min(cluster.PSUM_SIZES)),
+      psum_to=_binary_size(max(cluster.PSUM_SIZES)),
+      within_idle=_within(mine, "predicted_step_s"),
+      within_busy=_within(mine, "predicted_busy_step_s"),
+  )
+  tail = fill(
+      "cluster_parts",
+      busy_mb=cluster.BUSY_MB,
+      parts_table=records.table(
+          [_step_parts(r) for r in mine], _STEP_PARTS_COLUMNS
+      ),
+      reading=_cluster_reading(mine),
+      links_table=records.table(_links(calibration), _LINKS_COLUMNS),
+  )
+  return [head, *_per_workers(groups), tail]
+
+
+def _projection_inputs(projected) -> list[dict[str, Any]]:
+  """Each model's measured inputs to the projection, a row per model."""
+  inputs = {}
+  for r in projected:
+    inputs.setdefault(
+        r["model"],
+        {
+            "model": r["model"],
+            "batch_per_worker": r["batch_per_worker"],
+            "forward_backward_s": r["forward_backward_s"],
+        },
+    )[f"update_ms_{r['compressor']}"] = r["update_s"] * 1e3
+  return list(inputs.values())
+
+
+def projection_section(rows, out: pathlib.Path) -> list[str]:
+  projected = [r for r in rows if r["kind"] == "projection"]
+  if not projected:
+    return []
+  plots.projection(projected, out / "projection.png")
+  gbits = [
+      re.fullmatch(r"(\d+)gbit", b)[1]
+      for b in dict.fromkeys(r["bandwidth"] for r in projected)
+  ]
+  scales = sorted({r["compute_scale"] for r in projected} - {1})
+  columns = {
+      "model": "model",
+      "batch_per_worker": "batch/worker",
+      "forward_backward_s": "fwd+bwd, s",
+      **{
+          f"update_ms_{c}": f"{plots.LABELS[c]} update, ms"
+          for c in workloads.COMPRESSORS
+      },
+  }
+  return [
+      fill(
+          "projection",
+          provenance=template.provenance(projected),
+          links=template.and_list(gbits) + " Gb/s",
+          alpha_us=projected[0]["alpha_s"] * 1e6,
+          backward_share=fractions.Fraction(
+              costmodel.BACKWARD_SHARE
+          ).limit_denominator(100),
+          scales=template.and_list(map(str, scales)),
+          scale_columns=", ".join(
+              f"*compute x{s}*" if i == 0 else f"*x{s}*"
+              for i, s in enumerate(scales)
+          ),
+          inputs_table=records.table(_projection_inputs(projected), columns),
+          averages_table=records.table(
+              project.averages(projected), _AVERAGES_COLUMNS
+          ),
+      )
+  ]
+
+
+def hierarchical_section(rows) -> list[str]:
+  first = rows[0]
+  shown = [
+      {**r, "method": f"{plots.LABELS[r['compressor']]}, {r['mode']}"}
+      for r in rows
+  ]
+  return [
+      fill(
+          "hierarchical",
+          **first,
+          provenance=template.provenance(rows),
+          table=records.table(shown, _HIERARCHICAL_COLUMNS),
+      )
+  ]
