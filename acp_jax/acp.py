@@ -176,7 +176,7 @@ def acp_sgd(
     if p_step:
       project, expand = lowrank.project, (lambda f, b: f @ b.T)
       # E' = M - F B^T
-      rank_one_terms = lambda f, b: (f, b.T)
+      rank_one_terms = lambda f, b: (f, lowrank.transposed_rows(b))
       previous = lowrank.start_factors(cfg, s, state.q, state.count)
     else:
       project = lowrank.project_terms_transposed

@@ -1,6 +1,8 @@
 """The low-rank compressors' arithmetic: the orthogonalization of tall
 factors and the passes that a step makes over each gradient matrix."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,11 +92,9 @@ def test_acp_sgd_on_a_zero_gradient_keeps_finite_orthonormal_factors():
   assert defect(lowrank.orthogonalize(state.p["w"])) < 1e-5
 
 
-def step_passes(
-    name, phase, shape=(3072, 768), devices=1, nonfinite="propagate"
-):
-  """``hlo.buffer_passes`` over the leaf's n x m matrix in one compiled
-  step of ``name`` at rank 32 under ``DataParallel``."""
+def step_text(name, phase, shape, devices=1, nonfinite="propagate"):
+  """The compiled text of one step of ``name`` at rank 32 under
+  ``DataParallel``, on one leaf of ``shape``."""
   tx = getattr(acp_jax, name)(rank=32)
   mesh = jax.make_mesh(
       (devices,),
@@ -105,12 +105,20 @@ def step_passes(
   dp = acp_jax.DataParallel(tx, mesh, nonfinite=nonfinite)
   params = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
   comm = dp.phase_states(dp.abstract_comm(params))[phase]
-  text = (
+  return (
       jax.jit(dp.compress, donate_argnums=(1,))
       .lower(dp.abstract_local_grads(params), comm)
       .compile()
       .as_text()
   )
+
+
+def step_passes(
+    name, phase, shape=(3072, 768), devices=1, nonfinite="propagate"
+):
+  """``hlo.buffer_passes`` over the leaf's n x m matrix in one compiled
+  step (see ``step_text``)."""
+  text = step_text(name, phase, shape, devices, nonfinite)
   return hlo.buffer_passes(text, int(np.prod(shape)))
 
 
@@ -140,6 +148,37 @@ def test_error_feedback_makes_the_fewest_passes_over_the_matrix(
   kept = step_passes(name, phase, nonfinite="keep")
   assert sum(p.reads + p.writes for p in kept) == most + 2, kept
   assert [p.op for p in kept].count("copy") == 1, kept
+
+
+def fused_body(text, result):
+  """The instructions of the fused computation that the entry's fusion
+  with shape ``result`` calls."""
+  (called,) = re.findall(
+      rf"= {re.escape(result)}\{{[0-9,]*\}} fusion\(.*calls=(%[\w.\-]+)", text
+  )
+  return re.search(
+      rf"^{re.escape(called)} .*?\{{\n(.*?)^\}}", text, re.M | re.S
+  )[1]
+
+
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+@pytest.mark.parametrize(
+    "name, phase", [("acp_sgd", "p"), ("acp_sgd", "q"), ("power_sgd", "step")]
+)
+def test_the_residual_fusion_reads_its_factors_in_their_own_layout(
+    name, phase
+):
+  # E' = G + E - sum_k u_k v_k^T, one loop over the n x m block, along its
+  # rows. A relayout of the r x m factor inside it reads that factor with a
+  # stride of r along the loop: five times the loop's time. (The n x r one
+  # may be read in any layout: its element is the same along a row.)
+  n, m = 3072, 768
+  body = fused_body(step_text(name, phase, (n, m)), f"f32[1,{n},{m}]")
+  assert f"f32[32,{m}]" in body, body
+  relayouts = re.findall(
+      r"= (f32\[[0-9,]+\])\{[0-9,]*\} (?:copy|transpose)\(", body
+  )
+  assert set(relayouts) <= {f"f32[{n},32]"}, body
 
 
 def test_buffer_passes_reads_operands_and_results_of_the_size():
