@@ -24,6 +24,7 @@ import optax
 import tqdm
 from absl import logging
 from flax import nnx
+from jax.sharding import NamedSharding
 
 import acp_jax
 from train import checkpoint
@@ -67,6 +68,8 @@ def train_step(
     tx: optax.GradientTransformation,
     batch_norm: str,
     skip_nonfinite: bool = False,
+    divergence_factor: float = 0.0,
+    loss_min: jax.Array | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One step on the global state: local gradients, compressed mean, base
   optimizer.
@@ -80,6 +83,13 @@ def train_step(
   finite leaves the state as it was (selected, not branched: no collective
   runs under a conditional); the step counter still advances, and so does
   ACP-SGD's phase (keeping the previous factors, a valid state).
+
+  With ``divergence_factor`` and ``loss_min`` (the lowest loss of the steps
+  before, float32 []; inf before the first), ``diverged`` is 1.0 where the
+  loss exceeds their product, and ``loss_min`` comes back with this step's
+  loss taken in (unless it is skipped). The loss is the global mean, so
+  every process decides alike; with ``skip_nonfinite`` a diverged step is
+  skipped as a non-finite one is.
   """
 
   stats_spec = batch_stats_spec(batch_norm)
@@ -139,18 +149,29 @@ def train_step(
       "param_norm": optax.tree.norm(params),
       "state_nonfinite": state_nonfinite,
   }
+  diverged = jnp.bool_(False)
+  if loss_min is not None and divergence_factor:
+    diverged = metrics["loss"] > divergence_factor * loss_min
+    metrics["diverged"] = diverged.astype(jnp.float32)
+  keep = jnp.bool_(True)
   if skip_nonfinite:
-    finite = jnp.all(
-        jnp.isfinite(jnp.stack([metrics[k] for k in NONFINITE]))
-    ) & (state_nonfinite == 0)
+    keep = (
+        jnp.all(jnp.isfinite(jnp.stack([metrics[k] for k in NONFINITE])))
+        & (state_nonfinite == 0)
+        & ~diverged
+    )
     new_state = jax.tree.map(
-        lambda new, old: jnp.where(finite, new, old)
+        lambda new, old: jnp.where(keep, new, old)
         if new.shape == old.shape
         else new,  # ACP-SGD's phase marker: its shape is the phase
         new_state._replace(step=state.step),
         state,
     )._replace(step=state.step + 1)
-    metrics["skipped"] = 1 - finite.astype(jnp.float32)
+    metrics["skipped"] = 1 - keep.astype(jnp.float32)
+  if loss_min is not None:
+    metrics["loss_min"] = jnp.where(
+        keep, jnp.minimum(loss_min, metrics["loss"]), loss_min
+    )
   return new_state, metrics
 
 
@@ -217,6 +238,7 @@ def compile_steps(experiment: Experiment):
           tx=experiment.tx,
           batch_norm=config.batch_norm,
           skip_nonfinite=config.nonfinite == "skip",
+          divergence_factor=config.get("divergence_factor") or 0.0,
       ),
       donate_argnums=(0,),
   )
@@ -296,6 +318,46 @@ def _first_nonfinite(metrics: dict[str, float]) -> str | None:
   return first
 
 
+# The divergence guard's metrics, for the loop rather than the log.
+GUARD = ("loss_min", "diverged")
+
+
+def _skip_reason(metrics: dict[str, float]) -> str:
+  if metrics.get("diverged"):
+    return (
+        f"the loss {metrics['loss']:.4g} diverged from its running minimum"
+        f" {metrics['loss_min']:.4g}"
+    )
+  return f"a non-finite {_first_nonfinite(metrics)}"
+
+
+def _diverged_message(config, metrics, step: int, last_good) -> str:
+  """Why the run stops at ``step``, whose loss diverged, and which
+  checkpoint to resume from: the state that gave this loss is the one the
+  previous step made, so a checkpoint of that step holds it."""
+  if last_good is None:
+    kept = "no checkpoint holds a finite state, so a rerun starts over"
+  elif last_good == step - 1:
+    kept = (
+        f"checkpoint {last_good} holds the state that gave this loss (a"
+        " rerun resumes from it; remove it to resume from an older one)"
+    )
+  else:
+    kept = f"checkpoint {last_good} holds the last good state saved"
+  return (
+      f"the loss {metrics['loss']:.6g} at step {step} exceeds"
+      f" config.divergence_factor={config.divergence_factor:g} times its"
+      f" running minimum {metrics['loss_min']:.6g}: the run diverged;"
+      f" nothing from this step is saved, and {kept}. Lower"
+      " config.optimizer.learning_rate, set config.nonfinite='skip' to skip"
+      " such steps, or config.divergence_factor=0 to turn the guard off."
+  )
+
+
+def _json_float(x: float) -> float | None:
+  return x if np.isfinite(x) else None
+
+
 def _due(step: int, every: int, last: int) -> bool:
   return step == last or (every > 0 and step % every == 0)
 
@@ -340,9 +402,11 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
   # The step of the newest checkpoint known to hold a finite state: every
   # state saved here has passed the check first; a restored one is checked.
   last_good = None
+  loss_min = None  # the lowest loss so far, carried over a resume
   if restored := ckpt.restore_latest(like=state):
     state, record = restored
     start = record["step"]
+    loss_min = record.get("loss_min")
     checkpoint.check_resume(record, loader.position(start))
     if _is_finite(experiment, state):
       last_good = start
@@ -356,6 +420,10 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
   last = config.num_train_steps
   on_cpu = jax.default_backend() == "cpu"
   durations, metrics, eval_metrics = [], {}, {}
+  device_loss_min = jax.device_put(
+      np.float32(np.inf if loss_min is None else loss_min),
+      NamedSharding(experiment.mesh, REPLICATED),
+  )
 
   # A step's duration runs from the previous step's completion to its own,
   # taken where the host first waits for it: right after the step on CPU,
@@ -375,7 +443,9 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
     completed(step)
     seconds = done.pop(step)
     if metrics.get("skipped"):
-      logging.warning("step %d skipped: a non-finite %s", step, _first_nonfinite(metrics))
+      logging.warning("step %d skipped: %s", step, _skip_reason(metrics))
+    elif metrics.get("diverged"):
+      raise FloatingPointError(_diverged_message(config, metrics, step, last_good))
     elif _first_nonfinite(metrics):
       if last_good is None:
         kept = "no checkpoint holds a finite state, so a rerun starts over"
@@ -395,7 +465,7 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
       log.write(
           {
               "step": step,
-              **metrics,
+              **{k: v for k, v in metrics.items() if k not in GUARD},
               "learning_rate": float(experiment.schedule(step - 1)),
               "bytes_sent": bytes_per_phase[phase_at(step - 1)],
               "bytes_sent_total": experiment.bytes_through(step),
@@ -432,7 +502,10 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
       state = state._replace(
           opt_state=experiment.dp.at_step(state.opt_state, index)
       )
-      state, step_metrics = train_fn(state, put_batch(experiment, batch))
+      state, step_metrics = train_fn(
+          state, put_batch(experiment, batch), loss_min=device_loss_min
+      )
+      device_loss_min = step_metrics["loss_min"]
       if on_cpu:
         # XLA:CPU's simulated devices can deadlock in a collective's
         # rendezvous with several steps in flight on few cores.
@@ -464,6 +537,7 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
               {
                   "step": step,
                   "data": loader.position(step),
+                  "loss_min": _json_float(metrics["loss_min"]),
               },
           )
           last_good = step  # its metrics, state check included, just read
@@ -485,7 +559,7 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
   return {
       "step": int(state.step),
       "compressor": config.compressor.name,
-      **metrics,
+      **{k: v for k, v in metrics.items() if k not in GUARD},
       **eval_metrics,
       "bytes_per_step": statistics.mean(bytes_per_step),
       "bytes_per_phase": bytes_per_step,
