@@ -394,6 +394,7 @@ def test_an_argument_of_another_optimizer_is_refused_naming_it():
   config = get_config("default")
   config.optimizer.sgd.b1 = 0.9
   with pytest.raises(
-      ValueError, match="config.optimizer.sgd: .*unexpected keyword argument 'b1'"
+      ValueError,
+      match="config.optimizer.sgd: .*unexpected keyword argument 'b1'",
   ):
     config_lib.validate(config, 8)

@@ -18,6 +18,7 @@ import acp_jax
 from configs import default
 from tests.conftest import NUM_DEVICES
 from train import experiment as experiment_lib
+from train import loss as loss_lib
 from train import metrics as metrics_lib
 from train import plots
 from train import train
@@ -336,7 +337,7 @@ def test_sync_batch_norm_step_is_the_full_batch_step():
   def full_batch_loss(params, batch_stats):
     model = nnx.merge(graphdef, params, batch_stats)
     logits = model(batch["inputs"], train=True)
-    loss_sum, _, weight = train._weighted_sums(logits, batch)
+    loss_sum, _, weight = loss_lib.weighted_sums(logits, batch)
     return loss_sum / weight
 
   grads = jax.jit(jax.grad(full_batch_loss))(params, batch_stats)
@@ -388,7 +389,8 @@ def test_warmup_logs_dense_bytes_compiles_each_phase_and_resumes_exactly(
 
 
 def _saved_steps(workdir):
-  return sorted(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints")))
+  directory = os.path.join(workdir, "checkpoints")
+  return sorted(int(s) for s in os.listdir(directory))
 
 
 def test_a_loss_that_explodes_while_finite_stops_the_run(tmp_path):
@@ -438,3 +440,15 @@ def test_skip_mode_skips_a_diverged_step_keeping_the_state(tmp_path):
   train_lines, _ = read_metrics(str(tmp_path / "off"))
   assert [l["skipped"] for l in train_lines] == [0.0] * 4
   assert unguarded["params_sha256"] != summary["params_sha256"]
+
+
+def test_params_digest_reads_each_slice_once_and_plain_arrays_alike():
+  import hashlib  # pylint: disable=g-import-not-at-top
+
+  mesh = jax.make_mesh((NUM_DEVICES,), ("data",))
+  x = np.arange(2 * NUM_DEVICES, dtype=np.float32).reshape(NUM_DEVICES, 2)
+  expected = hashlib.sha256(x.tobytes()).hexdigest()
+  replicated = jax.device_put(x, NamedSharding(mesh, P()))
+  sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
+  for tree in ({"w": replicated}, {"w": sharded}, {"w": x}, [x]):
+    assert metrics_lib.params_digest(tree) == expected
