@@ -27,7 +27,6 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import acp_jax
-from train import checkpoint
 from train import data as data_lib
 from train import loop
 from train import loss as loss_lib
