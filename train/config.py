@@ -37,6 +37,7 @@ KEYS = frozenset(
         "keep_checkpoints",
         "batch_norm",
         "nonfinite",
+        "divergence_factor",
         "augment",
         "data_workers",
         "data_prefetch",
@@ -48,17 +49,13 @@ KEYS = frozenset(
     }
 )
 
-OPTIMIZER_KEYS = {
-    "sgd": {"learning_rate", "momentum", "nesterov", "weight_decay"},
-    "adamw": {"learning_rate", "b1", "b2", "eps", "weight_decay"},
-}
 SCHEDULE_KEYS = {
     "constant": {"warmup_steps"},
     "cosine": {"warmup_steps", "end_factor"},
     "step": {"warmup_steps", "boundaries", "decay_factor"},
 }
 BATCH_NORM = ("local", "sync")
-NONFINITE = ("stop", "skip")
+NONFINITE_POLICIES = ("stop", "skip")
 
 
 def _check_keys(section: str, keys, allowed) -> None:
@@ -118,8 +115,9 @@ def _check_number(
 # around to other keys, and NumPy's generators.
 MAX_SEED = 2**32 - 1
 
-# Ranges of the optimizer's and the schedule's numbers, as
-# ``_check_number``'s arguments after the key and value.
+# Ranges of the optimizer's and the schedule's numbers (the optimizer's
+# shared ones and those of each optimizer's own dict), as ``_check_number``'s
+# arguments after the key and value.
 OPTIMIZER_RANGES = {
     "learning_rate": dict(low=0.0, low_open=True),
     "momentum": dict(low=0.0, high=1.0, high_open=True),
@@ -149,6 +147,14 @@ def _check_model_numbers(section: str, args) -> None:
       _check_number(name, value, 0.0)
 
 
+def _check_optimizer_numbers(section: str, args) -> None:
+  for key, value in args.items():
+    if key in OPTIMIZER_RANGES:
+      _check_number(f"{section}.{key}", value, **OPTIMIZER_RANGES[key])
+    elif key == "nesterov":
+      _check_choice(f"{section}.nesterov", value, (False, True))
+
+
 def _check_numbers(config: ml_collections.ConfigDict) -> None:
   """Signs and ranges of every number the trainer reads itself (the
   compressor's are its factory's to check, the loaders' their own)."""
@@ -163,13 +169,14 @@ def _check_numbers(config: ml_collections.ConfigDict) -> None:
       "batch_size",
   ):
     _check_int(f"config.{key}", config[key], 0)
-  for key, value in config.optimizer.items():
-    if key in OPTIMIZER_RANGES:
-      _check_number(f"config.optimizer.{key}", value, **OPTIMIZER_RANGES[key])
-  if "nesterov" in config.optimizer:
-    _check_choice(
-        "config.optimizer.nesterov", config.optimizer.nesterov, (False, True)
+  _check_optimizer_numbers("config.optimizer", config.optimizer)
+  for name in OPTIMIZERS:
+    _check_optimizer_numbers(
+        f"config.optimizer.{name}", config.optimizer.get(name, {})
     )
+  factor = config.get("divergence_factor")
+  if factor:  # 0 and None turn the guard off
+    _check_number("config.divergence_factor", factor, 1.0, low_open=True)
   schedule = config.schedule
   _check_int("config.schedule.warmup_steps", schedule.get("warmup_steps", 0), 0)
   for key, value in schedule.items():
@@ -196,12 +203,12 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
     )
   _check_keys("config", config.keys(), KEYS)
   _check_choice("config.batch_norm", config.batch_norm, BATCH_NORM)
-  _check_choice("config.nonfinite", config.nonfinite, NONFINITE)
-  _check_choice("config.optimizer.name", config.optimizer.name, OPTIMIZER_KEYS)
+  _check_choice("config.nonfinite", config.nonfinite, NONFINITE_POLICIES)
+  _check_choice("config.optimizer.name", config.optimizer.name, OPTIMIZERS)
   _check_keys(
       "config.optimizer",
       set(config.optimizer) - {"name"},
-      OPTIMIZER_KEYS[config.optimizer.name],
+      {*OPTIMIZER_SHARED, *OPTIMIZERS},
   )
   _check_choice("config.schedule.name", config.schedule.name, SCHEDULE_KEYS)
   _check_keys(
@@ -218,6 +225,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _check_choice("config.compressor.name", config.compressor.name, COMPRESSORS)
   _check_keys("config.compressor", set(config.compressor) - {"name"}, COMPRESSORS)
   compressor(config, "data")  # the factory checks its own arguments
+  optimizer(config, config.optimizer.learning_rate)  # and so does this one
 
 
 def load_file(path: str) -> ml_collections.ConfigDict:
@@ -319,28 +327,47 @@ def schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
   )
 
 
-def optimizer(
-    config: ml_collections.ConfigDict, lr: optax.Schedule
-) -> optax.GradientTransformation:
-  """The base optimizer that follows the compressor in the chain."""
-  args = config.optimizer
-  decay = args.get("weight_decay", 0.0)
-  if args.name == "sgd":
-    return optax.chain(
-        optax.add_decayed_weights(decay),
-        optax.sgd(
-            lr,
-            momentum=args.get("momentum", 0.0) or None,
-            nesterov=args.get("nesterov", False),
-        ),
-    )
-  return optax.adamw(
-      lr,
-      b1=args.get("b1", 0.9),
-      b2=args.get("b2", 0.999),
-      eps=args.get("eps", 1e-8),
-      weight_decay=decay,
+def _sgd(learning_rate, weight_decay, *, momentum=0.0, nesterov=False):
+  # Weight decay added to the gradient, so momentum carries it (L2, as
+  # PyTorch's SGD does); no momentum keeps no trace in the state.
+  return optax.chain(
+      optax.add_decayed_weights(weight_decay),
+      optax.sgd(learning_rate, momentum=momentum or None, nesterov=nesterov),
   )
+
+
+def _adamw(learning_rate, weight_decay, *, b1=0.9, b2=0.999, eps=1e-8):
+  # Decoupled weight decay, scaled by the learning rate (optax's AdamW).
+  return optax.adamw(
+      learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay
+  )
+
+
+# The base optimizers by name: each takes the shared arguments
+# (``OPTIMIZER_SHARED``) and, as keywords, its own dict of the config.
+OPTIMIZERS = {"sgd": _sgd, "adamw": _adamw}
+OPTIMIZER_SHARED = ("learning_rate", "weight_decay")
+
+
+def optimizer(
+    config: ml_collections.ConfigDict, lr: optax.ScalarOrSchedule
+) -> optax.GradientTransformation:
+  """The base optimizer that follows the compressor in the chain.
+
+  ``config.optimizer.name`` is called with the learning rate ``lr`` (the
+  schedule), ``config.optimizer.weight_decay`` and the arguments in
+  ``config.optimizer[name]``: each optimizer has its own dict, so switching
+  ``name`` never meets another optimizer's arguments, and one the factory
+  does not take is refused naming its key.
+  """
+  args = config.optimizer
+  name = args.name
+  try:
+    return OPTIMIZERS[name](
+        lr, args.get("weight_decay", 0.0), **dict(args.get(name, {}))
+    )
+  except TypeError as e:  # an argument the factory does not take
+    raise ValueError(f"config.optimizer.{name}: {e}") from None
 
 
 def kwargs(section: ml_collections.ConfigDict) -> dict[str, Any]:
