@@ -9,6 +9,8 @@ from acp_jax.acp import acp_sgd
 from acp_jax.acp import AcpSgdState
 from acp_jax.lowrank import Phase
 from acp_jax.collectives import backward_order
+from acp_jax.compressed_adam import compressed_adam
+from acp_jax.compressed_adam import CompressedAdamState
 from acp_jax.compressor import comm_bytes
 from acp_jax.compressor import CommVolume
 from acp_jax.compressor import Compressor
@@ -33,6 +35,7 @@ __version__ = "0.1.0"
 __all__ = (
     "AcpSgdState",
     "CommVolume",
+    "CompressedAdamState",
     "Compressor",
     "DataParallel",
     "DataParallelState",
@@ -46,6 +49,7 @@ __all__ = (
     "collective_rounds",
     "collective_stats",
     "comm_bytes",
+    "compressed_adam",
     "limit_lapack_threads",
     "overlap_potential",
     "power_sgd",
