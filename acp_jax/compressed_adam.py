@@ -52,6 +52,7 @@ def compressed_adam(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
+    preconditioned: bool = False,
 ) -> compressor_lib.Compressor:
   """Adam whose first moment, not the gradient, goes through ``compressor``.
 
@@ -65,6 +66,13 @@ def compressed_adam(
                  mu = b1 mu + (1 - b1) g;  nu = b2 nu + (1 - b2) g^2
     compressed:  mu = compressor_mean(b1 mu + (1 - b1) G_i);  nu unchanged
     update = mu_hat / (sqrt(nu_hat) + eps)
+
+  With ``preconditioned``, what is compressed is each device's momentum in
+  Adam's geometry, (b1 mu + (1 - b1) G_i) / (sqrt(nu_hat) + eps): its mean
+  is the update itself, and mu is that mean times sqrt(nu_hat) + eps. The
+  scaling is fixed once nu is frozen, so the residual that error feedback
+  keeps stays in one space, and the rank-r error is chosen in the norm of
+  the update rather than amplified where nu is small.
 
   with ``optax.scale_by_adam``'s bias corrections (nu_hat's from the last
   dense step on). The momentum changes slowly from step to step, so a
@@ -80,6 +88,7 @@ def compressed_adam(
     b1: decay of the first moment, in [0, 1).
     b2: decay of the second moment, in [0, 1).
     eps: added to sqrt(nu_hat), > 0.
+    preconditioned: compress the momentum divided by sqrt(nu_hat) + eps.
 
   Returns:
     A ``Compressor`` whose update, inside the mapping, takes this device's
@@ -127,6 +136,11 @@ def compressed_adam(
       raise ValueError(f"compressed_adam: {key} must be in [0, 1), got {value!r}")
   if not eps > 0:
     raise ValueError(f"compressed_adam: eps must be > 0, got {eps!r}")
+  if not isinstance(preconditioned, bool):
+    raise ValueError(
+        "compressed_adam: preconditioned must be a bool, got"
+        f" {preconditioned!r}"
+    )
   adam = optax.scale_by_adam(b1, b2, eps)
   local_fields = compressor.local_fields
 
@@ -148,17 +162,23 @@ def compressed_adam(
       direction, moments = adam.update(mean, state.adam)
     else:
       moment = optax.tree.update_moment(updates, state.adam.mu, b1, 1)
-      mu, inner = compressor.update(moment, inner)
-      count = numerics.safe_increment(state.adam.count)
       # nu stopped at the last dense step, the warm-up's last.
       nu_hat = optax.tree.bias_correction(
           state.adam.nu, b2, jnp.asarray(compressor.warmup_steps, jnp.int32)
       )
-      direction = jax.tree.map(
-          lambda m, v: m / (jnp.sqrt(v) + eps),
-          optax.tree.bias_correction(mu, b1, count),
-          nu_hat,
-      )
+      scale = jax.tree.map(lambda v: jnp.sqrt(v) + eps, nu_hat)
+      count = numerics.safe_increment(state.adam.count)
+      if preconditioned:
+        mean, inner = compressor.update(
+            jax.tree.map(jnp.divide, moment, scale), inner
+        )
+        mu = jax.tree.map(jnp.multiply, mean, scale)
+        direction = optax.tree.bias_correction(mean, b1, count)
+      else:
+        mu, inner = compressor.update(moment, inner)
+        direction = jax.tree.map(
+            jnp.divide, optax.tree.bias_correction(mu, b1, count), scale
+        )
       moments = state.adam._replace(count=count, mu=mu)
     local, inner = split(inner)
     return direction, CompressedAdamState(local, inner, moments)
@@ -194,6 +214,7 @@ def compressed_adam(
               "b1": b1,
               "b2": b2,
               "eps": eps,
+              "preconditioned": preconditioned,
           },
       ),
   )

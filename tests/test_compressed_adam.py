@@ -11,6 +11,10 @@ from acp_jax import checkpoint as acp_checkpoint
 from tests import helpers
 from tests.conftest import NUM_DEVICES
 from tests.test_comm import hlo_volume
+from tests.test_train import read_metrics
+from tests.test_train import small_config
+from train import config as config_lib
+from train import train
 
 B1, B2, EPS = 0.9, 0.99, 1e-8
 # Two compressed leaves and a bias sent dense. The matrices are square: at
@@ -25,19 +29,22 @@ WARMUP = 2
 STEPS = 6
 
 
-def _exchange(compressor):
+def _exchange(compressor, preconditioned=False):
   """``compressed_adam(compressor)``'s jitted exchange, its initial state,
   and the ``DataParallel`` it runs in."""
   dp = acp_jax.DataParallel(
-      acp_jax.compressed_adam(compressor, b1=B1, b2=B2, eps=EPS), helpers.mesh()
+      acp_jax.compressed_adam(
+          compressor, b1=B1, b2=B2, eps=EPS, preconditioned=preconditioned
+      ),
+      helpers.mesh(),
   )
   return jax.jit(dp.compress), dp.init_comm(PARAMS), dp
 
 
-def _run(compressor, steps=STEPS, state=None, start=0):
+def _run(compressor, steps=STEPS, state=None, start=0, preconditioned=False):
   """Adam's directions of ``steps`` steps on random per-device gradients,
   and the last state."""
-  compress, initial, dp = _exchange(compressor)
+  compress, initial, dp = _exchange(compressor, preconditioned)
   state = initial if state is None else state
   directions = []
   for step in range(start, start + steps):
@@ -93,14 +100,17 @@ def test_with_ssgd_it_follows_adams_update_rule():
     )
 
 
+@pytest.mark.parametrize("preconditioned", [False, True])
 @pytest.mark.parametrize("method", ["power_sgd", "acp_sgd"])
-def test_at_full_rank_it_is_adam_with_nu_frozen_after_the_warmup(method):
+def test_at_full_rank_it_is_adam_with_nu_frozen_after_the_warmup(
+    method, preconditioned
+):
   # Rank 20 is full rank for both matrices; a compression rate below 1 lets
   # them be compressed at all.
   compressor = getattr(acp_jax, method)(
       20, warmup_steps=WARMUP, min_compression_rate=0.1
   )
-  got, _ = _run(compressor)
+  got, _ = _run(compressor, preconditioned=preconditioned)
   expected = _frozen_adam(STEPS, WARMUP)
   for step in range(STEPS):
     jax.tree.map(
@@ -113,12 +123,16 @@ def test_at_full_rank_it_is_adam_with_nu_frozen_after_the_warmup(method):
   assert not np.allclose(got[-1]["b"], adam[-1]["b"], rtol=1e-2)
 
 
-def test_at_low_rank_the_direction_differs_and_stays_finite():
-  got, _ = _run(acp_jax.acp_sgd(2, warmup_steps=WARMUP))
+def test_at_low_rank_the_two_spaces_give_two_directions():
+  make = lambda: acp_jax.acp_sgd(2, warmup_steps=WARMUP)
+  plain, _ = _run(make())
+  scaled, _ = _run(make(), preconditioned=True)
   expected = _frozen_adam(STEPS, WARMUP)
-  np.testing.assert_allclose(got[0]["b"], expected[0]["b"], rtol=1e-4)
-  assert not np.allclose(got[-1]["b"], expected[-1]["b"], rtol=1e-2)
-  assert all(np.isfinite(x).all() for d in got for x in jax.tree.leaves(d))
+  for got in (plain, scaled):
+    np.testing.assert_allclose(got[0]["b"], expected[0]["b"], rtol=1e-4)
+    assert not np.allclose(got[-1]["b"], expected[-1]["b"], rtol=1e-2)
+    assert all(np.isfinite(x).all() for d in got for x in jax.tree.leaves(d))
+  assert not np.allclose(plain[-1]["b"], scaled[-1]["b"], rtol=1e-2)
 
 
 @pytest.mark.parametrize(
@@ -187,5 +201,50 @@ def test_misuse_is_refused():
     acp_jax.compressed_adam(acp_jax.ssgd(), b1=1.0)
   with pytest.raises(ValueError, match="eps must be"):
     acp_jax.compressed_adam(acp_jax.ssgd(), eps=0.0)
+  with pytest.raises(ValueError, match="preconditioned must be a bool"):
+    acp_jax.compressed_adam(acp_jax.ssgd(), preconditioned="yes")
   with pytest.raises(TypeError, match="made by acp_jax"):
     acp_jax.compressed_adam(optax.sgd(0.1))
+
+
+# The trainer's option: config.compressor.compress="momentum".
+
+
+def _adamw_config(compressor, **overrides):
+  config = small_config(compressor, steps=4, **overrides)
+  config.optimizer = {
+      "name": "adamw",
+      "learning_rate": 1e-3,
+      "b1": B1,
+      "b2": B2,
+      "eps": EPS,
+      "weight_decay": 0.01,
+  }
+  return config
+
+
+@pytest.mark.slow
+def test_the_trainer_with_ssgd_and_momentum_is_its_adamw_run(tmp_path):
+  plain = _adamw_config("ssgd", log_every_steps=1)
+  moment = _adamw_config("ssgd", log_every_steps=1)
+  moment.compressor.compress = "momentum"
+  runs = []
+  for name, config in (("plain", plain), ("moment", moment)):
+    train.train_and_evaluate(config, str(tmp_path / name))
+    runs.append([l["loss"] for l in read_metrics(str(tmp_path / name))[0]])
+  assert len(runs[0]) == 4 and runs[0] == runs[1]
+
+
+def test_the_trainer_refuses_momentum_without_adamw_or_a_warmup():
+  sgd = small_config("acp_sgd")
+  sgd.compressor.compress = "momentum"
+  with pytest.raises(ValueError, match="config.optimizer.name='sgd'"):
+    config_lib.validate(sgd, NUM_DEVICES)
+  cold = _adamw_config("acp_sgd")
+  cold.compressor.compress = "momentum"
+  with pytest.raises(ValueError, match="compress='momentum'.*warmup_steps"):
+    config_lib.validate(cold, NUM_DEVICES)
+  typo = _adamw_config("acp_sgd")
+  typo.compressor.compress = "moment"
+  with pytest.raises(ValueError, match="config.compressor.compress"):
+    config_lib.validate(typo, NUM_DEVICES)
