@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
   )
   convergence.add_argument(
       "--tasks",
-      default="char_lm,mnist",
+      default="char_lm_long,char_lm_sgd,char_lm,mnist",
       help="comma-separated tasks, run in this order (default: %(default)s)",
   )
   convergence.add_argument(
@@ -373,20 +373,24 @@ def main(argv: list[str] | None = None) -> None:
     rows = overhead.measure(models, repeats)
     columns, outputs = overhead.COLUMNS, {"overhead": rows}
   else:
-    paths = {"mnist": args.mnist_path, "char_lm": args.char_lm_path}
+    data = {"mnist": args.mnist_path, "tinyshakespeare": args.char_lm_path}
     for task in args.tasks.split(","):
-      if task not in paths:
+      if task not in convergence.TASKS:
         raise SystemExit(
-            f"--tasks: unknown task {task!r}; choose from {', '.join(paths)}"
+            f"--tasks: unknown task {task!r}; choose from"
+            f" {', '.join(convergence.TASKS)}"
         )
-    paths = {t: paths[t] for t in args.tasks.split(",")}
+    paths = {
+        t: data[convergence.config_name(t)] for t in args.tasks.split(",")
+    }
     os.makedirs(args.results_dir, exist_ok=True)
     log_path = os.path.join(args.results_dir, "convergence_runs.partial.jsonl")
     try:
       finals, curves = convergence.measure(paths, args.quick, log_path)
     except FileNotFoundError as e:
       raise SystemExit(f"error: {e}") from None
-    rows, columns = convergence.summarize(finals), convergence.COLUMNS
+    rows = convergence.summarize(finals, curves)
+    columns = convergence.COLUMNS
     outputs = {"convergence": finals, "convergence_curves": curves}
   for name, out in outputs.items():
     path = records.write(name, [{**r, **meta} for r in out], args.results_dir)
