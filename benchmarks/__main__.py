@@ -65,6 +65,11 @@ def _parser() -> argparse.ArgumentParser:
       help="comma-separated tasks, run in this order (default: %(default)s)",
   )
   convergence.add_argument(
+      "--variants",
+      help="comma-separated variants to run, in this order, of those each"
+      " task runs (default: all of them)",
+  )
+  convergence.add_argument(
       "--char_lm_path",
       help="plain-text file, e.g. tiny-shakespeare (needed by the char_lm"
       " task)",
@@ -386,8 +391,13 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(args.results_dir, exist_ok=True)
     log_path = os.path.join(args.results_dir, "convergence_runs.partial.jsonl")
     try:
-      finals, curves = convergence.measure(paths, args.quick, log_path)
-    except FileNotFoundError as e:
+      finals, curves = convergence.measure(
+          paths,
+          args.quick,
+          log_path,
+          args.variants.split(",") if args.variants else None,
+      )
+    except (FileNotFoundError, ValueError) as e:
       raise SystemExit(f"error: {e}") from None
     rows = convergence.summarize(finals, curves)
     columns = convergence.COLUMNS

@@ -237,22 +237,39 @@ def run(task: str, variant: str, data_path: str, quick: bool, seed: int):
   return final, curve
 
 
-def plan(tasks: list[str], quick: bool) -> list[tuple[int, str, str]]:
+def plan(
+    tasks: list[str], quick: bool, variants: list[str] | None = None
+) -> list[tuple[int, str, str]]:
   """``(seed, task, variant)`` of every run, a seed's runs before the next
-  seed's, so that a cut run still holds every variant."""
+  seed's, so that a cut run still holds every variant; with ``variants``,
+  only those, in that order.
+
+  Raises:
+    ValueError: if ``variants`` names an unknown variant.
+  """
+  unknown = sorted(set(variants or ()) - set(VARIANTS))
+  if unknown:
+    raise ValueError(
+        f"unknown variant(s) {', '.join(unknown)}; choose from"
+        f" {', '.join(VARIANTS)}"
+    )
   runs = []
   if quick:  # the long task is the char LM's at more steps
     tasks = [t for t in tasks if t not in LONG_TASKS]
   for seed in range(1 if quick else SEEDS):
     for task in tasks:
-      for variant in quick_variants(task) if quick else TASK_VARIANTS[task]:
+      own = quick_variants(task) if quick else TASK_VARIANTS[task]
+      for variant in [v for v in variants if v in own] if variants else own:
         if seed == 0 or variant not in ONE_SEED:
           runs.append((seed, task, variant))
   return runs
 
 
 def measure(
-    paths: dict[str, str], quick: bool, log_path: str | None = None
+    paths: dict[str, str],
+    quick: bool,
+    log_path: str | None = None,
+    variants: list[str] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
   """Final records and curve points of every run of ``plan``.
 
@@ -262,7 +279,7 @@ def measure(
   for task, path in paths.items():
     config(task, "ssgd", path, quick)  # a missing file fails before training
   finals, curves = [], []
-  for seed, task, variant in plan(list(paths), quick):
+  for seed, task, variant in plan(list(paths), quick, variants):
     final, curve = run(task, variant, paths[task], quick, seed)
     finals.append(final)
     curves.extend(curve)

@@ -243,7 +243,7 @@ def _overhead_section(rows, out: pathlib.Path) -> list[str]:
 
 def _convergence_section(finals, curves, out: pathlib.Path) -> list[str]:
   plots.convergence(curves, out / "convergence.png")
-  rows = convergence.summarize(finals)
+  rows = convergence.summarize(finals, curves)
   first = finals[0]
   char_lm = dict(convergence.TASKS["char_lm"][1])
   warmup = max(r["warmup_steps"] for r in finals)

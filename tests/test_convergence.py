@@ -105,3 +105,17 @@ def test_summary_names_the_optimizer_and_the_ratio():
   assert rows["v"]["steps_to_target_ratio"] == pytest.approx(0.5)
   assert rows["v"]["loss_vs_ssgd_pct"] == pytest.approx(-10.0)
   assert "steps_to_target_ratio" not in convergence.summarize(finals)[0]
+
+
+def test_plan_runs_the_variants_asked_for_in_their_order():
+  runs = convergence.plan(
+      ["char_lm_long", "mnist"], False, ["acp_sgd_2r_precond", "ssgd"]
+  )
+  assert runs[:3] == [
+      (0, "char_lm_long", "acp_sgd_2r_precond"),
+      (0, "char_lm_long", "ssgd"),
+      (0, "mnist", "ssgd"),
+  ]
+  assert len(runs) == 3 * convergence.SEEDS
+  with pytest.raises(ValueError, match="unknown variant.*acp_sgd_3r"):
+    convergence.plan(["char_lm"], False, ["acp_sgd_3r"])
