@@ -30,10 +30,7 @@ from train import train
 
 # Momentum SGD on the char LM, from the AdamW config: the learning rate
 # that did best of 0.1, 0.3 and 1.0 at 300 steps.
-SGD = (
-    ("optimizer", {"name": "sgd", "learning_rate": 0.1, "momentum": 0.9,
-                   "nesterov": False, "weight_decay": 0.01}),
-)
+SGD = (("optimizer.name", "sgd"), ("optimizer.learning_rate", 0.1))
 # task -> (config, overrides). The char LM runs at half the config's batch
 # and sequence length, and at 300 steps but for the long AdamW task: 9
 # variants x 3 seeds of a task must fit in about an hour on 2 cores (a
@@ -137,15 +134,18 @@ QUICK_WARMUP_STEPS = 8
 
 
 def quick_variants(task: str) -> tuple[str, ...]:
-  if config_name(task) == "tinyshakespeare" and not dict(
-      TASKS[task][1]
-  ).get("optimizer"):
+  if optimizer_name(task) == "adamw":
     return QUICK_VARIANTS + (QUICK_MOMENTUM,)
   return QUICK_VARIANTS
 
 
 def config_name(task: str) -> str:
+  """The module under ``configs/`` that ``task`` trains."""
   return TASKS[task][0]
+
+
+def optimizer_name(task: str) -> str:
+  return workloads.load_config(*TASKS[task]).optimizer.name
 
 
 def config(

@@ -29,17 +29,12 @@ def get_config():
   config.log_every_steps = 100
   config.eval_every_steps = 5000
   config.checkpoint_every_steps = 5000
-  config.optimizer = ml_collections.ConfigDict(
-      {
-          "name": "adamw",
-          "learning_rate": 1e-4,
-          "b1": 0.9,
-          "b2": 0.999,
-          "eps": 1e-6,
-          "weight_decay": 0.01,
-      }
-  )
+  config.optimizer.name = "adamw"
+  config.optimizer.learning_rate = 1e-4
+  config.optimizer.weight_decay = 0.01
+  config.optimizer.adamw.eps = 1e-6
   config.schedule = ml_collections.ConfigDict(
       {"name": "cosine", "warmup_steps": 10_000, "end_factor": 0.0}
   )
+  default.dense_warmup(config)
   return config

@@ -8,6 +8,7 @@ held-out loss is on the last 10%.
 import ml_collections
 
 from configs import bert_base
+from configs import default
 
 
 def get_config():
@@ -41,4 +42,5 @@ def get_config():
   config.schedule = ml_collections.ConfigDict(
       {"name": "cosine", "warmup_steps": 200, "end_factor": 0.0}
   )
+  default.dense_warmup(config)
   return config

@@ -35,4 +35,5 @@ def get_config():
   config.optimizer.learning_rate = 0.1
   config.optimizer.weight_decay = 5e-4
   config.schedule.warmup_steps = 390
+  default.dense_warmup(config)
   return config

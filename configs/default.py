@@ -27,11 +27,24 @@ def _low_rank():
       "use_error_feedback": True,
       "warm_start": True,
       "comm_dtype": _dtype(),
-      "warmup_steps": 0,  # dense S-SGD steps before compressing
+      "warmup_steps": 0,  # dense S-SGD steps first: set by dense_warmup
       "warmup_factors": True,
       "seed": 0,  # the initial factors (the same on every replica)
       "bucket_bytes": _bucket_bytes(),
   }
+
+
+def dense_warmup(config: ml_collections.ConfigDict) -> None:
+  """Gives Power-SGD and ACP-SGD dense S-SGD steps before they compress,
+  ending just past the learning-rate warm-up (1.2 times its length):
+  low-rank compression costs most in loss while the rate climbs and the
+  gradient's leading directions move, and the warm-up also aligns the
+  factors with them at no extra bytes (docs/guides/trainer.md gives the
+  measured effect). A config that changes ``schedule.warmup_steps`` calls
+  this again."""
+  steps = round(1.2 * config.schedule.warmup_steps)
+  for name in ("power_sgd", "acp_sgd"):
+    config.compressor[name].warmup_steps = steps
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -57,6 +70,10 @@ def get_config() -> ml_collections.ConfigDict:
   # run before anything of it is saved (the last checkpoint stays good), or
   # "skip" it, keeping the state as it was (as loss scalers do).
   config.nonfinite = "stop"
+  # A step whose training loss (the global mean) exceeds this many times
+  # the lowest loss of the steps before it has diverged: it is stopped or
+  # skipped as nonfinite says, though every number is finite. 0: no guard.
+  config.divergence_factor = 1e3
   # Random flips and 4-pixel pad-and-crop of training images.
   config.augment = False
   # Worker processes that read and preprocess batches ahead of the train
@@ -97,16 +114,20 @@ def get_config() -> ml_collections.ConfigDict:
       }
   )
 
-  # The base optimizer after the compressor: "sgd" (learning_rate,
-  # momentum, nesterov, weight_decay) or "adamw" (learning_rate, b1, b2,
-  # eps, weight_decay).
+  # The base optimizer after the compressor, by name: "sgd" or "adamw". The
+  # learning rate (the schedule's peak) and the weight decay serve every
+  # optimizer; each has its own dict beside them, as the compressors do, so
+  # --config.optimizer.name=adamw works here as is and setting one
+  # optimizer's arguments leaves the other's as they are.
   config.optimizer = ml_collections.ConfigDict(
       {
           "name": "sgd",
           "learning_rate": 0.1,
-          "momentum": 0.9,
-          "nesterov": False,
+          # sgd: added to the gradient (L2, carried by momentum, as in
+          # PyTorch's SGD); adamw: decoupled, scaled by the learning rate.
           "weight_decay": 0.0,
+          "sgd": {"momentum": 0.9, "nesterov": False},  # momentum 0: none
+          "adamw": {"b1": 0.9, "b2": 0.999, "eps": 1e-8},
       }
   )
   # Linear warmup, then "constant", "cosine" (end_factor) or "step"
@@ -114,4 +135,5 @@ def get_config() -> ml_collections.ConfigDict:
   config.schedule = ml_collections.ConfigDict(
       {"name": "cosine", "warmup_steps": 20, "end_factor": 0.0}
   )
+  dense_warmup(config)
   return config

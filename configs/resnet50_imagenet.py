@@ -64,4 +64,5 @@ def get_config():
           "decay_factor": 0.1,
       }
   )
+  default.dense_warmup(config)
   return config

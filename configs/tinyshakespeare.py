@@ -28,15 +28,10 @@ def get_config():
   config.batch_size = 64
   config.eval_every_steps = 250
   config.checkpoint_every_steps = 250
-  config.optimizer = ml_collections.ConfigDict(
-      {
-          "name": "adamw",
-          "learning_rate": 3e-3,
-          "b1": 0.9,
-          "b2": 0.99,
-          "eps": 1e-8,
-          "weight_decay": 0.01,
-      }
-  )
+  config.optimizer.name = "adamw"
+  config.optimizer.learning_rate = 3e-3
+  config.optimizer.weight_decay = 0.01
+  config.optimizer.adamw.b2 = 0.99
   config.schedule.warmup_steps = 50
+  default.dense_warmup(config)
   return config

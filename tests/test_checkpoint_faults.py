@@ -365,7 +365,7 @@ def test_another_optimizer_setting_is_refused_not_called_damaged(
   workdir = _copy(reference, tmp_path)
   before = sorted(os.listdir(os.path.join(workdir, "checkpoints")))
   other = config()
-  other.optimizer.momentum = 0.0
+  other.optimizer.sgd.momentum = 0.0
   with pytest.raises(ValueError, match="saved from another state") as error:
     train.train_and_evaluate(other, workdir)
   assert "trace" in str(error.value) and "damaged" not in str(error.value)

@@ -212,14 +212,10 @@ def test_misuse_is_refused():
 
 def _adamw_config(compressor, **overrides):
   config = small_config(compressor, steps=4, **overrides)
-  config.optimizer = {
-      "name": "adamw",
-      "learning_rate": 1e-3,
-      "b1": B1,
-      "b2": B2,
-      "eps": EPS,
-      "weight_decay": 0.01,
-  }
+  config.optimizer.name = "adamw"
+  config.optimizer.learning_rate = 1e-3
+  config.optimizer.weight_decay = 0.01
+  config.optimizer.adamw.update(b1=B1, b2=B2, eps=EPS)
   return config
 
 
@@ -241,6 +237,7 @@ def test_the_trainer_refuses_momentum_without_adamw_or_a_warmup():
   with pytest.raises(ValueError, match="config.optimizer.name='sgd'"):
     config_lib.validate(sgd, NUM_DEVICES)
   cold = _adamw_config("acp_sgd")
+  cold.compressor.acp_sgd.warmup_steps = 0
   cold.compressor.compress = "momentum"
   with pytest.raises(ValueError, match="compress='momentum'.*warmup_steps"):
     config_lib.validate(cold, NUM_DEVICES)
@@ -248,3 +245,8 @@ def test_the_trainer_refuses_momentum_without_adamw_or_a_warmup():
   typo.compressor.compress = "moment"
   with pytest.raises(ValueError, match="config.compressor.compress"):
     config_lib.validate(typo, NUM_DEVICES)
+  unknown = _adamw_config("acp_sgd")
+  unknown.compressor.compress = "momentum"
+  unknown.optimizer.adamw.amsgrad = True
+  with pytest.raises(ValueError, match="config.optimizer.adamw.*amsgrad"):
+    config_lib.validate(unknown, NUM_DEVICES)

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from configs import default
 from tests import datafiles
 from train import config as config_lib
 from train import models
@@ -142,6 +143,7 @@ def test_small_configs_train(name, overrides, data_files, tmp_path):
   config.eval_every_steps = 0
   config.checkpoint_every_steps = 0
   config.schedule.warmup_steps = 1
+  default.dense_warmup(config)  # one dense step, two compressed
   if "tokenizer" in config.data:  # trained here, not beside the text
     config.data.tokenizer = str(tmp_path / "tokenizer.json")
   summary = train.train_and_evaluate(config, str(tmp_path))
@@ -184,7 +186,10 @@ OUT_OF_RANGE = [
     ("schedule.warmup_steps", -5, "an int >= 0"),
     ("optimizer.learning_rate", -0.1, "a finite number in (0.0, inf)"),
     ("optimizer.learning_rate", float("nan"), "a finite number in (0.0, inf)"),
-    ("optimizer.momentum", 1.5, "a finite number in [0.0, 1.0)"),
+    ("optimizer.sgd.momentum", 1.5, "a finite number in [0.0, 1.0)"),
+    ("optimizer.adamw.b2", 1.0, "a finite number in [0.0, 1.0)"),
+    ("optimizer.weight_decay", -1e-4, "a finite number in [0.0, inf)"),
+    ("divergence_factor", 0.5, "a finite number in (1.0, inf)"),
     ("schedule.end_factor", -1.0, "a finite number in [0.0, 1.0]"),
     ("model.width", 0, "an int >= 1"),
     ("seed", 10**20, "an int in [0, 4294967295]"),
@@ -246,6 +251,7 @@ def test_compressor_arguments_are_set_from_the_command_line(tmp_path):
       "--config.batch_size=32",
       "--config.model.width=8",
       "--config.eval_every_steps=0",
+      "--config.compressor.acp_sgd.warmup_steps=0",
       *overrides,
   )
   assert result.returncode == 0, result.stderr[-3000:]
@@ -307,3 +313,88 @@ def test_the_trainer_buckets_gradients_in_backward_order():
   assert {paths[i] for i in order[:2]} == {"['fc']['bias']", "['fc']['kernel']"}
   first_bucket = experiment.compressor.buckets(experiment.abstract_params)[0]
   assert first_bucket[:2] == order[:2]
+
+
+CONFIGS = sorted(
+    name[:-3]
+    for name in os.listdir(os.path.join(ROOT, "configs"))
+    if name.endswith(".py") and name != "__init__.py"
+)
+
+
+def _flags_config(*argv):
+  """The config as ``python -m train`` parses ``--config`` and overrides."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+
+  values, argv = flags.FlagValues(), ["train", *argv]
+  config_flags.DEFINE_config_file(
+      "config", None, "", flag_values=values, sys_argv=argv
+  )
+  values(argv)
+  return values.config
+
+
+def _update(tx, params, grads):
+  updates, _ = tx.update(grads, tx.init(params), params)
+  return updates
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_optimizer_is_chosen_by_name_on_every_config(name):
+  """Switching the optimizer from the command line builds exactly optax's
+  optimizer with the shared and that optimizer's own arguments; the other
+  optimizer's arguments stay as they were."""
+  import optax  # pylint: disable=g-import-not-at-top
+
+  path = os.path.join(ROOT, "configs", f"{name}.py")
+  params = {"w": np.linspace(-1.0, 1.0, 6, dtype=np.float32).reshape(2, 3)}
+  grads = {"w": np.full((2, 3), 0.5, np.float32)}
+  config = _flags_config(
+      f"--config={path}",
+      "--config.optimizer.name=sgd",
+      "--config.optimizer.sgd.momentum=0.5",
+      "--config.optimizer.sgd.nesterov=True",
+  )
+  config_lib.validate(config, 8)
+  assert dict(config.optimizer.adamw) == dict(get_config(name).optimizer.adamw)
+  decay = config.optimizer.weight_decay
+  np.testing.assert_array_equal(
+      _update(config_lib.optimizer(config, 0.1), params, grads)["w"],
+      _update(
+          optax.chain(
+              optax.add_decayed_weights(decay),
+              optax.sgd(0.1, momentum=0.5, nesterov=True),
+          ),
+          params,
+          grads,
+      )["w"],
+  )
+  config = _flags_config(
+      f"--config={path}",
+      "--config.optimizer.name=adamw",
+      "--config.optimizer.adamw.b2=0.95",
+  )
+  config_lib.validate(config, 8)
+  assert dict(config.optimizer.sgd) == dict(get_config(name).optimizer.sgd)
+  adamw = config.optimizer.adamw
+  np.testing.assert_array_equal(
+      _update(config_lib.optimizer(config, 0.1), params, grads)["w"],
+      _update(
+          optax.adamw(
+              0.1, b1=adamw.b1, b2=0.95, eps=adamw.eps, weight_decay=decay
+          ),
+          params,
+          grads,
+      )["w"],
+  )
+
+
+def test_an_argument_of_another_optimizer_is_refused_naming_it():
+  config = get_config("default")
+  config.optimizer.sgd.b1 = 0.9
+  with pytest.raises(
+      ValueError,
+      match="config.optimizer.sgd: .*unexpected keyword argument 'b1'",
+  ):
+    config_lib.validate(config, 8)

@@ -33,8 +33,7 @@ def test_every_planned_run_has_a_valid_config_naming_its_optimizer(text):
 
 def test_the_compressed_moment_runs_only_with_adamw():
   for task, variants in convergence.TASK_VARIANTS.items():
-    optimizer = dict(convergence.TASKS[task][1]).get("optimizer")
-    if optimizer is not None or task == "mnist":
+    if convergence.optimizer_name(task) != "adamw":
       assert not set(variants) & set(convergence.MOMENTUM_VARIANTS), task
   assert set(convergence.MOMENTUM_VARIANTS) <= set(
       convergence.TASK_VARIANTS["char_lm_long"]

@@ -18,6 +18,7 @@ import acp_jax
 from configs import default
 from tests.conftest import NUM_DEVICES
 from train import experiment as experiment_lib
+from train import loss as loss_lib
 from train import metrics as metrics_lib
 from train import plots
 from train import train
@@ -38,6 +39,9 @@ def small_config(compressor="acp_sgd", steps=6, **overrides):
   # A schedule that does not depend on num_train_steps, so that runs of
   # different lengths can be compared step by step.
   config.schedule = {"name": "constant", "warmup_steps": 0}
+  # Compressing from the first step: the warm-up has tests of its own.
+  config.compressor.power_sgd.warmup_steps = 0
+  config.compressor.acp_sgd.warmup_steps = 0
   config.update(overrides)
   return config
 
@@ -313,7 +317,7 @@ def test_sync_batch_norm_step_is_the_full_batch_step():
   The backward pass must all-reduce the statistics' cotangents for this to
   hold; local BN (each device its own statistics) does not.
   """
-  sgd = {"name": "sgd", "learning_rate": 1.0, "momentum": 0.0}
+  sgd = {"name": "sgd", "learning_rate": 1.0, "sgd": {"momentum": 0.0}}
   batch = experiment_lib.build(small_config()).dataset.train.get(np.arange(64))
 
   def one_step(batch_norm):
@@ -333,7 +337,7 @@ def test_sync_batch_norm_step_is_the_full_batch_step():
   def full_batch_loss(params, batch_stats):
     model = nnx.merge(graphdef, params, batch_stats)
     logits = model(batch["inputs"], train=True)
-    loss_sum, _, weight = train._weighted_sums(logits, batch)
+    loss_sum, _, weight = loss_lib.weighted_sums(logits, batch)
     return loss_sum / weight
 
   grads = jax.jit(jax.grad(full_batch_loss))(params, batch_stats)
@@ -382,3 +386,69 @@ def test_warmup_logs_dense_bytes_compiles_each_phase_and_resumes_exactly(
     resumed = train.train_and_evaluate(warmup_config(6), workdir)
     assert losses(workdir) == losses(reference)
     assert resumed["params_sha256"] == summary["params_sha256"]
+
+
+def _saved_steps(workdir):
+  directory = os.path.join(workdir, "checkpoints")
+  return sorted(int(s) for s in os.listdir(directory))
+
+
+def test_a_loss_that_explodes_while_finite_stops_the_run(tmp_path):
+  """A rate of 1e3 from step 5 on: step 5's update takes the loss from
+  about 2 to about 3e4, every number finite, and the run stops at step 6,
+  before saving it; checkpoint 4 holds the state whose loss was 2."""
+  workdir = str(tmp_path)
+  sane = small_config(steps=4, checkpoint_every_steps=2)
+  digest = train.train_and_evaluate(sane, workdir)["params_sha256"]
+  diverging = small_config(steps=8, checkpoint_every_steps=2)
+  diverging.optimizer.learning_rate = 1e3
+  with pytest.raises(FloatingPointError) as error:
+    train.train_and_evaluate(diverging, workdir)
+  message = str(error.value)
+  assert "at step 6 exceeds config.divergence_factor=1000 times its" in message
+  assert "checkpoint 4 holds the last good state saved" in message
+  loss = float(message.split("the loss ")[1].split(" ")[0])
+  running_min = float(message.split("running minimum ")[1].split(":")[0])
+  assert np.isfinite(loss) and loss > 1000 * running_min
+  # Steps 1-5, and 1-4 came from before the resume.
+  assert running_min == pytest.approx(min(losses(workdir).values()), rel=1e-5)
+  assert _saved_steps(workdir) == [2, 4]
+  # The checkpoint left is the sane run's: resumed with no step left to
+  # take, it gives back the same params.
+  assert train.train_and_evaluate(sane, workdir)["params_sha256"] == digest
+
+
+def test_skip_mode_skips_a_diverged_step_keeping_the_state(tmp_path):
+  """With a rate of 1e3 every step after the first diverges: each is
+  skipped, and the state stays the one the first step made."""
+  config = small_config(steps=4, nonfinite="skip")
+  config.optimizer.learning_rate = 1e3
+  summary = train.train_and_evaluate(config, str(tmp_path / "four"))
+  train_lines, _ = read_metrics(str(tmp_path / "four"))
+  assert [l["skipped"] for l in train_lines] == [0.0, 1.0, 1.0, 1.0]
+  assert all(np.isfinite(l["loss"]) for l in train_lines)
+  one = train.train_and_evaluate(
+      small_config(
+          steps=1, nonfinite="skip", optimizer={"learning_rate": 1e3}
+      ),
+      str(tmp_path / "one"),
+  )
+  assert summary["params_sha256"] == one["params_sha256"]
+  # With the guard off, the same steps are taken.
+  config.divergence_factor = 0
+  unguarded = train.train_and_evaluate(config, str(tmp_path / "off"))
+  train_lines, _ = read_metrics(str(tmp_path / "off"))
+  assert [l["skipped"] for l in train_lines] == [0.0] * 4
+  assert unguarded["params_sha256"] != summary["params_sha256"]
+
+
+def test_params_digest_reads_each_slice_once_and_plain_arrays_alike():
+  import hashlib  # pylint: disable=g-import-not-at-top
+
+  mesh = jax.make_mesh((NUM_DEVICES,), ("data",))
+  x = np.arange(2 * NUM_DEVICES, dtype=np.float32).reshape(NUM_DEVICES, 2)
+  expected = hashlib.sha256(x.tobytes()).hexdigest()
+  replicated = jax.device_put(x, NamedSharding(mesh, P()))
+  sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
+  for tree in ({"w": replicated}, {"w": sharded}, {"w": x}, [x]):
+    assert metrics_lib.params_digest(tree) == expected

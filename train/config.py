@@ -37,6 +37,7 @@ KEYS = frozenset(
         "keep_checkpoints",
         "batch_norm",
         "nonfinite",
+        "divergence_factor",
         "augment",
         "data_workers",
         "data_prefetch",
@@ -48,10 +49,6 @@ KEYS = frozenset(
     }
 )
 
-OPTIMIZER_KEYS = {
-    "sgd": {"learning_rate", "momentum", "nesterov", "weight_decay"},
-    "adamw": {"learning_rate", "b1", "b2", "eps", "weight_decay"},
-}
 SCHEDULE_KEYS = {
     "constant": {"warmup_steps"},
     "cosine": {"warmup_steps", "end_factor"},
@@ -127,8 +124,9 @@ def _check_number(
 # around to other keys, and NumPy's generators.
 MAX_SEED = 2**32 - 1
 
-# Ranges of the optimizer's and the schedule's numbers, as
-# ``_check_number``'s arguments after the key and value.
+# Ranges of the optimizer's and the schedule's numbers (the optimizer's
+# shared ones and those of each optimizer's own dict), as ``_check_number``'s
+# arguments after the key and value.
 OPTIMIZER_RANGES = {
     "learning_rate": dict(low=0.0, low_open=True),
     "momentum": dict(low=0.0, high=1.0, high_open=True),
@@ -158,6 +156,14 @@ def _check_model_numbers(section: str, args) -> None:
       _check_number(name, value, 0.0)
 
 
+def _check_optimizer_numbers(section: str, args) -> None:
+  for key, value in args.items():
+    if key in OPTIMIZER_RANGES:
+      _check_number(f"{section}.{key}", value, **OPTIMIZER_RANGES[key])
+    elif key == "nesterov":
+      _check_choice(f"{section}.nesterov", value, (False, True))
+
+
 def _check_numbers(config: ml_collections.ConfigDict) -> None:
   """Signs and ranges of every number the trainer reads itself (the
   compressor's are its factory's to check, the loaders' their own)."""
@@ -172,13 +178,14 @@ def _check_numbers(config: ml_collections.ConfigDict) -> None:
       "batch_size",
   ):
     _check_int(f"config.{key}", config[key], 0)
-  for key, value in config.optimizer.items():
-    if key in OPTIMIZER_RANGES:
-      _check_number(f"config.optimizer.{key}", value, **OPTIMIZER_RANGES[key])
-  if "nesterov" in config.optimizer:
-    _check_choice(
-        "config.optimizer.nesterov", config.optimizer.nesterov, (False, True)
+  _check_optimizer_numbers("config.optimizer", config.optimizer)
+  for name in OPTIMIZERS:
+    _check_optimizer_numbers(
+        f"config.optimizer.{name}", config.optimizer.get(name, {})
     )
+  factor = config.get("divergence_factor")
+  if factor:  # 0 and None turn the guard off
+    _check_number("config.divergence_factor", factor, 1.0, low_open=True)
   schedule = config.schedule
   _check_int("config.schedule.warmup_steps", schedule.get("warmup_steps", 0), 0)
   for key, value in schedule.items():
@@ -206,11 +213,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _check_keys("config", config.keys(), KEYS)
   _check_choice("config.batch_norm", config.batch_norm, BATCH_NORM)
   _check_choice("config.nonfinite", config.nonfinite, NONFINITE)
-  _check_choice("config.optimizer.name", config.optimizer.name, OPTIMIZER_KEYS)
+  _check_choice("config.optimizer.name", config.optimizer.name, OPTIMIZERS)
   _check_keys(
       "config.optimizer",
       set(config.optimizer) - {"name"},
-      OPTIMIZER_KEYS[config.optimizer.name],
+      {*OPTIMIZER_SHARED, *OPTIMIZERS},
   )
   _check_choice("config.schedule.name", config.schedule.name, SCHEDULE_KEYS)
   _check_keys(
@@ -239,6 +246,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
         " config.optimizer.name='adamw' or compress='gradient'"
     )
   compressor(config, "data")  # the factory checks its own arguments
+  optimizer(config, config.optimizer.learning_rate)  # and so does this one
 
 
 def load_file(path: str) -> ml_collections.ConfigDict:
@@ -318,6 +326,8 @@ def compressor(
     return acp_jax.compressed_adam(
         made, **_adam_moments(config), preconditioned=COMPRESS[compress]
     )
+  except TypeError as e:  # an argument of AdamW's that it does not take
+    raise ValueError(f"config.optimizer.adamw: {e}") from None
   except ValueError as e:
     raise ValueError(f"config.compressor.compress={compress!r}: {e}") from None
 
@@ -327,12 +337,8 @@ def _compress(config: ml_collections.ConfigDict) -> str:
 
 
 def _adam_moments(config: ml_collections.ConfigDict) -> dict[str, float]:
-  args = config.optimizer
-  return {
-      "b1": args.get("b1", 0.9),
-      "b2": args.get("b2", 0.999),
-      "eps": args.get("eps", 1e-8),
-  }
+  """AdamW's own arguments (its decays and eps), for compressed_adam."""
+  return dict(config.optimizer.get("adamw", {}))
 
 
 def schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
@@ -362,28 +368,54 @@ def schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
   )
 
 
+def _sgd(learning_rate, weight_decay, *, momentum=0.0, nesterov=False):
+  # Weight decay added to the gradient, so momentum carries it (L2, as
+  # PyTorch's SGD does); no momentum keeps no trace in the state.
+  return optax.chain(
+      optax.add_decayed_weights(weight_decay),
+      optax.sgd(learning_rate, momentum=momentum or None, nesterov=nesterov),
+  )
+
+
+def _adamw(learning_rate, weight_decay, *, b1=0.9, b2=0.999, eps=1e-8):
+  # Decoupled weight decay, scaled by the learning rate (optax's AdamW).
+  return optax.adamw(
+      learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay
+  )
+
+
+# The base optimizers by name: each takes the shared arguments
+# (``OPTIMIZER_SHARED``) and, as keywords, its own dict of the config.
+OPTIMIZERS = {"sgd": _sgd, "adamw": _adamw}
+OPTIMIZER_SHARED = ("learning_rate", "weight_decay")
+
+
 def optimizer(
-    config: ml_collections.ConfigDict, lr: optax.Schedule
+    config: ml_collections.ConfigDict, lr: optax.ScalarOrSchedule
 ) -> optax.GradientTransformation:
-  """The base optimizer that follows the compressor in the chain."""
+  """The base optimizer that follows the compressor in the chain.
+
+  ``config.optimizer.name`` is called with the learning rate ``lr`` (the
+  schedule), ``config.optimizer.weight_decay`` and the arguments in
+  ``config.optimizer[name]``: each optimizer has its own dict, so switching
+  ``name`` never meets another optimizer's arguments, and one the factory
+  does not take is refused naming its key.
+  """
   args = config.optimizer
-  decay = args.get("weight_decay", 0.0)
-  if args.name == "sgd":
-    return optax.chain(
-        optax.add_decayed_weights(decay),
-        optax.sgd(
-            lr,
-            momentum=args.get("momentum", 0.0) or None,
-            nesterov=args.get("nesterov", False),
-        ),
-    )
+  name = args.name
   if _compress(config) != "gradient":
-    # Adam's scaling is the compressor's (compressed_adam); what follows it
-    # in optax.adamw follows here.
+    # Adam's scaling is the compressor's (compressed_adam, which takes
+    # AdamW's own arguments); what follows it in optax.adamw follows here.
     return optax.chain(
-        optax.add_decayed_weights(decay), optax.scale_by_learning_rate(lr)
+        optax.add_decayed_weights(args.get("weight_decay", 0.0)),
+        optax.scale_by_learning_rate(lr),
     )
-  return optax.adamw(lr, **_adam_moments(config), weight_decay=decay)
+  try:
+    return OPTIMIZERS[name](
+        lr, args.get("weight_decay", 0.0), **dict(args.get(name, {}))
+    )
+  except TypeError as e:  # an argument the factory does not take
+    raise ValueError(f"config.optimizer.{name}: {e}") from None
 
 
 def kwargs(section: ml_collections.ConfigDict) -> dict[str, Any]:

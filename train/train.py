@@ -7,13 +7,15 @@ and the one compressed exchange per step.
 ``train_step`` differentiates each device's own local loss, hands the local
 gradients to the compressor, and reduces the step's metrics (loss, correct,
 weight, squared gradient norm, devices holding a non-finite state: 20 bytes)
-with one small all-reduce.
+with one small all-reduce. ``train_and_evaluate`` composes the loop from the
+pieces in ``train/loop.py``: a step timer, the log, the failure policy,
+periodic evaluation and checkpoints.
 """
 
+import contextlib
 import functools
 import os
 import statistics
-import time
 from typing import Any
 
 import jax
@@ -21,13 +23,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-import tqdm
-from absl import logging
 from flax import nnx
+from jax.sharding import NamedSharding
 
 import acp_jax
 from train import checkpoint
 from train import data as data_lib
+from train import loop
+from train import loss as loss_lib
 from train import metrics as metrics_lib
 from train import pipeline
 from train import runtime
@@ -41,16 +44,6 @@ from train.experiment import put_batch
 from train.experiment import REPLICATED
 from train.experiment import state_parts
 from train.experiment import TrainState
-
-
-def _weighted_sums(logits, batch):
-  """Sums of loss, correct predictions and weight over the local batch."""
-  weights = batch["weights"]
-  loss = optax.softmax_cross_entropy_with_integer_labels(
-      logits, batch["targets"]
-  )
-  correct = logits.argmax(-1) == batch["targets"]
-  return (loss * weights).sum(), (correct * weights).sum(), weights.sum()
 
 
 def _this_device(tree):
@@ -67,6 +60,8 @@ def train_step(
     tx: optax.GradientTransformation,
     batch_norm: str,
     skip_nonfinite: bool = False,
+    divergence_factor: float = 0.0,
+    loss_min: jax.Array | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One step on the global state: local gradients, compressed mean, base
   optimizer.
@@ -80,6 +75,13 @@ def train_step(
   finite leaves the state as it was (selected, not branched: no collective
   runs under a conditional); the step counter still advances, and so does
   ACP-SGD's phase (keeping the previous factors, a valid state).
+
+  With ``divergence_factor`` and ``loss_min`` (the lowest loss of the steps
+  before, float32 []; inf before the first), ``diverged`` is 1.0 where the
+  loss exceeds their product, and ``loss_min`` comes back with this step's
+  loss taken in (unless it is skipped). The loss is the global mean, so
+  every process decides alike; with ``skip_nonfinite`` a diverged step is
+  skipped as a non-finite one is.
   """
 
   stats_spec = batch_stats_spec(batch_norm)
@@ -95,7 +97,7 @@ def train_step(
     )
     model = nnx.merge(graphdef, params, batch_stats)
     logits = model(batch["inputs"], train=True, rngs=nnx.Rngs(dropout=rng))
-    loss_sum, correct, weight = _weighted_sums(logits, batch)
+    loss_sum, correct, weight = loss_lib.weighted_sums(logits, batch)
     batch_stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
     return loss_sum / jnp.maximum(weight, 1.0), (
         batch_stats,
@@ -139,24 +141,27 @@ def train_step(
       "param_norm": optax.tree.norm(params),
       "state_nonfinite": state_nonfinite,
   }
+  diverged = jnp.bool_(False)
+  if loss_min is not None and divergence_factor:
+    diverged = metrics["loss"] > divergence_factor * loss_min
+    metrics["diverged"] = diverged.astype(jnp.float32)
+  keep = jnp.bool_(True)
   if skip_nonfinite:
-    finite = jnp.all(
-        jnp.isfinite(jnp.stack([metrics[k] for k in NONFINITE]))
-    ) & (state_nonfinite == 0)
+    checked = jnp.stack([metrics[k] for k in loop.NONFINITE])
+    keep = jnp.all(jnp.isfinite(checked)) & (state_nonfinite == 0) & ~diverged
     new_state = jax.tree.map(
-        lambda new, old: jnp.where(finite, new, old)
+        lambda new, old: jnp.where(keep, new, old)
         if new.shape == old.shape
         else new,  # ACP-SGD's phase marker: its shape is the phase
         new_state._replace(step=state.step),
         state,
     )._replace(step=state.step + 1)
-    metrics["skipped"] = 1 - finite.astype(jnp.float32)
+    metrics["skipped"] = 1 - keep.astype(jnp.float32)
+  if loss_min is not None:
+    metrics["loss_min"] = jnp.where(
+        keep, jnp.minimum(loss_min, metrics["loss"]), loss_min
+    )
   return new_state, metrics
-
-
-# The metrics checked before anything is saved, in the order they arise;
-# then ``state_nonfinite``, which covers every floating array of the state.
-NONFINITE = ("loss", "grad_norm", "update_norm", "param_norm")
 
 
 def _nonfinite_by_device(parts, num_devices: int) -> jax.Array:
@@ -203,7 +208,7 @@ def eval_step(
   batch = _this_device(batch)
   model = nnx.merge(graphdef, params, batch_stats)
   logits = model(batch["inputs"], train=False)
-  return jax.lax.psum(jnp.stack(_weighted_sums(logits, batch)), AXIS)
+  return jax.lax.psum(jnp.stack(loss_lib.weighted_sums(logits, batch)), AXIS)
 
 
 def compile_steps(experiment: Experiment):
@@ -217,6 +222,7 @@ def compile_steps(experiment: Experiment):
           tx=experiment.tx,
           batch_norm=config.batch_norm,
           skip_nonfinite=config.nonfinite == "skip",
+          divergence_factor=config.get("divergence_factor") or 0.0,
       ),
       donate_argnums=(0,),
   )
@@ -287,19 +293,6 @@ def run_identity(experiment: Experiment, state: TrainState) -> dict[str, Any]:
   }
 
 
-def _first_nonfinite(metrics: dict[str, float]) -> str | None:
-  """The first of ``NONFINITE`` whose value is not finite, else a word on
-  the state if an array of it is not, else None."""
-  first = next((k for k in NONFINITE if not np.isfinite(metrics[k])), None)
-  if first is None and metrics["state_nonfinite"]:
-    return "an array of the state (BatchNorm statistics, optimizer, compressor)"
-  return first
-
-
-def _due(step: int, every: int, last: int) -> bool:
-  return step == last or (every > 0 and step % every == 0)
-
-
 def train_and_evaluate(
     config: ml_collections.ConfigDict, workdir: str
 ) -> dict[str, Any]:
@@ -319,8 +312,7 @@ def train_and_evaluate(
 
 def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
   """``train_and_evaluate`` in a workdir this run holds."""
-  config = experiment.config
-  is_main = jax.process_index() == 0
+  config, last = experiment.config, experiment.config.num_train_steps
   loader = data_lib.Loader(
       experiment.dataset.train,
       global_batch=experiment.global_batch,
@@ -329,174 +321,90 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
       process_count=jax.process_count(),
       augment=config.augment,
   )
+  # The pieces of the loop (train/loop.py), each holding its own state.
   train_fn, eval_fn = compile_steps(experiment)
   state = init_state(experiment)
-  ckpt = checkpoint.Checkpointer(
-      os.path.join(workdir, "checkpoints"),
-      keep=config.keep_checkpoints,
-      run=run_identity(experiment, state),
+  checkpoints = loop.Checkpoints(
+      experiment, workdir, run_identity(experiment, state), loader
   )
-  start = 0
-  # The step of the newest checkpoint known to hold a finite state: every
-  # state saved here has passed the check first; a restored one is checked.
-  last_good = None
-  if restored := ckpt.restore_latest(like=state):
-    state, record = restored
-    start = record["step"]
-    checkpoint.check_resume(record, loader.position(start))
-    if _is_finite(experiment, state):
-      last_good = start
-  log = metrics_lib.Logs(
-      metrics_lib.MetricsLog(workdir, start),
-      metrics_lib.TensorBoardLog(workdir, start),
+  state, start = checkpoints.restore(
+      state, functools.partial(_is_finite, experiment)
   )
-  bytes_per_step = experiment.bytes_per_step()
-  bytes_per_phase = experiment.bytes_per_phase()
-  phase_at = experiment.compressor.phase_at
-  last = config.num_train_steps
-  on_cpu = jax.default_backend() == "cpu"
-  durations, metrics, eval_metrics = [], {}, {}
-
-  # A step's duration runs from the previous step's completion to its own,
-  # taken where the host first waits for it: right after the step on CPU,
-  # else when its metrics are read. Evaluation and saving are not counted.
-  done = {}
-  clock = [time.perf_counter()]
-
-  def completed(step):
-    if step not in done:
-      now = time.perf_counter()
-      done[step] = now - clock[0]
-      clock[0] = now
-
-  def record_step(step, device_metrics):
-    nonlocal metrics
-    metrics = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
-    completed(step)
-    seconds = done.pop(step)
-    if metrics.get("skipped"):
-      logging.warning("step %d skipped: a non-finite %s", step, _first_nonfinite(metrics))
-    elif _first_nonfinite(metrics):
-      if last_good is None:
-        kept = "no checkpoint holds a finite state, so a rerun starts over"
-      else:
-        kept = (
-            f"checkpoint {last_good}, checked finite, holds the last good"
-            " state saved"
+  # The divergence guard's running minimum stays on the devices.
+  loss_min = jax.device_put(
+      np.float32(checkpoints.loss_min),
+      NamedSharding(experiment.mesh, REPLICATED),
+  )
+  evaluation = loop.Evaluation(
+      config, functools.partial(evaluate, experiment, eval_fn)
+  )
+  timer = loop.StepTimer()
+  # XLA:CPU's simulated devices can deadlock in a collective's rendezvous
+  # with several steps in flight on few cores: there each step is waited for.
+  wait = jax.default_backend() == "cpu"
+  with contextlib.ExitStack() as stack:
+    stack.callback(checkpoints.close)
+    log = stack.enter_context(loop.TrainLog(experiment, workdir, start))
+    steps = loop.StepRecorder(
+        timer, loop.FailurePolicy(config, checkpoints), log
+    )
+    stops = stack.enter_context(runtime.StopRequests())
+    # Batch `index` is loader.batch(index), whoever computes it: a resumed
+    # run starts the pipeline at its step.
+    batches = stack.enter_context(
+        pipeline.batches(
+            loader.batch,
+            start,
+            last,
+            workers=config.data_workers,
+            prefetch=config.data_prefetch,
         )
-      raise FloatingPointError(
-          f"{_first_nonfinite(metrics)} is not finite at step {step}; nothing"
-          f" from this step is saved, and {kept}. Lower"
-          " config.optimizer.learning_rate, check the data, or set"
-          " config.nonfinite='skip' to skip such steps."
-      )
-    durations.append(seconds)
-    if _due(step, config.log_every_steps, last):
-      log.write(
-          {
-              "step": step,
-              **metrics,
-              "learning_rate": float(experiment.schedule(step - 1)),
-              "bytes_sent": bytes_per_phase[phase_at(step - 1)],
-              "bytes_sent_total": experiment.bytes_through(step),
-              "examples_per_sec": experiment.global_batch / seconds,
-          }
-      )
-    bar.update(1)
-    bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
-
-  # disable=None: a bar on a terminal only, none in redirected logs.
-  bar = tqdm.tqdm(
-      total=last,
-      initial=start,
-      disable=None if is_main else True,
-      desc="train",
-      leave=False,
-  )
-  pending = None  # metrics are read one step late: the host never stalls
-  # Batch `index` is loader.batch(index), whoever computes it: a resumed run
-  # starts the pipeline at its step.
-  with (
-      runtime.StopRequests() as stops,
-      pipeline.batches(
-          loader.batch,
-          start,
-          last,
-          workers=config.data_workers,
-          prefetch=config.data_prefetch,
-      ) as batches,
-  ):
+    )
     for index, batch in zip(range(start, last), batches):
       step = index + 1
       # Out of a compressor's dense warm-up when it ends (else a no-op).
       state = state._replace(
           opt_state=experiment.dp.at_step(state.opt_state, index)
       )
-      state, step_metrics = train_fn(state, put_batch(experiment, batch))
-      if on_cpu:
-        # XLA:CPU's simulated devices can deadlock in a collective's
-        # rendezvous with several steps in flight on few cores.
+      state, metrics = train_fn(
+          state, put_batch(experiment, batch), loss_min=loss_min
+      )
+      loss_min = metrics["loss_min"]
+      if wait:
         jax.block_until_ready(state)
-        completed(step)
-      if pending:
-        record_step(*pending)
-      pending = (step, step_metrics)
+        timer.completed(step)
+      steps.push(step, metrics)
       stop = stops.should_stop(step)
-      due_eval = _due(step, config.eval_every_steps, last)
-      due_save = _due(step, config.checkpoint_every_steps, last) or stop
-      if due_eval or due_save:
-        record_step(*pending)
-        pending = None
-        if due_eval:
-          eval_metrics = evaluate(experiment, eval_fn, state)
-          log.write(
-              {
-                  "step": step,
-                  **eval_metrics,
-                  # So that held-out curves can be drawn against bytes.
-                  "bytes_sent_total": experiment.bytes_through(step),
-              }
-          )
-        if due_save:
-          ckpt.save(
-              step,
-              state,
-              {
-                  "step": step,
-                  "data": loader.position(step),
-              },
-          )
-          last_good = step  # its metrics, state check included, just read
-        clock[0] = time.perf_counter()
+      if evaluation.due(step) or checkpoints.due(step) or stop:
+        steps.flush()
+        if evaluation.due(step):
+          log.evaluation(step, evaluation(state))
+        if checkpoints.due(step) or stop:
+          checkpoints.save(step, state, steps.latest)
+        timer.pause()
       if stop:
-        bar.close()
-        ckpt.close()
-        log.close()
         raise runtime.Interrupted(stops.signal_name, step)
-  if pending:
-    record_step(*pending)
-  bar.close()
-  ckpt.close()
-  log.close()
-  if not eval_metrics:
-    eval_metrics = evaluate(experiment, eval_fn, state)
+    steps.flush()
+  return _summary(experiment, state, steps.latest, evaluation, timer)
+
+
+def _summary(experiment, state, metrics, evaluation, timer) -> dict[str, Any]:
+  """What ``train_and_evaluate`` returns."""
+  bytes_per_step = experiment.bytes_per_step()
+  eval_metrics = evaluation.latest or evaluation(state)
   # The first step of each phase compiles; the median skips them.
-  steady = durations[len(bytes_per_step) :] or durations
+  seconds = timer.median_after(len(bytes_per_step))
   return {
       "step": int(state.step),
-      "compressor": config.compressor.name,
-      **metrics,
+      "compressor": experiment.config.compressor.name,
+      **{k: v for k, v in metrics.items() if k not in loop.GUARD},
       **eval_metrics,
       "bytes_per_step": statistics.mean(bytes_per_step),
       "bytes_per_phase": bytes_per_step,
       "bytes_sent": experiment.bytes_through(int(state.step)),
       "examples_per_sec": (
-          experiment.global_batch / statistics.median(steady)
-          if steady
-          else None
+          experiment.global_batch / seconds if seconds else None
       ),
       "num_devices": experiment.num_devices,
       "params_sha256": metrics_lib.params_digest(state.params),
   }
-
-
