@@ -9,6 +9,8 @@ compiled HLO live in ``acp_jax.hlo``.
 from acp_jax.acp import acp_sgd
 from acp_jax.acp import AcpSgdState
 from acp_jax.collectives import backward_order
+from acp_jax.compressed_adam import compressed_adam
+from acp_jax.compressed_adam import CompressedAdamState
 from acp_jax.compressor import comm_bytes
 from acp_jax.compressor import CommVolume
 from acp_jax.compressor import Compressor
@@ -34,6 +36,7 @@ __version__ = "0.1.0"
 __all__ = (
     "AcpSgdState",
     "CommVolume",
+    "CompressedAdamState",
     "Compressor",
     "DataParallel",
     "DataParallelState",
@@ -47,6 +50,7 @@ __all__ = (
     "acp_sgd",
     "backward_order",
     "comm_bytes",
+    "compressed_adam",
     "limit_lapack_threads",
     "memory_per_device",
     "power_sgd",

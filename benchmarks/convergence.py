@@ -14,11 +14,12 @@ data order; the compressors' own seeds stay fixed.
 """
 
 import json
+import math
 import os
 import statistics
 import tempfile
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_collections
 
@@ -28,58 +29,124 @@ from train import data
 from train import metrics as metrics_lib
 from train import train
 
+# Momentum SGD on the char LM, from the AdamW config: the learning rate
+# that did best of 0.1, 0.3 and 1.0 at 300 steps.
+SGD = (("optimizer.name", "sgd"), ("optimizer.learning_rate", 0.1))
 # task -> (config, overrides). The char LM runs at half the config's batch
-# and sequence length, and both tasks at 300 steps: 9 variants x 3 seeds
-# must fit in about an hour on 2 cores (a 300-step run takes about 75 s for
-# MNIST and 110 s for the char LM there).
+# and sequence length, and at 300 steps but for the long AdamW task: 9
+# variants x 3 seeds of a task must fit in about an hour on 2 cores (a
+# 300-step run takes about 75 s for MNIST and 110 s for the char LM there).
 STEPS = 300
+LONG_STEPS = 1000
+CHAR_LM = (
+    ("eval_every_steps", 50),
+    ("batch_size", 32),
+    ("data.seq_len", 64),
+    ("model.max_len", 64),
+)
 TASKS = {
     "mnist": (
         "mnist",
         (("num_train_steps", STEPS), ("eval_every_steps", 50)),
     ),
-    "char_lm": (
+    "char_lm": ("tinyshakespeare", (("num_train_steps", STEPS), *CHAR_LM)),
+    "char_lm_sgd": (
         "tinyshakespeare",
-        (
-            ("num_train_steps", STEPS),
-            ("eval_every_steps", 50),
-            ("batch_size", 32),
-            ("data.seq_len", 64),
-            ("model.max_len", 64),
-        ),
+        (("num_train_steps", STEPS), *CHAR_LM, *SGD),
+    ),
+    # Long enough for a low-rank method's gap to reach its plateau.
+    "char_lm_long": (
+        "tinyshakespeare",
+        (("num_train_steps", LONG_STEPS), *CHAR_LM, ("eval_every_steps", 100)),
     ),
 }
+LONG_TASKS = ("char_lm_long",)
 # Dense steps before compression in the warm-up variants: just past the
 # learning-rate warm-up (50 steps in both configs), a fifth of the budget.
 WARMUP_STEPS = 60
-# variant -> (compressor, rank multiplier or None, warm-up, factor warm-up).
+
+
+class Variant(NamedTuple):
+  """A compressor as a convergence run uses it."""
+
+  compressor: str
+  rank_factor: int | None  # times the config's rank; None: no rank
+  warmup: int  # dense steps first
+  warm_factors: bool  # factors warmed on the mean gradient then
+  # config.compressor.compress: what it averages (AdamW's moment, or not).
+  compress: str = "gradient"
+
+
 VARIANTS = {
-    "ssgd": ("ssgd", None, 0, False),
-    "sign_sgd": ("sign_sgd", None, 0, False),
-    "topk_sgd": ("topk_sgd", None, 0, False),
-    "power_sgd": ("power_sgd", 1, 0, False),
-    "acp_sgd": ("acp_sgd", 1, 0, False),
-    "acp_sgd_2r": ("acp_sgd", 2, 0, False),
-    "power_sgd_warm": ("power_sgd", 1, WARMUP_STEPS, True),
-    "acp_sgd_warm": ("acp_sgd", 1, WARMUP_STEPS, True),
-    "acp_sgd_2r_warm": ("acp_sgd", 2, WARMUP_STEPS, True),
+    "ssgd": Variant("ssgd", None, 0, False),
+    "sign_sgd": Variant("sign_sgd", None, 0, False),
+    "topk_sgd": Variant("topk_sgd", None, 0, False),
+    "power_sgd": Variant("power_sgd", 1, 0, False),
+    "acp_sgd": Variant("acp_sgd", 1, 0, False),
+    "acp_sgd_2r": Variant("acp_sgd", 2, 0, False),
+    "power_sgd_warm": Variant("power_sgd", 1, WARMUP_STEPS, True),
+    "acp_sgd_warm": Variant("acp_sgd", 1, WARMUP_STEPS, True),
+    "acp_sgd_2r_warm": Variant("acp_sgd", 2, WARMUP_STEPS, True),
     # The same warm-up without warming the factors: the stall it leaves.
-    "acp_sgd_warm_cold": ("acp_sgd", 1, WARMUP_STEPS, False),
+    "acp_sgd_warm_cold": Variant("acp_sgd", 1, WARMUP_STEPS, False),
+    # AdamW's first moment compressed, its second frozen after the warm-up
+    # (acp_jax.compressed_adam), as it is or in Adam's geometry.
+    "power_sgd_momentum": Variant(
+        "power_sgd", 1, WARMUP_STEPS, True, "momentum"
+    ),
+    "acp_sgd_2r_momentum": Variant("acp_sgd", 2, WARMUP_STEPS, True, "momentum"),
+    "power_sgd_precond": Variant(
+        "power_sgd", 1, WARMUP_STEPS, True, "preconditioned_momentum"
+    ),
+    "acp_sgd_2r_precond": Variant(
+        "acp_sgd", 2, WARMUP_STEPS, True, "preconditioned_momentum"
+    ),
 }
+MOMENTUM_VARIANTS = tuple(v for v in VARIANTS if VARIANTS[v].compress != "gradient")
 # Which variants each task runs, and with how many seeds: Sign-SGD and Top-k
 # are far from the targets and get one seed, the low-rank methods three.
 SEEDS = 3
 ONE_SEED = ("sign_sgd", "topk_sgd")
+_GRADIENT = tuple(v for v in VARIANTS if v not in MOMENTUM_VARIANTS)
 TASK_VARIANTS = {
-    "char_lm": tuple(VARIANTS),
+    "char_lm": _GRADIENT + MOMENTUM_VARIANTS,
+    "char_lm_sgd": ("ssgd", "power_sgd_warm", "acp_sgd_warm", "acp_sgd_2r_warm"),
+    "char_lm_long": (
+        "ssgd",
+        "acp_sgd_2r_precond",
+        "acp_sgd_2r_warm",
+        "power_sgd_warm",
+        "power_sgd_precond",
+        "acp_sgd_2r_momentum",
+        "power_sgd_momentum",
+    ),
     "mnist": tuple(
-        v for v in VARIANTS if v not in ("power_sgd_warm", "acp_sgd_warm_cold")
+        v
+        for v in _GRADIENT
+        if v not in ("power_sgd_warm", "acp_sgd_warm_cold")
     ),
 }
 QUICK_VARIANTS = ("ssgd", "acp_sgd", "acp_sgd_warm")
+# The quick char LM runs the compressed moment too; MNIST trains with SGD.
+QUICK_MOMENTUM = "acp_sgd_2r_precond"
 # Quick runs shrink the budget and the models: a smoke test.
 QUICK_STEPS = 24
 QUICK_WARMUP_STEPS = 8
+
+
+def quick_variants(task: str) -> tuple[str, ...]:
+  if optimizer_name(task) == "adamw":
+    return QUICK_VARIANTS + (QUICK_MOMENTUM,)
+  return QUICK_VARIANTS
+
+
+def config_name(task: str) -> str:
+  """The module under ``configs/`` that ``task`` trains."""
+  return TASKS[task][0]
+
+
+def optimizer_name(task: str) -> str:
+  return workloads.load_config(*TASKS[task]).optimizer.name
 
 
 def config(
@@ -91,24 +158,24 @@ def config(
     FileNotFoundError: if ``data_path`` is empty or does not exist.
   """
   cfg = workloads.load_config(*TASKS[task])
+  flag = "--mnist_path" if config_name(task) == "mnist" else "--char_lm_path"
   if not data_path:
     raise FileNotFoundError(
-        f"the {task} task needs --{task}_path:"
-        f" {data.DATA_SOURCES[cfg.data.name]}"
+        f"the {task} task needs {flag}: {data.DATA_SOURCES[cfg.data.name]}"
     )
   if not os.path.exists(data_path):
     raise FileNotFoundError(
-        f"{task}: data path {data_path!r} does not exist; pass it with"
-        f" --{task}_path"
+        f"{task}: data path {data_path!r} does not exist; pass it with {flag}"
     )
-  name, rank_factor, warmup, warm_factors = VARIANTS[variant]
+  v = VARIANTS[variant]
   cfg.seed = seed
-  cfg.compressor.name = name
-  if rank_factor is not None:
-    args = cfg.compressor[name]
-    args.rank = rank_factor * cfg.compressor.power_sgd.rank
-    args.warmup_steps = QUICK_WARMUP_STEPS if quick and warmup else warmup
-    args.warmup_factors = warm_factors
+  cfg.compressor.name = v.compressor
+  cfg.compressor.compress = v.compress
+  if v.rank_factor is not None:
+    args = cfg.compressor[v.compressor]
+    args.rank = v.rank_factor * cfg.compressor.power_sgd.rank
+    args.warmup_steps = QUICK_WARMUP_STEPS if quick and v.warmup else v.warmup
+    args.warmup_factors = v.warm_factors
   cfg.data.path = data_path
   cfg.log_every_steps = 10
   if quick:
@@ -137,6 +204,8 @@ def run(task: str, variant: str, data_path: str, quick: bool, seed: int):
   about = {
       "task": task,
       "variant": variant,
+      "optimizer": cfg.optimizer.name,
+      "compress": cfg.compressor.compress,
       "compressor": cfg.compressor.name,
       "rank": cfg.compressor[cfg.compressor.name].get("rank"),
       "warmup_steps": cfg.compressor[cfg.compressor.name].get("warmup_steps", 0),
@@ -169,20 +238,39 @@ def run(task: str, variant: str, data_path: str, quick: bool, seed: int):
   return final, curve
 
 
-def plan(tasks: list[str], quick: bool) -> list[tuple[int, str, str]]:
+def plan(
+    tasks: list[str], quick: bool, variants: list[str] | None = None
+) -> list[tuple[int, str, str]]:
   """``(seed, task, variant)`` of every run, a seed's runs before the next
-  seed's, so that a cut run still holds every variant."""
+  seed's, so that a cut run still holds every variant; with ``variants``,
+  only those, in that order.
+
+  Raises:
+    ValueError: if ``variants`` names an unknown variant.
+  """
+  unknown = sorted(set(variants or ()) - set(VARIANTS))
+  if unknown:
+    raise ValueError(
+        f"unknown variant(s) {', '.join(unknown)}; choose from"
+        f" {', '.join(VARIANTS)}"
+    )
   runs = []
+  if quick:  # the long task is the char LM's at more steps
+    tasks = [t for t in tasks if t not in LONG_TASKS]
   for seed in range(1 if quick else SEEDS):
     for task in tasks:
-      for variant in QUICK_VARIANTS if quick else TASK_VARIANTS[task]:
+      own = quick_variants(task) if quick else TASK_VARIANTS[task]
+      for variant in [v for v in variants if v in own] if variants else own:
         if seed == 0 or variant not in ONE_SEED:
           runs.append((seed, task, variant))
   return runs
 
 
 def measure(
-    paths: dict[str, str], quick: bool, log_path: str | None = None
+    paths: dict[str, str],
+    quick: bool,
+    log_path: str | None = None,
+    variants: list[str] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
   """Final records and curve points of every run of ``plan``.
 
@@ -192,7 +280,7 @@ def measure(
   for task, path in paths.items():
     config(task, "ssgd", path, quick)  # a missing file fails before training
   finals, curves = [], []
-  for seed, task, variant in plan(list(paths), quick):
+  for seed, task, variant in plan(list(paths), quick, variants):
     final, curve = run(task, variant, paths[task], quick, seed)
     finals.append(final)
     curves.extend(curve)
@@ -207,15 +295,31 @@ def measure(
   return finals, curves
 
 
-def summarize(finals: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def summarize(
+    finals: list[dict[str, Any]], curves: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
   """Per task and variant: the mean and spread over seeds, against S-SGD's
-  mean (accuracy in points, loss in %, as the targets put them)."""
+  mean (accuracy in points, loss in %, as the targets put them), and with
+  ``curves`` the steps-to-target ratio (``steps_to_target``)."""
   groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
   for r in finals:
     groups.setdefault((r["task"], r["variant"]), []).append(r)
   rows = []
   for (task, variant), runs in groups.items():
-    row = {k: runs[0][k] for k in ("task", "variant", "compressor", "rank", "warmup_steps", "steps", "bytes_per_step")}
+    row = {
+        k: runs[0].get(k)
+        for k in (
+            "task",
+            "optimizer",
+            "variant",
+            "compressor",
+            "compress",
+            "rank",
+            "warmup_steps",
+            "steps",
+            "bytes_per_step",
+        )
+    }
     row["seeds"] = len(runs)
     for key in ("eval_loss", "eval_accuracy", "bytes_sent", "wall_seconds"):
       values = [r[key] for r in runs]
@@ -234,7 +338,53 @@ def summarize(finals: list[dict[str, Any]]) -> list[dict[str, Any]]:
       row["loss_vs_ssgd_pct"] = 100 * (
           row["eval_loss"] / ssgd["eval_loss"] - 1
       )
+  if curves is not None:
+    for row in rows:
+      row["steps_to_target_ratio"] = steps_to_target(
+          curves, row["task"], row["variant"]
+      )
   return rows
+
+
+def _mean_curve(
+    curves: list[dict[str, Any]], task: str, variant: str
+) -> list[tuple[int, float]]:
+  """``(step, held-out loss)`` of ``variant``, the mean over the seeds
+  evaluated at that step, by step."""
+  by_step: dict[int, list[float]] = {}
+  for c in curves:
+    if (c["task"], c["variant"]) == (task, variant) and c.get(
+        "eval_loss"
+    ) is not None:
+      by_step.setdefault(c["step"], []).append(c["eval_loss"])
+  return [(k, statistics.mean(v)) for k, v in sorted(by_step.items())]
+
+
+def _first_step_at(curve: list[tuple[int, float]], target: float):
+  """The step at which ``curve`` first reaches ``target`` (linear between
+  evaluations), or None."""
+  for (s0, l0), (s1, l1) in zip([(0, math.inf)] + curve, curve):
+    if l1 <= target:
+      if not math.isfinite(l0):
+        return float(s1)
+      return s0 + (s1 - s0) * (l0 - target) / (l0 - l1)
+  return None
+
+
+def steps_to_target(
+    curves: list[dict[str, Any]], task: str, variant: str
+) -> float | None:
+  """The steps ``variant`` needs to reach S-SGD's final held-out loss
+  (means over seeds), relative to the steps S-SGD needs for it; None if it
+  does not reach it within its budget, or S-SGD did not run."""
+  ssgd = _mean_curve(curves, task, "ssgd")
+  if not ssgd:
+    return None
+  target = ssgd[-1][1]
+  needed = _first_step_at(_mean_curve(curves, task, variant), target)
+  if needed is None:
+    return None
+  return needed / _first_step_at(ssgd, target)
 
 
 def stall(
@@ -284,7 +434,9 @@ def gaps(
 
 COLUMNS = {
     "task": "task",
+    "optimizer": "optimizer",
     "variant": "variant",
+    "compress": "compresses",
     "rank": "rank",
     "warmup_steps": "dense steps",
     "seeds": "seeds",
@@ -294,6 +446,7 @@ COLUMNS = {
     "eval_loss_std": "± (std)",
     "accuracy_vs_ssgd_pts": "acc. vs S-SGD (pts)",
     "loss_vs_ssgd_pct": "loss vs S-SGD (%)",
+    "steps_to_target_ratio": "steps to S-SGD's loss (x S-SGD's)",
     "bytes_per_step": "bytes/step",
     "bytes_sent": "bytes sent",
     "wall_seconds": "seconds",
@@ -312,8 +465,14 @@ def add_arguments(parser) -> None:
   parser.add_argument(
       "--tasks",
       type=cli.names(tuple(TASKS), "task"),
-      default="char_lm,mnist",
+      default="char_lm_long,char_lm_sgd,char_lm,mnist",
       help="comma-separated tasks, run in this order (default: %(default)s)",
+  )
+  parser.add_argument(
+      "--variants",
+      type=cli.names(tuple(VARIANTS), "variant"),
+      help="comma-separated variants to run, in this order, of those each"
+      " task runs (default: all of them)",
   )
   parser.add_argument(
       "--char_lm_path",
@@ -324,16 +483,19 @@ def add_arguments(parser) -> None:
 
 def main(args) -> None:
   meta = cli.start(args, args.num_cpu_devices)
-  given = {"mnist": args.mnist_path, "char_lm": args.char_lm_path}
+  given = {"mnist": args.mnist_path, "tinyshakespeare": args.char_lm_path}
   os.makedirs(args.results_dir, exist_ok=True)
   log_path = os.path.join(args.results_dir, "convergence_runs.partial.jsonl")
   try:
     finals, curves = measure(
-        {task: given[task] for task in args.tasks}, args.quick, log_path
+        {task: given[config_name(task)] for task in args.tasks},
+        args.quick,
+        log_path,
+        args.variants,
     )
-  except FileNotFoundError as e:
+  except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}") from None
   outputs = {"convergence": finals, "convergence_curves": curves}
-  cli.finish(args, meta, outputs, summarize(finals), COLUMNS)
+  cli.finish(args, meta, outputs, summarize(finals, curves), COLUMNS)
   if os.path.exists(log_path):
     os.remove(log_path)  # every run is in the records now

@@ -27,7 +27,15 @@ inverse square root of a running second moment (decay b2) of the
   kept in the gradient's space (re-expressed when W changes);
 - ``factored_scaled``: the same, the residual kept in the scaled space;
 - ``full``: the full moment (n x m floats, Adam's own v), the mean no
-  longer of rank r.
+  longer of rank r;
+- ``momentum``: ``acp_jax.compressed_adam``, the compressor averaging
+  Adam's first moment (each device's b1 mu + (1 - b1) G_i) instead of the
+  gradient, v frozen at the end of the warm-up. Its ``grad`` is the
+  cosine of its mean momentum with the true mean of what its devices hold,
+  b1 mu + (1 - b1) g; its ``adam`` that of its own update with S-SGD's;
+  ``adam_shared`` does not apply (None);
+- ``momentum_preconditioned``: the same, the momentum compressed divided
+  by sqrt(v) + eps (``compressed_adam(..., preconditioned=True)``).
 
 The devices are simulated by ``jax.vmap`` over the mapped axis (see
 ``_Run``), on the default device.
@@ -57,7 +65,16 @@ from train import experiment as experiment_lib
 RANKS = (4, 8)
 METHODS = ("power_sgd", "acp_sgd")
 # None: the compressor as it is; else a key of GEOMETRY_KINDS.
-GEOMETRIES = (None, "factored_scaled", "factored", "full")
+GEOMETRIES = (
+    None,
+    "factored_scaled",
+    "factored",
+    "full",
+    "momentum",
+    "momentum_preconditioned",
+)
+# name -> compressed_adam's preconditioned.
+MOMENTUM = {"momentum": False, "momentum_preconditioned": True}
 METRICS = ("grad", "adam", "adam_shared")
 B1, B2, EPS = 0.9, 0.99, 1e-8
 # Below this fraction of its leaf's mean, a row's or column's second moment
@@ -138,12 +155,17 @@ class Variant:
   def __init__(self, method: str, rank: int, geometry: str | None, warmup):
     self.name = method + f"_r{rank}" + (f"_{geometry}" if geometry else "")
     self.geometry = None
-    if geometry:
+    self.momentum = geometry in MOMENTUM
+    if geometry and not self.momentum:
       make, self.scaled_residual = GEOMETRY_KINDS[geometry]
       self.geometry = make()
     self.tx = getattr(acp_jax, method)(
         rank, warmup_steps=warmup, bucket_bytes=float("inf")
     )
+    if self.momentum:
+      self.tx = acp_jax.compressed_adam(
+          self.tx, b1=B1, b2=B2, eps=EPS, preconditioned=MOMENTUM[geometry]
+      )
     self._spec = lambda x: lowrank.matrix_spec(tuple(x.shape), rank, 2.0)
 
   def init(self, params):
@@ -336,6 +358,11 @@ def measure(
     return cosines, own_adam
 
   @jax.jit
+  def momentum_metrics(mu, old_mu, mean, direction, ref_dir):
+    held = jax.tree.map(lambda m, g: B1 * m + (1 - B1) * g, old_mu, mean)
+    return [_cosine(mu, held), _cosine(direction, ref_dir)]
+
+  @jax.jit
   def apply(direction, descent_state, params):
     updates, descent_state = descent.update(direction, descent_state, params)
     return optax.apply_updates(params, updates), descent_state
@@ -361,12 +388,21 @@ def measure(
     mean = mean_fn(grads)
     ref_dir, ref_adam_next = adam_fn(mean, ref_adam)
     for run in runs:
+      if run.variant.momentum:
+        old_mu = run.state.adam.mu
       approx = run.step(grads, step)
       if step < warmup_steps:
         continue
-      if step == warmup_steps:
-        run.adam = ref_adam
-      cosines, run.adam = metrics_fn(approx, mean, run.adam, ref_adam, ref_dir)
+      if run.variant.momentum:
+        cosines = momentum_metrics(
+            run.state.adam.mu, old_mu, mean, approx, ref_dir
+        )
+      else:
+        if step == warmup_steps:
+          run.adam = ref_adam
+        cosines, run.adam = metrics_fn(
+            approx, mean, run.adam, ref_adam, ref_dir
+        )
       for key, value in zip(METRICS, cosines):
         values[run.variant.name][key].append(float(value))
     ref_adam = ref_adam_next
@@ -376,7 +412,10 @@ def measure(
   return [
       {
           "variant": name,
-          **{k: statistics.fmean(xs) for k, xs in metrics.items()},
+          **{
+              k: statistics.fmean(xs) if xs else None
+              for k, xs in metrics.items()
+          },
           "steps": len(metrics["grad"]),
       }
       for name, metrics in values.items()
@@ -396,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
       "--geometries",
       default=",".join(g or "none" for g in GEOMETRIES),
       help="comma-separated: none (the compressor as it is), "
-      + ", ".join(GEOMETRY_KINDS),
+      + ", ".join((*GEOMETRY_KINDS, *MOMENTUM)),
   )
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument(
@@ -422,7 +461,13 @@ def main(argv: list[str] | None = None) -> None:
   )
   print(f"{'variant':28s}" + "".join(f"{k:>12s}" for k in METRICS))
   for row in rows:
-    print(f"{row['variant']:28s}" + "".join(f"{row[k]:12.4f}" for k in METRICS))
+    print(
+        f"{row['variant']:28s}"
+        + "".join(
+            f"{row[k]:12.4f}" if row[k] is not None else f"{'-':>12s}"
+            for k in METRICS
+        )
+    )
   print(
       "RESULT "
       + json.dumps({"rows": rows, "wall_s": time.perf_counter() - start}),

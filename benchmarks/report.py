@@ -171,7 +171,7 @@ def _gap_table(curves) -> str:
 
 def _convergence_section(finals, curves, out: pathlib.Path) -> list[str]:
   plots.convergence(curves, out / "convergence.png")
-  rows = convergence.summarize(finals)
+  rows = convergence.summarize(finals, curves)
   warmup = max(r["warmup_steps"] for r in finals)
   stalls = _stalls(curves, warmup)
   later = sorted(

@@ -106,6 +106,11 @@ def get_config() -> ml_collections.ConfigDict:
           "topk_sgd": {"density": 0.01, "bucket_bytes": _bucket_bytes()},
           "power_sgd": _low_rank(),
           "acp_sgd": _low_rank(),
+          # What it averages: "gradient"; or "momentum", AdamW's first
+          # moment after its dense warm-up, the second moment frozen then,
+          # or "preconditioned_momentum", that moment over sqrt(nu) + eps
+          # (acp_jax.compressed_adam; optimizer adamw, warmup_steps >= 1).
+          "compress": "gradient",
       }
   )
 

@@ -169,9 +169,17 @@ def test_convergence_runs_every_variant_and_counts_warmup_bytes(results):
 
   finals = _records(results, "convergence")
   curves = _records(results, "convergence_curves")
+  tasks = ("mnist", "char_lm", "char_lm_sgd")
   assert {(r["task"], r["variant"]) for r in finals} == {
-      (t, v) for t in ("mnist", "char_lm") for v in convergence.QUICK_VARIANTS
+      (t, v) for t in tasks for v in convergence.quick_variants(t)
   }
+  assert {(r["task"], r["optimizer"]) for r in finals} == {
+      ("mnist", "sgd"),
+      ("char_lm", "adamw"),
+      ("char_lm_sgd", "sgd"),
+  }
+  moment = next(r for r in finals if r["variant"] == convergence.QUICK_MOMENTUM)
+  assert moment["compress"] == "preconditioned_momentum"
   for row in finals:
     points = [
         c
@@ -195,9 +203,10 @@ def test_convergence_runs_every_variant_and_counts_warmup_bytes(results):
     assert warm["bytes_sent"] == pytest.approx(
         k * dense + (warm["steps"] - k) * cold["bytes_per_step"], rel=0.01
     )
-  summary = convergence.summarize(finals)
+  summary = convergence.summarize(finals, curves)
   ssgd = next(r for r in summary if r["variant"] == "ssgd")
   assert ssgd["accuracy_vs_ssgd_pts"] == 0 and ssgd["seeds"] == 1
+  assert ssgd["steps_to_target_ratio"] == 1.0
 
 
 def test_report_has_targets_and_plots(results):

@@ -50,6 +50,35 @@ def test_cosines_measure_the_compression(text):
         assert 0.0 < row[key] < 0.999, (name, key)
 
 
+@pytest.mark.slow
+def test_the_compressed_moment_sent_whole_is_the_true_moment(text):
+  # At a rank where every leaf goes dense, compressed_adam's mean momentum
+  # is the true mean of what the devices hold; at rank 1 it turns.
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # nothing compressed
+    rows = direction.measure(
+        text,
+        warmup_steps=1,
+        measure_steps=2,
+        ranks=(64, 1),
+        methods=("acp_sgd",),
+        geometries=("momentum", "momentum_preconditioned"),
+        tiny=True,
+    )
+  by_name = {r["variant"]: r for r in rows}
+  assert set(by_name) == {
+      f"acp_sgd_r{r}_{g}"
+      for r in (64, 1)
+      for g in ("momentum", "momentum_preconditioned")
+  }
+  for name, row in by_name.items():
+    assert row["adam_shared"] is None
+    if "r64" in name:
+      assert row["grad"] == pytest.approx(1.0, abs=1e-5), name
+    else:
+      assert 0.0 < row["grad"] < 0.999, name
+
+
 def _update(variant, grads, state):
   run = jax.vmap(
       variant.update,

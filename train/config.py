@@ -54,6 +54,15 @@ SCHEDULE_KEYS = {
     "cosine": {"warmup_steps", "end_factor"},
     "step": {"warmup_steps", "boundaries", "decay_factor"},
 }
+# What the compressor averages: the gradient, or (AdamW only) Adam's first
+# moment, its second frozen after the compressor's dense warm-up, as it is
+# or divided by sqrt(nu) + eps (``acp_jax.compressed_adam``'s
+# ``preconditioned``), by name.
+COMPRESS = {
+    "gradient": None,
+    "momentum": False,
+    "preconditioned_momentum": True,
+}
 BATCH_NORM = ("local", "sync")
 NONFINITE_POLICIES = ("stop", "skip")
 
@@ -223,7 +232,19 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   global_batch_size(config, num_devices)
   pipeline.check(config.data_workers, config.data_prefetch)
   _check_choice("config.compressor.name", config.compressor.name, COMPRESSORS)
-  _check_keys("config.compressor", set(config.compressor) - {"name"}, COMPRESSORS)
+  _check_keys(
+      "config.compressor",
+      set(config.compressor) - {"name", "compress"},
+      COMPRESSORS,
+  )
+  _check_choice("config.compressor.compress", _compress(config), COMPRESS)
+  compress = _compress(config)
+  if compress != "gradient" and config.optimizer.name != "adamw":
+    raise ValueError(
+        f"config.compressor.compress={compress!r} compresses AdamW's first"
+        f" moment, but config.optimizer.name={config.optimizer.name!r}; set"
+        " config.optimizer.name='adamw' or compress='gradient'"
+    )
   compressor(config, "data")  # the factory checks its own arguments
   optimizer(config, config.optimizer.learning_rate)  # and so does this one
 
@@ -293,11 +314,31 @@ def compressor(
   if leaf_order is not None:
     args.setdefault("leaf_order", leaf_order)
   try:
-    return COMPRESSORS[name](axis_name=axis_name, **args)
+    made = COMPRESSORS[name](axis_name=axis_name, **args)
   except TypeError as e:  # an argument the factory does not take
     raise ValueError(f"config.compressor.{name}: {e}") from None
   except ValueError as e:
     raise ValueError(f"config.compressor.{name}: {e}") from None
+  compress = _compress(config)
+  if compress == "gradient":
+    return made
+  try:
+    return acp_jax.compressed_adam(
+        made, **_adam_moments(config), preconditioned=COMPRESS[compress]
+    )
+  except TypeError as e:  # an argument of AdamW's that it does not take
+    raise ValueError(f"config.optimizer.adamw: {e}") from None
+  except ValueError as e:
+    raise ValueError(f"config.compressor.compress={compress!r}: {e}") from None
+
+
+def _compress(config: ml_collections.ConfigDict) -> str:
+  return config.compressor.get("compress", "gradient")
+
+
+def _adam_moments(config: ml_collections.ConfigDict) -> dict[str, float]:
+  """AdamW's own arguments (its decays and eps), for compressed_adam."""
+  return dict(config.optimizer.get("adamw", {}))
 
 
 def schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
@@ -362,6 +403,13 @@ def optimizer(
   """
   args = config.optimizer
   name = args.name
+  if _compress(config) != "gradient":
+    # Adam's scaling is the compressor's (compressed_adam, which takes
+    # AdamW's own arguments); what follows it in optax.adamw follows here.
+    return optax.chain(
+        optax.add_decayed_weights(args.get("weight_decay", 0.0)),
+        optax.scale_by_learning_rate(lr),
+    )
   try:
     return OPTIMIZERS[name](
         lr, args.get("weight_decay", 0.0), **dict(args.get(name, {}))

@@ -1,0 +1,220 @@
+"""Adam with its first moment compressed: 1-bit Adam's scheme, at low rank."""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax._src import numerics
+
+from acp_jax import compressor as compressor_lib
+from acp_jax import lowrank
+
+# The factories whose compressors it wraps: S-SGD (every step dense, so it
+# is Adam itself) and the low-rank ones, whose dense warm-up feeds Adam's
+# second moment before it is frozen.
+_EXACT = "ssgd"
+_WITH_WARMUP = ("power_sgd", "acp_sgd")
+
+
+class CompressedAdamState(NamedTuple):
+  """State of ``compressed_adam``.
+
+  Attributes:
+    local: the wrapped compressor's per-device fields (its residuals), in the
+      order of its ``local_fields``; they differ across devices.
+    inner: the wrapped compressor's state, None at those fields; identical
+      on every replica.
+    adam: Adam's ``optax.ScaleByAdamState``: the step count (int32 scalar)
+      and the moments mu and nu, like the params; identical on every
+      replica. nu holds its value of the last dense step once compression
+      starts.
+  """
+
+  local: tuple
+  inner: Any
+  adam: optax.ScaleByAdamState
+
+  @property
+  def phase(self) -> jax.Array:
+    """The wrapped compressor's phase marker (see ``lowrank.phase_of``)."""
+    return self.inner.phase
+
+  @property
+  def count(self) -> jax.Array:
+    """The wrapped compressor's step count."""
+    return self.inner.count
+
+
+def compressed_adam(
+    compressor: compressor_lib.Compressor,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    preconditioned: bool = False,
+) -> compressor_lib.Compressor:
+  """Adam whose first moment, not the gradient, goes through ``compressor``.
+
+  During the compressor's dense warm-up each step is Adam's on the exact
+  mean gradient. From the first compressed step on, Adam's second moment nu
+  is frozen (as in 1-bit Adam) and each device i folds its own gradient G_i
+  into the shared first moment mu; the compressor, with its error feedback
+  and warm-started factors, averages the result::
+
+    dense:       g = allreduce_mean(G_i)
+                 mu = b1 mu + (1 - b1) g;  nu = b2 nu + (1 - b2) g^2
+    compressed:  mu = compressor_mean(b1 mu + (1 - b1) G_i);  nu unchanged
+    update = mu_hat / (sqrt(nu_hat) + eps)
+
+  With ``preconditioned``, what is compressed is each device's momentum in
+  Adam's geometry, (b1 mu + (1 - b1) G_i) / (sqrt(nu_hat) + eps): its mean
+  is the update itself, and mu is that mean times sqrt(nu_hat) + eps. The
+  scaling is fixed once nu is frozen, so the residual that error feedback
+  keeps stays in one space, and the rank-r error is chosen in the norm of
+  the update rather than amplified where nu is small.
+
+  with ``optax.scale_by_adam``'s bias corrections (nu_hat's from the last
+  dense step on). The momentum changes slowly from step to step, so a
+  warm-started rank-r factor tracks it more closely than it tracks the raw
+  gradient, and the residual that error feedback carries stays small. What
+  is sent per step is what ``compressor`` sends: the momentum has the
+  gradient's shapes.
+
+  Args:
+    compressor: ``acp_jax.ssgd(...)`` (then every step is Adam's) or
+      ``acp_jax.power_sgd`` / ``acp_jax.acp_sgd`` with ``warmup_steps`` of
+      at least 1, the steps on which nu is estimated.
+    b1: decay of the first moment, in [0, 1).
+    b2: decay of the second moment, in [0, 1).
+    eps: added to sqrt(nu_hat), > 0.
+    preconditioned: compress the momentum divided by sqrt(nu_hat) + eps.
+
+  Returns:
+    A ``Compressor`` whose update, inside the mapping, takes this device's
+    gradients and returns Adam's preconditioned direction (the same on every
+    replica). Chain it with what follows ``scale_by_adam`` in
+    ``optax.adamw``: ``dp.chain(optax.chain(optax.add_decayed_weights(wd),
+    optax.scale_by_learning_rate(lr)))``.
+
+  Example::
+
+    dp = acp_jax.DataParallel(
+        acp_jax.compressed_adam(acp_jax.acp_sgd(8, warmup_steps=60)), mesh
+    )
+    tx = dp.chain(optax.scale_by_learning_rate(1e-3))
+
+  .. warning::
+    Do not chain ``optax.adam`` after it: it is Adam already.
+
+  References:
+    Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training
+    with Adam's Convergence Speed", ICML 2021.
+    https://arxiv.org/abs/2102.02888
+  """
+  made_by = getattr(compressor, "made_by", None)
+  if not isinstance(compressor, compressor_lib.Compressor) or not made_by:
+    raise TypeError(
+        "compressed_adam needs a compressor made by acp_jax.ssgd,"
+        f" power_sgd or acp_sgd, got {type(compressor).__name__}"
+    )
+  name = made_by[0]
+  if name not in (_EXACT, *_WITH_WARMUP):
+    raise ValueError(
+        f"compressed_adam takes ssgd, power_sgd or acp_sgd, got {name}: the"
+        " others have no dense warm-up on which Adam's second moment could"
+        " be estimated."
+    )
+  if name != _EXACT and not compressor.warmup_steps:
+    raise ValueError(
+        f"compressed_adam: {name} has warmup_steps={compressor.warmup_steps};"
+        " Adam's second moment is estimated on the dense warm-up steps and"
+        f" then frozen, so make it with {name}(..., warmup_steps=N), N >= 1."
+    )
+  for key, value in (("b1", b1), ("b2", b2)):
+    if not 0 <= value < 1:
+      raise ValueError(f"compressed_adam: {key} must be in [0, 1), got {value!r}")
+  if not eps > 0:
+    raise ValueError(f"compressed_adam: eps must be > 0, got {eps!r}")
+  if not isinstance(preconditioned, bool):
+    raise ValueError(
+        "compressed_adam: preconditioned must be a bool, got"
+        f" {preconditioned!r}"
+    )
+  adam = optax.scale_by_adam(b1, b2, eps)
+  local_fields = compressor.local_fields
+
+  def split(inner):
+    local = tuple(getattr(inner, f) for f in local_fields)
+    return local, inner._replace(**dict.fromkeys(local_fields))
+
+  def init_fn(params):
+    local, inner = split(compressor.init(params))
+    return CompressedAdamState(local=local, inner=inner, adam=adam.init(params))
+
+  def update_fn(updates, state, params=None):
+    del params
+    compressor_lib.begin_update(updates, compressor.axis_name, "compressed_adam")
+    compressor_lib.check_state(state, CompressedAdamState, "compressed_adam")
+    inner = state.inner._replace(**dict(zip(local_fields, state.local)))
+    if name == _EXACT or lowrank.phase_of(inner.phase) is lowrank.Phase.DENSE:
+      mean, inner = compressor.update(updates, inner)
+      direction, moments = adam.update(mean, state.adam)
+    else:
+      moment = optax.tree.update_moment(updates, state.adam.mu, b1, 1)
+      # nu stopped at the last dense step, the warm-up's last.
+      nu_hat = optax.tree.bias_correction(
+          state.adam.nu, b2, jnp.asarray(compressor.warmup_steps, jnp.int32)
+      )
+      scale = jax.tree.map(lambda v: jnp.sqrt(v) + eps, nu_hat)
+      count = numerics.safe_increment(state.adam.count)
+      if preconditioned:
+        mean, inner = compressor.update(
+            jax.tree.map(jnp.divide, moment, scale), inner
+        )
+        mu = jax.tree.map(jnp.multiply, mean, scale)
+        direction = optax.tree.bias_correction(mean, b1, count)
+      else:
+        mu, inner = compressor.update(moment, inner)
+        direction = jax.tree.map(
+            jnp.divide, optax.tree.bias_correction(mu, b1, count), scale
+        )
+      moments = state.adam._replace(count=count, mu=mu)
+    local, inner = split(inner)
+    return direction, CompressedAdamState(local, inner, moments)
+
+  def phases(state):
+    return {
+        phase: state._replace(inner=inner)
+        for phase, inner in compressor.phases(state.inner).items()
+    }
+
+  def to_phase(state, dense):
+    # pylint: disable-next=protected-access
+    switched = compressor._to_phase(state.inner, dense)
+    return state if switched is state.inner else state._replace(inner=switched)
+
+  return compressor_lib.Compressor(
+      init_fn,
+      update_fn,
+      compressor._volume,  # pylint: disable=protected-access
+      axis_name=compressor.axis_name,
+      local_fields=("local",),
+      phases=phases,
+      bucket_bytes=compressor.bucket_bytes,
+      leaf_order=compressor.leaf_order,
+      dependent_rounds=compressor.dependent_rounds,
+      cycle=compressor.cycle,
+      warmup_steps=compressor.warmup_steps,
+      to_phase=to_phase if compressor.warmup_steps else None,
+      made_by=(
+          "compressed_adam",
+          {
+              "compressor": {"name": name, "args": made_by[1]},
+              "b1": b1,
+              "b2": b2,
+              "eps": eps,
+              "preconditioned": preconditioned,
+          },
+      ),
+  )

@@ -1,0 +1,120 @@
+"""The convergence benchmark's plan, configs and summaries (no training)."""
+
+import pytest
+
+from benchmarks import convergence
+from tests.conftest import NUM_DEVICES
+from train import config as config_lib
+
+
+@pytest.fixture
+def text(tmp_path):
+  path = tmp_path / "text.txt"
+  path.write_text("to be or not to be\n" * 50)
+  return str(path)
+
+
+def test_every_planned_run_has_a_valid_config_naming_its_optimizer(text):
+  for seed, task, variant in convergence.plan(list(convergence.TASKS), False):
+    if convergence.config_name(task) == "mnist":
+      continue  # its loader checks the files when it runs
+    cfg = convergence.config(task, variant, text, quick=False, seed=seed)
+    config_lib.validate(cfg, NUM_DEVICES)
+    expected = "sgd" if task == "char_lm_sgd" else "adamw"
+    assert cfg.optimizer.name == expected, (task, variant)
+    assert cfg.compressor.compress == convergence.VARIANTS[variant].compress
+  long = convergence.config("char_lm_long", "ssgd", text, quick=False)
+  assert long.num_train_steps >= 1000
+  # The long task is the 300-step one but for its budget.
+  short = convergence.config("char_lm", "ssgd", text, quick=False)
+  for key in ("batch_size", "optimizer", "model", "schedule", "data"):
+    assert long[key] == short[key], key
+
+
+def test_the_compressed_moment_runs_only_with_adamw():
+  for task, variants in convergence.TASK_VARIANTS.items():
+    if convergence.optimizer_name(task) != "adamw":
+      assert not set(variants) & set(convergence.MOMENTUM_VARIANTS), task
+  assert set(convergence.MOMENTUM_VARIANTS) <= set(
+      convergence.TASK_VARIANTS["char_lm_long"]
+  )
+
+
+def _curve(variant, points, seed=0, task="t"):
+  return [
+      {"task": task, "variant": variant, "seed": seed, "step": s, "eval_loss": l}
+      for s, l in points
+  ]
+
+
+def test_steps_to_target_interpolates_between_evaluations():
+  curves = _curve("ssgd", [(50, 2.0), (100, 1.5)]) + _curve(
+      "slow", [(50, 2.2), (100, 1.7), (150, 1.4)]
+  )
+  # S-SGD reaches its final 1.5 at step 100; "slow" between 100 and 150,
+  # at 1.7 - 2/3 of the way down to 1.4: step 100 + 50 * 2/3.
+  ratio = convergence.steps_to_target(curves, "t", "slow")
+  assert ratio == pytest.approx((100 + 50 * 2 / 3) / 100)
+  assert convergence.steps_to_target(curves, "t", "ssgd") == 1.0
+
+
+def test_steps_to_target_is_none_where_the_target_is_not_reached():
+  curves = _curve("ssgd", [(50, 2.0), (100, 1.5)]) + _curve(
+      "stuck", [(50, 2.0), (100, 1.6)]
+  )
+  assert convergence.steps_to_target(curves, "t", "stuck") is None
+  assert convergence.steps_to_target(curves, "other", "stuck") is None
+
+
+def test_steps_to_target_takes_the_mean_over_seeds():
+  curves = (
+      _curve("ssgd", [(100, 1.0)])
+      + _curve("v", [(100, 1.2), (200, 0.9)], seed=0)
+      + _curve("v", [(100, 1.0), (200, 0.9)], seed=1)
+  )
+  # Mean 1.1 at 100, 0.9 at 200: 1.0 is reached halfway.
+  assert convergence.steps_to_target(curves, "t", "v") == pytest.approx(1.5)
+
+
+def test_summary_names_the_optimizer_and_the_ratio():
+  finals = [
+      {
+          "task": "t",
+          "variant": v,
+          "optimizer": "adamw",
+          "compress": "gradient",
+          "compressor": v,
+          "rank": None,
+          "warmup_steps": 0,
+          "steps": 200,
+          "bytes_per_step": 1,
+          "seed": 0,
+          "eval_loss": loss,
+          "eval_accuracy": 0.5,
+          "bytes_sent": 200,
+          "wall_seconds": 1.0,
+      }
+      for v, loss in (("ssgd", 1.0), ("v", 0.9))
+  ]
+  curves = _curve("ssgd", [(100, 1.2), (200, 1.0)]) + _curve(
+      "v", [(100, 1.0), (200, 0.9)]
+  )
+  rows = {r["variant"]: r for r in convergence.summarize(finals, curves)}
+  assert rows["v"]["optimizer"] == "adamw"
+  assert rows["v"]["steps_to_target_ratio"] == pytest.approx(0.5)
+  assert rows["v"]["loss_vs_ssgd_pct"] == pytest.approx(-10.0)
+  assert "steps_to_target_ratio" not in convergence.summarize(finals)[0]
+
+
+def test_plan_runs_the_variants_asked_for_in_their_order():
+  runs = convergence.plan(
+      ["char_lm_long", "mnist"], False, ["acp_sgd_2r_precond", "ssgd"]
+  )
+  assert runs[:3] == [
+      (0, "char_lm_long", "acp_sgd_2r_precond"),
+      (0, "char_lm_long", "ssgd"),
+      (0, "mnist", "ssgd"),
+  ]
+  assert len(runs) == 3 * convergence.SEEDS
+  with pytest.raises(ValueError, match="unknown variant.*acp_sgd_3r"):
+    convergence.plan(["char_lm"], False, ["acp_sgd_3r"])
