@@ -27,7 +27,6 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 
 from acp_jax import phase as phase_lib

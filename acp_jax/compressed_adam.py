@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import optax
 from optax._src import numerics
 
+from acp_jax import _checks
 from acp_jax import compressor as compressor_lib
-from acp_jax import lowrank
+from acp_jax import phase as phase_lib
 
 # The factories whose compressors it wraps: S-SGD (every step dense, so it
 # is Adam itself) and the low-rank ones, whose dense warm-up feeds Adam's
@@ -37,7 +38,7 @@ class CompressedAdamState(NamedTuple):
 
   @property
   def phase(self) -> jax.Array:
-    """The wrapped compressor's phase marker (see ``lowrank.phase_of``)."""
+    """The wrapped compressor's phase marker (see ``acp_jax.phase.phase_of``)."""
     return self.inner.phase
 
   @property
@@ -133,7 +134,9 @@ def compressed_adam(
     )
   for key, value in (("b1", b1), ("b2", b2)):
     if not 0 <= value < 1:
-      raise ValueError(f"compressed_adam: {key} must be in [0, 1), got {value!r}")
+      raise ValueError(
+          f"compressed_adam: {key} must be in [0, 1), got {value!r}"
+      )
   if not eps > 0:
     raise ValueError(f"compressed_adam: eps must be > 0, got {eps!r}")
   if not isinstance(preconditioned, bool):
@@ -154,10 +157,13 @@ def compressed_adam(
 
   def update_fn(updates, state, params=None):
     del params
-    compressor_lib.begin_update(updates, compressor.axis_name, "compressed_adam")
-    compressor_lib.check_state(state, CompressedAdamState, "compressed_adam")
+    _checks.begin_update(updates, compressor.axis_name, "compressed_adam")
+    _checks.check_state(state, CompressedAdamState, "compressed_adam")
     inner = state.inner._replace(**dict(zip(local_fields, state.local)))
-    if name == _EXACT or lowrank.phase_of(inner.phase) is lowrank.Phase.DENSE:
+    if (
+        name == _EXACT
+        or phase_lib.phase_of(inner.phase) is phase_lib.Phase.DENSE
+    ):
       mean, inner = compressor.update(updates, inner)
       direction, moments = adam.update(mean, state.adam)
     else:

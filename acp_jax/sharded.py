@@ -64,7 +64,7 @@ import optax
 from acp_jax import collectives
 from acp_jax import compressor as compressor_lib
 from acp_jax import data_parallel
-from acp_jax import phase
+from acp_jax import phase as phase_lib
 
 # The compressors whose update on blocks of rows is the whole leaves' one:
 # their only sums over a leaf's rows go through ``collectives.row_sum``.
@@ -249,7 +249,7 @@ class ShardedDataParallel(data_parallel.DataParallel):
       if self.nonfinite != "propagate" and used:
         bad = collectives.all_reduce((~finite).astype(jnp.float32), local)
         finite = bad == 0
-        state = phase.where(finite, state, old)
+        state = phase_lib.where(finite, state, old)
       return mean, self._map_local(lambda x: x[None], state), finite
 
     rows = jax.tree.map(lambda _: P(local), params)

@@ -44,7 +44,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from benchmarks import cli
@@ -84,6 +83,7 @@ def forward_backward_call(model: str, dtype: str):
   device's batch (the config's per-device batch), in ``dtype``; and that
   batch size."""
   from train import experiment as experiment_lib
+  from train import loss as loss_lib
 
   cfg = workloads.config(model, "ssgd")
   batch = cfg.per_device_batch_size or cfg.batch_size // jax.device_count()
@@ -106,11 +106,7 @@ def forward_backward_call(model: str, dtype: str):
   def loss_fn(params, batch_stats, data):
     model = nnx.merge(experiment.graphdef, params, batch_stats)
     logits = model(data["inputs"], train=True, rngs=nnx.Rngs(dropout=key))
-    loss = optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), data["targets"]
-    )
-    weights = data["weights"].astype(jnp.float32)
-    return (loss * weights).sum() / weights.sum()
+    return loss_lib.mean_loss(logits, data)
 
   grad_fn = jax.jit(jax.grad(loss_fn))
   return lambda: grad_fn(params, batch_stats, data), batch
@@ -246,9 +242,10 @@ def _schedule_process(model: str, compressors: Sequence[str], log_dir: str):
   env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {SCHEDULER_FLAG}".strip()
   # It only compiles: the GPU's memory stays with the timings.
   env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-  with open(os.path.join(log_dir, f"{model}.out"), "w") as out, open(
-      os.path.join(log_dir, f"{model}.err"), "w"
-  ) as err:
+  with (
+      open(os.path.join(log_dir, f"{model}.out"), "w") as out,
+      open(os.path.join(log_dir, f"{model}.err"), "w") as err,
+  ):
     return subprocess.Popen(
         [
             sys.executable,
@@ -357,9 +354,7 @@ def schedule_main(argv: list[str] | None = None) -> None:
   process ``measure`` starts for it."""
   parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu")
   parser.add_argument("--schedule", choices=workloads.WORKLOADS, required=True)
-  parser.add_argument(
-      "--compressors", default=",".join(SCHEDULE_COMPRESSORS)
-  )
+  parser.add_argument("--compressors", default=",".join(SCHEDULE_COMPRESSORS))
   args = parser.parse_args(argv)
   schedule(args.schedule, args.compressors.split(","))
 

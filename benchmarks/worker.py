@@ -24,7 +24,6 @@ switch) sent and received per timed step.
 """
 
 import argparse
-import hashlib
 import json
 import pathlib
 import statistics
@@ -82,9 +81,7 @@ def _data_parallel(args, hierarchical: bool):
   ``DataParallel``, the base optimizer, replicated params, the same global
   batch for every step, and the per-device loss."""
   import jax
-  import jax.numpy as jnp
   import numpy as np
-  import optax
   from flax import nnx
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
@@ -93,6 +90,7 @@ def _data_parallel(args, hierarchical: bool):
   from benchmarks import workloads
   from train import config as config_lib
   from train import experiment as experiment_lib
+  from train import loss as loss_lib
 
   config = workloads.cluster_config(args.workload, args.compressor, args.steps)
   # The model, data and optimizer of the workload; its 1-D mesh goes unused.
@@ -138,23 +136,9 @@ def _data_parallel(args, hierarchical: bool):
     logits = model(
         batch["inputs"], train=True, rngs=nnx.Rngs(dropout=jax.random.key(0))
     )
-    loss = optax.softmax_cross_entropy_with_integer_labels(
-        logits, batch["targets"]
-    )
-    weights = batch["weights"]
-    return (loss * weights).sum() / jnp.maximum(weights.sum(), 1.0)
+    return loss_lib.mean_loss(logits, batch)
 
   return experiment, dp, inner, params, batch, loss_fn
-
-
-def _digest(params) -> str:
-  import jax
-  import numpy as np
-
-  digest = hashlib.sha256()
-  for leaf in jax.tree.leaves(params):
-    digest.update(np.asarray(leaf.addressable_data(0)).tobytes())
-  return digest.hexdigest()
 
 
 def _step_fn(dp, tx, loss_fn):
@@ -204,6 +188,8 @@ def step_traffic(step, dp, params, state, batch) -> list[dict[str, int]]:
 def _nodes(args) -> dict:
   import jax
 
+  from train import metrics as metrics_lib
+
   experiment, dp, inner, params, batch, loss_fn = _data_parallel(
       args, args.hierarchical
   )
@@ -226,7 +212,7 @@ def _nodes(args) -> dict:
   result = {
       "examples_per_sec": experiment.global_batch / statistics.median(times),
       "loss": float(loss),
-      "params_sha256": _digest(params),
+      "params_sha256": metrics_lib.params_digest(params),
       "node_axis_bytes_per_device": per_axis["data"],
       "local_axis_bytes_per_device": per_axis.get("local", 0),
   }
@@ -272,6 +258,7 @@ def _parts(args) -> dict:
   from jax.sharding import PartitionSpec as P
 
   import acp_jax
+  from train import metrics as metrics_lib
 
   experiment, dp, inner, params, batch, loss_fn = _data_parallel(args, False)
   local = acp_jax.DataParallel(
@@ -353,7 +340,7 @@ def _parts(args) -> dict:
       "seconds": {k: statistics.median(v) for k, v in times.items()},
       "traffic": step_traffic(step, dp, params, state, batch),
       "loss": float(loss),
-      "params_sha256": _digest(params),
+      "params_sha256": metrics_lib.params_digest(params),
   }
 
 

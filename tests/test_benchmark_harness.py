@@ -55,7 +55,15 @@ def test_flags_parse_into_values(parser):
   )
   assert (args.workers, args.bandwidths, args.steps) == ([2, 4], ["1gbit"], 4)
   assert parser.parse_args(["comm", "--overlap_models="]).overlap_models == []
-  assert parser.parse_args(["convergence"]).tasks == ["char_lm", "mnist"]
+  assert parser.parse_args(["convergence"]).tasks == [
+      "char_lm_long",
+      "char_lm_sgd",
+      "char_lm",
+      "mnist",
+  ]
+  assert parser.parse_args(
+      ["convergence", "--variants=acp_sgd_warm,ssgd"]
+  ).variants == ["acp_sgd_warm", "ssgd"]
 
 
 @pytest.fixture
