@@ -81,52 +81,61 @@ def data_files(tmp_path_factory):
   }
 
 
-@pytest.mark.parametrize(
-    "name, overrides",
-    [
-        ("mnist", {"data.eval_examples": 100}),
-        (
-            "tinyshakespeare",
-            {
-                "data.seq_len": 32,
-                "model.max_len": 32,
-                "model.dim": 32,
-                "model.num_layers": 1,
-            },
-        ),
-        (
-            "bert_base",
-            {
-                "data.seq_len": 16,
-                "data.vocab_size": 512,
-                "model": {
-                    "name": "bert",
-                    "size": {
-                        "num_layers": 1,
-                        "hidden": 32,
-                        "heads": 2,
-                        "ffn": 64,
-                    },
-                    "max_len": 16,
-                },
-                "compressor.acp_sgd.rank": 4,
-                "per_device_batch_size": 2,
-            },
-        ),
-        (
-            "bert_shakespeare",
-            {
-                "data.seq_len": 16,
-                "data.vocab_size": 256,
-                "model.size": {
+# (config, overrides) small enough to train a few steps here.
+SMALL_CONFIGS = [
+    ("mnist", {"data.eval_examples": 100}),
+    (
+        "tinyshakespeare",
+        {
+            "data.seq_len": 32,
+            "model.max_len": 32,
+            "model.dim": 32,
+            "model.num_layers": 1,
+        },
+    ),
+    (
+        "bert_base",
+        {
+            "data.seq_len": 16,
+            "data.vocab_size": 512,
+            "model": {
+                "name": "bert",
+                "size": {
                     "num_layers": 1,
                     "hidden": 32,
                     "heads": 2,
                     "ffn": 64,
                 },
-                "model.max_len": 16,
+                "max_len": 16,
             },
-        ),
+            "compressor.acp_sgd.rank": 4,
+            "per_device_batch_size": 2,
+        },
+    ),
+    (
+        "bert_shakespeare",
+        {
+            "data.seq_len": 16,
+            "data.vocab_size": 256,
+            "model.size": {
+                "num_layers": 1,
+                "hidden": 32,
+                "heads": 2,
+                "ffn": 64,
+            },
+            "model.max_len": 16,
+        },
+    ),
+]
+
+
+# The embedded MNIST config trains in the quick tier; the text and BERT
+# configs, slower to compile, in the slow one.
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        pytest.param(n, o, marks=[] if n == "mnist" else [pytest.mark.slow])
+        for n, o in SMALL_CONFIGS
     ],
 )
 def test_small_configs_train(name, overrides, data_files, tmp_path):
@@ -177,7 +186,9 @@ def test_command_line_names_an_unknown_override(tmp_path):
       timeout=120,
   )
   assert result.returncode != 0
-  assert "unknown config key in --config.compressor.acp_sgd.rnk=8" in result.stderr
+  assert (
+      "unknown config key in --config.compressor.acp_sgd.rnk=8" in result.stderr
+  )
   assert 'Did you mean "rank"' in result.stderr
 
 
@@ -238,6 +249,7 @@ def _command(tmp_path, *args):
   )
 
 
+@pytest.mark.slow
 def test_compressor_arguments_are_set_from_the_command_line(tmp_path):
   overrides = [
       "--config.compressor.acp_sgd.comm_dtype=bfloat16",

@@ -82,6 +82,7 @@ def test_fit_needs_two_sizes_and_two_workers():
     costmodel.fit_all_reduce([1, 2], [1.0, 2.0], 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compressor", ["ssgd", "power_sgd", "acp_sgd"])
 def test_fused_rounds_match_the_compiled_step(compressor):
   """The projection fuses each round into one all-reduce: so does XLA, in

@@ -126,6 +126,7 @@ def test_compressor_inside_nnx_optimizer_trains_like_the_functional_step():
   )
 
 
+@pytest.mark.slow
 def test_orbax_round_trip_in_q_phase_resumes_bitwise(tmp_path):
   dp = dp_of(acp_jax.acp_sgd(2))
   model, optimizer = make_nnx(dp, batch_norm=True)

@@ -61,6 +61,7 @@ def run_python(args, timeout=600):
 def test_the_guides_have_code_and_every_python_block_is_run():
   assert "docs/guides/getting_started.md" in PAGES_WITH_CODE
   assert len(PAGES_WITH_CODE) >= 6, PAGES_WITH_CODE
+  assert SLOW_PAGES <= set(PAGES_WITH_CODE), SLOW_PAGES
   for page in pages():
     for info, _ in fences(page):
       assert not _UNRUN_PYTHON.match(info.strip()), (
@@ -69,7 +70,21 @@ def test_the_guides_have_code_and_every_python_block_is_run():
       )
 
 
-@pytest.mark.parametrize("page", PAGES_WITH_CODE)
+# Pages whose blocks train or compile for long run in the slow tier.
+SLOW_PAGES = {
+    "docs/guides/trainer.md",
+    "docs/guides/optax_orbax.md",
+    "docs/guides/lowrank.md",
+}
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        pytest.param(p, marks=[pytest.mark.slow] if p in SLOW_PAGES else [])
+        for p in PAGES_WITH_CODE
+    ],
+)
 def test_python_blocks_run_in_order(page, tmp_path):
   script = tmp_path / "page.py"
   script.write_text("\n\n".join(python_blocks(page)))
@@ -128,8 +143,17 @@ def test_mistakes_page_cites_tests_that_exist():
 def test_docs_build_with_warnings_as_errors(tmp_path):
   result = subprocess.run(
       [
-          sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q",
-          "-b", "html", "-d", str(tmp_path / "doctrees"), "docs",
+          sys.executable,
+          "-m",
+          "sphinx",
+          "-W",
+          "--keep-going",
+          "-q",
+          "-b",
+          "html",
+          "-d",
+          str(tmp_path / "doctrees"),
+          "docs",
           str(tmp_path / "html"),
       ],
       cwd=ROOT,
@@ -139,7 +163,6 @@ def test_docs_build_with_warnings_as_errors(tmp_path):
   )
   assert result.returncode == 0, result.stderr[-3000:]
   assert os.path.exists(tmp_path / "html" / "api.html")
-
 
 
 @pytest.mark.parametrize(
@@ -160,6 +183,7 @@ def test_nnx_diff_is_the_diff_of_the_examples(page):
     )
     for name in wanted:
       assert code in examples[name], f"{page}: {line!r} is not in {name}.py"
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["nnx_plain", "nnx_compressed"])

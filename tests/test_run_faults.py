@@ -98,6 +98,7 @@ def test_a_non_finite_batch_norm_statistic_stops_the_run(
   assert not os.listdir(tmp_path / "checkpoints")
 
 
+@pytest.mark.slow
 def test_skip_mode_keeps_batch_norm_statistics_finite(tmp_path, monkeypatch):
   init_state = _huge_first_kernel(train.init_state)
   monkeypatch.setattr(train, "init_state", init_state)

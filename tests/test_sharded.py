@@ -247,6 +247,7 @@ def test_resumes_bitwise_from_a_sharded_checkpoint(tmp_path):
   chex.assert_trees_all_equal(got, want)
 
 
+@pytest.mark.slow
 def test_nnx_model_with_sharding_annotations_in_its_own_loop():
   nnx = pytest.importorskip("flax.nnx")
 

@@ -363,6 +363,7 @@ def warmup_config(steps):
   return config
 
 
+@pytest.mark.slow
 def test_warmup_logs_dense_bytes_compiles_each_phase_and_resumes_exactly(
     tmp_path,
 ):
@@ -418,6 +419,7 @@ def test_a_loss_that_explodes_while_finite_stops_the_run(tmp_path):
   assert train.train_and_evaluate(sane, workdir)["params_sha256"] == digest
 
 
+@pytest.mark.slow
 def test_skip_mode_skips_a_diverged_step_keeping_the_state(tmp_path):
   """With a rate of 1e3 every step after the first diverges: each is
   skipped, and the state stays the one the first step made."""

@@ -212,6 +212,7 @@ def rnn_problem():
   return params, x, y
 
 
+@pytest.mark.slow
 def test_a_time_major_batch_splits_along_its_sharded_axis():
   """A (T, B, F) batch placed with P(None, 'data') is split along B."""
   dp = dp_of()
