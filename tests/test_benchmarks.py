@@ -304,7 +304,7 @@ def test_data_paths_are_asked_for_with_where_to_get_them(tmp_path):
       f"--results_dir={tmp_path}", "convergence", "--quick", timeout=120
   )
   assert result.returncode != 0
-  assert "the char_lm task needs --char_lm_path" in result.stderr
+  assert "char_lm_long task needs --char_lm_path" in result.stderr
   assert "tinyshakespeare/input.txt" in result.stderr
   assert not list(tmp_path.glob("*.json"))
 
