@@ -18,11 +18,9 @@ def text(tmp_path):
   return str(path)
 
 
-@pytest.mark.slow
-def test_cosines_measure_the_compression(text):
-  # At a rank as large as every matrix every leaf is sent dense: that
-  # variant is S-SGD, so its mean and its Adam update must be S-SGD's. At
-  # rank 1 the direction turns.
+def _two_steps(text, method, geometries):
+  """Rows by variant of a tiny model measured for 2 steps after 1 dense
+  one, at rank 64 (every leaf sent dense) and rank 1."""
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)  # nothing compressed
     rows = direction.measure(
@@ -30,11 +28,19 @@ def test_cosines_measure_the_compression(text):
         warmup_steps=1,
         measure_steps=2,
         ranks=(64, 1),
-        methods=("power_sgd",),
-        geometries=(None, "factored"),
+        methods=(method,),
+        geometries=geometries,
         tiny=True,
     )
-  by_name = {r["variant"]: r for r in rows}
+  return {r["variant"]: r for r in rows}
+
+
+@pytest.mark.slow
+def test_cosines_measure_the_compression(text):
+  # At a rank as large as every matrix every leaf is sent dense: that
+  # variant is S-SGD, so its mean and its Adam update must be S-SGD's. At
+  # rank 1 the direction turns.
+  by_name = _two_steps(text, "power_sgd", (None, "factored"))
   assert set(by_name) == {
       "power_sgd_r64",
       "power_sgd_r64_factored",
@@ -54,18 +60,7 @@ def test_cosines_measure_the_compression(text):
 def test_the_compressed_moment_sent_whole_is_the_true_moment(text):
   # At a rank where every leaf goes dense, compressed_adam's mean momentum
   # is the true mean of what the devices hold; at rank 1 it turns.
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore", UserWarning)  # nothing compressed
-    rows = direction.measure(
-        text,
-        warmup_steps=1,
-        measure_steps=2,
-        ranks=(64, 1),
-        methods=("acp_sgd",),
-        geometries=("momentum", "momentum_preconditioned"),
-        tiny=True,
-    )
-  by_name = {r["variant"]: r for r in rows}
+  by_name = _two_steps(text, "acp_sgd", ("momentum", "momentum_preconditioned"))
   assert set(by_name) == {
       f"acp_sgd_r{r}_{g}"
       for r in (64, 1)
