@@ -48,8 +48,28 @@ def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
               "%Y-%m-%d %H:%M UTC"
           )
       ),
-      "command": shlex.join(["python", "-m", "benchmarks", *argv]),
+      "command": shlex.join(
+          ["python", "-m", "benchmarks", *map(portable_arg, argv)]
+      ),
   }
+
+
+def portable_arg(arg: str) -> str:
+  """``arg`` with an absolute path made readable anywhere: relative to the
+  repository where it lies inside it, else ``.../`` and its last two parts
+  (where this machine keeps its data says nothing to a reader)."""
+  flag, eq, value = (
+      arg.partition("=") if arg.startswith("--") else ("", "", arg)
+  )
+  path = pathlib.Path(value)
+  if not path.is_absolute():
+    return arg
+  root = RESULTS_DIR.parents[1]
+  if path.is_relative_to(root):
+    short = str(path.relative_to(root))
+  else:
+    short = ".../" + "/".join(path.parts[1:][-2:])
+  return f"{flag}{eq}{short}"
 
 
 def write(
