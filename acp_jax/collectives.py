@@ -91,9 +91,9 @@ BucketPlan = tuple[tuple[int, ...], ...]
 _SPLIT_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "split_axis", default=None
 )
-# The axis over which leaves' rows are sharded and its size, or None (see
-# ``row_shards``).
-_ROW_AXIS: contextvars.ContextVar[tuple[str, int] | None] = (
+# The axis over which leaves' rows are sharded, its size and the whole
+# leaves' unpadded rows, or None (see ``row_shards``).
+_ROW_AXIS: contextvars.ContextVar[tuple[str, int, Any] | None] = (
     contextvars.ContextVar("row_axis", default=None)
 )
 # Where the collectives of packed buffers are listed (see ``recording``).
@@ -152,7 +152,9 @@ def split_over(axis_name: str | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def row_shards(axis_name: str, parts: int) -> Iterator[None]:
+def row_shards(
+    axis_name: str, parts: int, rows: Sequence[int] | None = None
+) -> Iterator[None]:
   """Within it, every leaf a compressor is handed is one device's block of
   rows: its leading axis is sharded over ``axis_name`` (see the module's
   docstring). A compressor's matrix view is then decided on the whole leaf,
@@ -162,8 +164,13 @@ def row_shards(axis_name: str, parts: int) -> Iterator[None]:
   Args:
     axis_name: a mapped axis other than the collectives' own.
     parts: its size.
+    rows: the rows of each whole leaf before it was zero-padded to
+      ``parts`` blocks, in leaf order (``leaf_size``, ``real_rows``); None
+      where nothing is padded.
   """
-  token = _ROW_AXIS.set((axis_name, parts))
+  token = _ROW_AXIS.set(
+      (axis_name, parts, None if rows is None else tuple(rows))
+  )
   try:
     yield
   finally:
@@ -172,7 +179,8 @@ def row_shards(axis_name: str, parts: int) -> Iterator[None]:
 
 def row_axis() -> tuple[str, int] | None:
   """The axis name and size of ``row_shards``, or None outside it."""
-  return _ROW_AXIS.get()
+  rows = _ROW_AXIS.get()
+  return None if rows is None else rows[:2]
 
 
 def global_shape(shape: Sequence[int]) -> tuple[int, ...]:
@@ -191,6 +199,47 @@ def row_sum(x: jax.Array) -> jax.Array:
   if rows is None:
     return x
   return all_reduce(x, rows[0])
+
+
+def row_gather(x: jax.Array) -> jax.Array:
+  """Every device's ``x`` over the axis of ``row_shards``, stacked on a new
+  leading axis (listed where ``recording``); ``x[None]`` outside it."""
+  rows = _ROW_AXIS.get()
+  if rows is None:
+    return x[None]
+  return _collective("all_gather", x, rows[0])
+
+
+def leaf_size(block: jax.Array, index: int) -> int:
+  """Elements of leaf ``index`` of the update, whose block is ``block``,
+  before any padding: ``block.size`` outside ``row_shards``."""
+  rows = _ROW_AXIS.get()
+  if rows is None:
+    return block.size
+  whole = global_shape(block.shape)
+  real = whole[0] if rows[2] is None or not whole else rows[2][index]
+  return real * math.prod(whole[1:])
+
+
+def real_rows(block: jax.Array, index: int) -> jax.Array:
+  """``block`` with the rows that pad leaf ``index`` set to zero (see
+  ``row_shards``); ``block`` itself where nothing is padded."""
+  rows = _ROW_AXIS.get()
+  if rows is None or rows[2] is None or not block.shape:
+    return block
+  start = lax.axis_index(rows[0]) * block.shape[0]
+  row = start + lax.broadcasted_iota(jnp.int32, block.shape, 0)
+  return jnp.where(row < rows[2][index], block, jnp.zeros_like(block))
+
+
+def leaf_mean(block: jax.Array, index: int) -> jax.Array:
+  """The mean of leaf ``index``'s elements, from this device's ``block``:
+  ``block.mean()`` outside ``row_shards``; within it the blocks' sums
+  summed over its axis, over the unpadded size. Padding rows must be
+  zero."""
+  if _ROW_AXIS.get() is None:
+    return block.mean()
+  return row_sum(block.sum()) / leaf_size(block, index)
 
 
 def all_reduce(x: jax.Array, axis_name: str) -> jax.Array:
@@ -462,30 +511,36 @@ def _bucketed(
     plan: BucketPlan,
     axis_name: str,
     packed: bool = True,
-    row_sums: Sequence[bool] | None = None,
+    row_sums: Sequence[bool | Sequence[bool]] | None = None,
 ) -> list[list[jax.Array]]:
   """The ``kind`` collective of each bucket's arrays (``_packed``, or
   ``_each`` for an all-reduce that is not ``packed`` and not split);
   ``per_leaf[i]`` are the arrays leaf ``i`` sends (any number, none
-  included). Within ``row_shards``, a bucket's arrays of leaves marked in
-  ``row_sums`` and the others go as two groups, each split its own way."""
-  marked = [False] * len(per_leaf) if row_sums is None else list(row_sums)
-  if _ROW_AXIS.get() is None:
-    marked = [False] * len(per_leaf)
-  out = [[] for _ in per_leaf]
+  included). Within ``row_shards``, a bucket's arrays marked in
+  ``row_sums`` (a leaf's all, or one flag per array) and the others go as
+  two groups, each split its own way."""
+  flags = [(False,) * len(arrays) for arrays in per_leaf]
+  if row_sums is not None and _ROW_AXIS.get() is not None:
+    flags = [
+        tuple(m) if isinstance(m, Sequence) else (bool(m),) * len(arrays)
+        for arrays, m in zip(per_leaf, row_sums)
+    ]
+  out = [[None] * len(arrays) for arrays in per_leaf]
   for bucket in plan:
     for group in (False, True):
-      members = [i for i in bucket if marked[i] == group]
-      arrays = [x for i in members for x in per_leaf[i]]
-      if not members:
+      places = [
+          (i, j) for i in bucket for j, f in enumerate(flags[i]) if f == group
+      ]
+      if not places:
         continue
+      arrays = [per_leaf[i][j] for i, j in places]
       local = _split_axis(group)
       if kind == "all_reduce" and not packed and local is None:
-        done = iter(_each(arrays, axis_name))
+        done = _each(arrays, axis_name)
       else:
-        done = iter(_packed(kind, arrays, axis_name, local))
-      for i in members:
-        out[i] = [next(done) for _ in per_leaf[i]]
+        done = _packed(kind, arrays, axis_name, local)
+      for (i, j), x in zip(places, done):
+        out[i][j] = x
   return out
 
 
@@ -495,7 +550,7 @@ def bucketed_psum(
     axis_name: str,
     *,
     packed: bool = False,
-    row_sums: Sequence[bool] | None = None,
+    row_sums: Sequence[bool | Sequence[bool]] | None = None,
 ) -> list[list[jax.Array]]:
   """``lax.psum`` of every array, bucket by bucket: one all-reduce per
   array, or with ``packed`` (or within ``split_over``) one per bucket and
@@ -508,8 +563,9 @@ def bucketed_psum(
     axis_name: the mapped axis to sum over.
     packed: pack each bucket into one buffer per dtype.
     row_sums: None, or for each leaf whether its arrays are sums over rows
-      (``row_sum``), identical over the axis of ``row_shards``: within it,
-      they are split over that axis. Ignored outside it.
+      (``row_sum``), identical over the axis of ``row_shards`` (one flag,
+      or one per array): within it, they are split over that axis. Ignored
+      outside it.
 
   Returns:
     The summed arrays, nested like ``per_leaf``.
@@ -518,15 +574,21 @@ def bucketed_psum(
 
 
 def bucketed_all_gather(
-    per_leaf: Sequence[Sequence[jax.Array]], plan: BucketPlan, axis_name: str
+    per_leaf: Sequence[Sequence[jax.Array]],
+    plan: BucketPlan,
+    axis_name: str,
+    *,
+    row_sums: Sequence[bool | Sequence[bool]] | None = None,
 ) -> list[list[jax.Array]]:
   """``lax.all_gather`` of every array, one all-gather per bucket and dtype.
 
   Like ``bucketed_psum``; each result has a new leading axis of the axis
-  size, whose entry ``j`` holds device ``j``'s array.
+  size, whose entry ``j`` holds device ``j``'s array. ``row_sums`` marks
+  the leaves whose arrays are identical over the axis of ``row_shards``
+  (computed from all the blocks), split over it.
   """
   axis_size(axis_name, "bucketed_all_gather")
-  return _bucketed("all_gather", per_leaf, plan, axis_name)
+  return _bucketed("all_gather", per_leaf, plan, axis_name, row_sums=row_sums)
 
 
 def bucketed_pmean(

@@ -36,11 +36,17 @@ axis), and each device returns its own gradient. The exchange then
    Gram matrices (``lowrank.orthogonalize_rows``), with a fallback that
    sends nothing. Up to rounding, the result is what one device computes
    for the whole matrix: the basis may differ from Householder's in the
-   signs of its columns, which no update depends on;
+   signs of its columns, which no update depends on. Sign-SGD's scale, a
+   leaf's mean magnitude, is the blocks' sums summed over the local axis,
+   over the leaf's unpadded size (``collectives.leaf_mean``), and rows that
+   only pad send nothing. Top-k's selection is the node's: each device's k
+   largest are gathered over the local axis (``collectives.row_gather``)
+   and the k largest of those kept, so every device of the node holds the
+   same k values and indices into the whole leaf;
 3. sends across nodes each device's blocks (its rows of P, its share of the
-   leaves sent dense) whole, and the r x m sums, identical within the node,
-   in L chunks gathered back over the local axis, as the hierarchical mode
-   splits every buffer. ACP-SGD keeps its one round across nodes a step;
+   leaves sent dense, its packed signs) whole, and the r x m sums and
+   Top-k's selection, identical within the node, in L chunks gathered back
+   over the local axis, as the hierarchical mode splits every buffer. ACP-SGD keeps its one round across nodes a step;
    each device sends about 1/L of the node's compressed bytes, as in the
    hierarchical mode;
 4. returns each device's block of the mean gradient, so that the
@@ -67,8 +73,10 @@ from acp_jax import data_parallel
 from acp_jax import phase as phase_lib
 
 # The compressors whose update on blocks of rows is the whole leaves' one:
-# their only sums over a leaf's rows go through ``collectives.row_sum``.
-ROW_SHARDED = ("ssgd", "power_sgd", "acp_sgd")
+# their only sums over a leaf's rows go through ``collectives.row_sum``, its
+# mean through ``collectives.leaf_mean``, its selection through
+# ``collectives.row_gather``.
+ROW_SHARDED = ("ssgd", "sign_sgd", "topk_sgd", "power_sgd", "acp_sgd")
 
 
 class ShardedDataParallel(data_parallel.DataParallel):
@@ -76,7 +84,7 @@ class ShardedDataParallel(data_parallel.DataParallel):
   within each node (see the module's docstring).
 
   Args:
-    compressor: made by ``ssgd``, ``power_sgd`` or ``acp_sgd``; its
+    compressor: made by one of ``ROW_SHARDED`` (the library's five); its
       ``axis_name`` is the node axis of ``mesh``.
     mesh: nodes x devices per node.
     local_axis: the axis of a node's devices, over which the model is
@@ -116,9 +124,8 @@ class ShardedDataParallel(data_parallel.DataParallel):
     if made_by not in ROW_SHARDED:
       raise ValueError(
           f"ShardedDataParallel runs {', '.join(ROW_SHARDED)} on blocks of"
-          f" rows, not {made_by}, whose scale (sign_sgd) or selection"
-          " (topk_sgd) spans the whole leaf; use DataParallel(compressor,"
-          " mesh, local_axis=...) for it"
+          f" rows, not {made_by}, whose sums over a leaf it cannot know; use"
+          " DataParallel(compressor, mesh, local_axis=...) for it"
       )
     self.local_size = mesh.shape[local_axis]
 
@@ -220,6 +227,7 @@ class ShardedDataParallel(data_parallel.DataParallel):
     specs = self._comm_specs(params)
     whole, _ = self._row_shapes(params)
     local, parts = self.local_axis, self.local_size
+    real_rows = [x.shape[0] if x.shape else 1 for x in jax.tree.leaves(params)]
 
     def block_of_sum(g, rows):
       g = collectives.all_reduce(g, local) / parts
@@ -235,7 +243,7 @@ class ShardedDataParallel(data_parallel.DataParallel):
       blocks = jax.tree.map(block_of_sum, grads, whole)
       old = self._map_local(lambda x: x[0], old)
       with (
-          collectives.row_shards(local, parts),
+          collectives.row_shards(local, parts, rows=real_rows),
           collectives.receiving() as received,
       ):
         mean, state = self.compressor.update(blocks, old)

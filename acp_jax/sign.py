@@ -138,15 +138,24 @@ def sign_sgd(
     return jax.tree.unflatten(treedef, votes), state
 
   def compress(ps):
-    scales = [jnp.abs(p).astype(jnp.float32).mean() for p in ps]
+    # Within ``collectives.row_shards`` a p is a block of rows of its leaf:
+    # the scale is the whole leaf's, and rows that only pad send nothing.
+    scales = [
+        collectives.leaf_mean(jnp.abs(p).astype(jnp.float32), i)
+        for i, p in enumerate(ps)
+    ]
     gathered = collectives.bucketed_all_gather(
         [[_pack_signs(p), scale] for p, scale in zip(ps, scales)],
         collectives.leaf_plan(ps, bucket_bytes, leaf_order),
         axis_name,
+        row_sums=[(False, True)] * len(ps),  # a block's signs, the leaf's scale
     )
     sent, mean = [], []
-    for p, scale, (all_bits, all_scales) in zip(ps, scales, gathered):
-      sent.append(jnp.where(p >= 0, scale, -scale).astype(p.dtype))
+    for i, (p, scale, (all_bits, all_scales)) in enumerate(
+        zip(ps, scales, gathered)
+    ):
+      signed = jnp.where(p >= 0, scale, -scale).astype(p.dtype)
+      sent.append(collectives.real_rows(signed, i))
       total = _sum_of_signs(all_bits, p, all_scales)
       mean.append((total / all_bits.shape[0]).astype(p.dtype))
     return sent, mean

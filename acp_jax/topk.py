@@ -29,6 +29,46 @@ def _k(numel: int, density: float) -> int:
   return min(numel, max(1, math.ceil(density * numel)))  # 0 if numel = 0
 
 
+def _block_start(flat: jax.Array) -> jax.Array | int:
+  """The index in its whole leaf of ``flat``'s first element: 0, or within
+  ``collectives.row_shards`` that of this device's block of rows (the
+  padding rows come last, so a real element's index is the unpadded one)."""
+  rows = collectives.row_axis()
+  if rows is None:
+    return 0
+  return lax.axis_index(rows[0]) * flat.size
+
+
+def _largest(flat: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """The k entries of largest magnitude of the whole leaf and their int32
+  indices in it, largest first, from ``flat``, its elements (within
+  ``collectives.row_shards``, this device's block of rows: each block's
+  own k largest are gathered over the node and the k largest of those
+  kept, so every device of the node takes the node's selection)."""
+  kept = min(k, flat.size)
+  index = lax.top_k(jnp.abs(flat), kept)[1]
+  value = flat[index]
+  if collectives.row_axis() is None:
+    return value, index
+  value = collectives.row_gather(value).ravel()
+  index = collectives.row_gather(index + _block_start(flat)).ravel()
+  top = lax.top_k(jnp.abs(value), k)[1]
+  return value[top], index[top]
+
+
+def _scatter(
+    flat: jax.Array, index: jax.Array, value: jax.Array, how: str
+) -> jax.Array:
+  """``flat.at[index].set(value)`` or ``.add``, ``index`` into the whole
+  leaf: within ``collectives.row_shards``, where ``flat`` is one block of
+  rows, the entries of other blocks are dropped."""
+  if collectives.row_axis() is not None:
+    index = index - _block_start(flat)
+    inside = (index >= 0) & (index < flat.size)
+    index = jnp.where(inside, index, flat.size)
+  return getattr(flat.at[index], how)(value, mode="drop")
+
+
 def topk_sgd(
     density: float,
     *,
@@ -90,20 +130,24 @@ def topk_sgd(
 
   def compress(ps):
     flats = [p.ravel() for p in ps]
-    indices = [lax.top_k(jnp.abs(f), _k(f.size, density))[1] for f in flats]
-    values = [f[i] for f, i in zip(flats, indices)]
+    chosen = [
+        _largest(f, _k(collectives.leaf_size(p, i), density))
+        for i, (p, f) in enumerate(zip(ps, flats))
+    ]
     gathered = collectives.bucketed_all_gather(
-        [[v, i] for v, i in zip(values, indices)],
+        [list(c) for c in chosen],
         collectives.leaf_plan(ps, bucket_bytes, leaf_order),
         axis_name,
+        row_sums=[True] * len(ps),
     )
     sent, mean = [], []
-    for p, f, i, v, (all_v, all_i) in zip(ps, flats, indices, values, gathered):
-      sent.append(jnp.zeros_like(f).at[i].set(v).reshape(p.shape))
-      total = (
-          jnp.zeros(f.shape, jnp.float32)
-          .at[all_i.ravel()]
-          .add(all_v.ravel().astype(jnp.float32))
+    for p, f, (v, i), (all_v, all_i) in zip(ps, flats, chosen, gathered):
+      sent.append(_scatter(jnp.zeros_like(f), i, v, "set").reshape(p.shape))
+      total = _scatter(
+          jnp.zeros(f.shape, jnp.float32),
+          all_i.ravel(),
+          all_v.ravel().astype(jnp.float32),
+          "add",
       )
       mean.append((total / all_v.shape[0]).astype(p.dtype).reshape(p.shape))
     return sent, mean

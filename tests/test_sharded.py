@@ -23,6 +23,9 @@ LOCAL = th.LOCAL
 # Warm-up steps, then the compressing phases (ACP-SGD: P, Q, P, ...).
 COMPRESSORS = {
     "ssgd": acp_jax.ssgd,
+    "sign_sgd": acp_jax.sign_sgd,
+    "majority_vote": lambda: acp_jax.sign_sgd(majority_vote=True),
+    "topk_sgd": lambda: acp_jax.topk_sgd(0.3),
     "power_sgd": lambda: acp_jax.power_sgd(2, warmup_steps=2),
     "acp_sgd": lambda: acp_jax.acp_sgd(2, warmup_steps=2),
 }
@@ -52,6 +55,9 @@ def train(dp, steps):
     "name",
     [
         "ssgd",
+        "sign_sgd",
+        pytest.param("majority_vote", marks=pytest.mark.slow),
+        "topk_sgd",
         pytest.param("power_sgd", marks=pytest.mark.slow),
         pytest.param("acp_sgd", marks=pytest.mark.slow),
     ],
@@ -64,7 +70,7 @@ def test_sharded_updates_equal_the_hierarchical_ones(name):
     assert not np.allclose(got["w1"], th.PARAMS["w1"]), step
   for x in jax.tree.leaves(trajectory[-1]):  # a quarter on each device
     assert x.sharding.shard_shape(x.shape)[0] == x.shape[0] // LOCAL
-  if name != "ssgd":  # each device holds its node's block of residual rows
+  if name not in ("ssgd", "majority_vote"):  # its node's block of residuals
     error = state.comm.error["w1"]
     assert error.shape == (th.NODES,) + th.PARAMS["w1"].shape
     assert error.sharding.spec == P("data", "local")
@@ -81,7 +87,8 @@ def test_compiled_sharded_step_sends_the_accounting_by_axis(name):
   across = th.hierarchical(COMPRESSORS[name]()).comm_bytes(th.PARAMS)["data"]
   step = th.make_step(dp, tx)
   phases = dp.phase_states(state.comm)
-  assert len(phases) == (1 if name == "ssgd" else 1 + (name == "acp_sgd") + 1)
+  # The warm-up's dense phase, then the compressing ones.
+  assert len(phases) == {"power_sgd": 2, "acp_sgd": 3}.get(name, 1)
   for phase, comm in phases.items():
     compiled = step.lower(params, state._replace(comm=comm), x, y).compile(
         compiler_options=th.NO_COMBINER
@@ -211,11 +218,13 @@ def test_misuse_is_refused():
     sharded_on(acp_jax.ssgd(), th.mesh2d(), local_axis="model")
 
 
-@pytest.mark.parametrize("name", ["sign_sgd", "topk_sgd"])
-def test_compressors_that_span_a_whole_leaf_are_refused(name):
-  compressor = th.COMPRESSORS[name]()
-  with pytest.raises(ValueError, match=f"not {name}, whose scale"):
-    sharded(compressor)
+def test_a_custom_compressor_is_refused():
+  mine = acp_jax.ssgd()
+  custom = acp_jax.Compressor(
+      mine.init, mine.update, lambda *_: {}, axis_name="data"
+  )
+  with pytest.raises(ValueError, match="not a custom compressor, whose sums"):
+    sharded(custom)
 
 
 def test_resumes_bitwise_from_a_sharded_checkpoint(tmp_path):
@@ -312,7 +321,9 @@ def test_nnx_model_with_sharding_annotations_in_its_own_loop():
   assert kernel.sharding == dp.param_shardings(kernel)
 
 
-@pytest.mark.parametrize("name", ["power_sgd", "acp_sgd"])
+@pytest.mark.parametrize(
+    "name", ["sign_sgd", "topk_sgd", "power_sgd", "acp_sgd"]
+)
 def test_leaves_that_the_local_axis_does_not_divide_compress_alike(name):
   # 6 rows pad to 8 (the param sharded on its columns), 5 and a scalar stay
   # whole on every device.
@@ -321,8 +332,9 @@ def test_leaves_that_the_local_axis_does_not_divide_compress_alike(name):
       "c": jax.ShapeDtypeStruct((5,), jnp.float32),
       "s": jax.ShapeDtypeStruct((), jnp.float32),
   }
-  make = getattr(acp_jax, name)
-  mine, whole = sharded(make(2)), th.hierarchical(make(2))
+  # Sign-SGD's scale and Top-k's k are the unpadded leaf's.
+  make = th.COMPRESSORS[name]
+  mine, whole = sharded(make()), th.hierarchical(make())
   assert [mine.param_spec(x.shape) for x in params.values()] == [
       P(None, "local"),
       P(),
