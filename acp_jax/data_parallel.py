@@ -76,6 +76,14 @@ def _nnx():
   return sys.modules.get("flax.nnx")
 
 
+def _values(tree: Any) -> Any:
+  """``tree`` with any NNX ``Variable`` replaced by its value: the state
+  made from it carries no param's metadata (e.g. a sharding annotation,
+  which flax's eager sharding would apply to residuals stacked per node)."""
+  nnx = _nnx()
+  return tree if nnx is None else nnx.as_pure(tree)
+
+
 class DataParallel:
   """A compressor applied across the data axis of a mesh.
 
@@ -451,7 +459,7 @@ class DataParallel:
 
     def init_fn(params):
       return DataParallelState(
-          comm=self.init_comm(params),
+          comm=self.init_comm(_values(params)),
           inner=self._inner_init(tx, params)(params),
       )
 

@@ -286,10 +286,11 @@ def test_nnx_model_with_sharding_annotations_in_its_own_loop():
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
   def run(dp, place):
-    # The annotations place the params (get_named_sharding); flax's eager
-    # sharding would also put them on the optimizer's state that
-    # nnx.Optimizer makes from the params, the residuals stacked per node.
-    with nnx.use_eager_sharding(False):
+    # Under flax's eager sharding (its default) the annotations also go on
+    # the optimizer's state that nnx.Optimizer makes from the params, but
+    # not on the compressor's, whose residuals are stacked per node.
+    assert nnx.using_eager_sharding()
+    with jax.set_mesh(dp.mesh):
       model = MLP(nnx.Rngs(0))
       state = nnx.state(model)
       nnx.update(model, jax.device_put(state, place(state)))
