@@ -399,8 +399,9 @@ def run_nodes(
 
 def _nodes_record(results: list[dict[str, Any]]) -> dict[str, Any]:
   """One run's record from its workers': the slowest worker's examples/s,
-  the bytes and packets a node's link sent per step, the accounting per device on each
-  mesh axis, and whether the workers ended with the same params."""
+  the bytes and packets a node's link sent per step, the accounting per
+  device on each mesh axis, and whether the workers ended with the same
+  params."""
   first = results[0]
   return {
       "examples_per_sec": min(r["examples_per_sec"] for r in results),

@@ -22,8 +22,9 @@ hierarchical (a dense mean within the process, the compressor across
 processes) or sharded (hierarchical with the params and the optimizer's and
 compressor's state sharded over the process's devices); with ``--link``, it
 counts the bytes that interface (its namespace's link to the switch) sent
-and received, and the packets it sent, per timed step; with ``--params_out``, it saves the params
-before and after the steps, whole, for comparing runs.
+and received, and the packets it sent, per timed step; with
+``--params_out``, it saves the params before and after the steps, whole,
+for comparing runs.
 """
 
 import argparse
@@ -86,9 +87,9 @@ def _link_counters(interface: str | None) -> list[int] | None:
 
 
 def _mesh_and_dp(compressor, layout: str):
-  """The mesh of every process's devices and the ``DataParallel`` of
-  ``layout``: ``flat``, one axis over all devices; ``hierarchical``, a row
-  of the mesh per process, the compressor across rows; ``sharded``, as
+  """The ``DataParallel`` of ``layout`` over every process's devices:
+  ``flat``, one mesh axis over all devices; ``hierarchical``, a row of the
+  mesh per process, the compressor across rows; ``sharded``, as
   hierarchical with the model sharded within each row."""
   import jax
   import numpy as np
