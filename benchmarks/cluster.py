@@ -22,7 +22,8 @@ contend for the cores in a way the lockstepped cluster workers do not.
 
 ``measure_hierarchical`` makes each process a node of several devices and
 compares hierarchical compression (a dense mean within the node, the
-compressor across nodes) with flat compression over all devices.
+compressor across nodes), the same with the model sharded within the node
+(``acp_jax.ShardedDataParallel``), and flat compression over all devices.
 """
 
 import contextlib
@@ -355,9 +356,67 @@ def _compilation_cache(path: str):
         os.environ[k] = v
 
 
-# (compressor, hierarchical): hierarchical ACP-SGD against flat ACP-SGD,
-# whose ring over all devices crosses the slow links, and flat S-SGD.
-HIERARCHICAL_RUNS = (("acp_sgd", True), ("acp_sgd", False), ("ssgd", False))
+# (compressor, layout of ``worker.LAYOUTS``): hierarchical ACP-SGD, the
+# same with the model sharded within each node, flat ACP-SGD, whose ring
+# over all devices crosses the slow links, and flat S-SGD.
+HIERARCHICAL_RUNS = (
+    ("acp_sgd", "hierarchical"),
+    ("acp_sgd", "sharded"),
+    ("acp_sgd", "flat"),
+    ("ssgd", "flat"),
+)
+
+
+def run_nodes(
+    network: links.Network,
+    model: str,
+    compressor: str,
+    layout: str,
+    steps: int,
+    devices: int,
+    timeout: float,
+    params_out=None,
+) -> list[dict[str, Any]]:
+  """Each worker's ``nodes`` record of one run on ``network``: a node of
+  ``devices`` devices per worker, each counting the bytes on its link;
+  with ``params_out(i)``, worker ``i`` saves its params there."""
+  return _on_network(
+      network,
+      lambda i: _jax_cmd(
+          "nodes",
+          f"--workload={model}",
+          f"--compressor={compressor}",
+          f"--steps={steps}",
+          f"--devices={devices}",
+          f"--layout={layout}",
+          "--link=eth0",
+          *([f"--params_out={params_out(i)}"] if params_out else []),
+          *_distributed(network, i),
+      ),
+      timeout,
+  )
+
+
+def _nodes_record(results: list[dict[str, Any]]) -> dict[str, Any]:
+  """One run's record from its workers': the slowest worker's examples/s,
+  the bytes and packets a node's link sent per step, the accounting per
+  device on each mesh axis, and whether the workers ended with the same
+  params."""
+  first = results[0]
+  return {
+      "examples_per_sec": min(r["examples_per_sec"] for r in results),
+      "slow_link_bytes_per_step": statistics.mean(
+          r["link_tx_bytes_per_step"] for r in results
+      ),
+      # Each packet adds its headers (66 bytes of Ethernet, IP and TCP) to
+      # the bytes counted, and each gloo message its own framing.
+      "slow_link_packets_per_step": statistics.mean(
+          r["link_tx_packets_per_step"] for r in results
+      ),
+      "node_axis_bytes_per_device": first["node_axis_bytes_per_device"],
+      "local_axis_bytes_per_device": first["local_axis_bytes_per_device"],
+      "params_identical": len({r["params_sha256"] for r in results}) == 1,
+  }
 
 
 def measure_hierarchical(
@@ -370,61 +429,31 @@ def measure_hierarchical(
 ) -> tuple[list[dict[str, Any]], list[str]]:
   """Records of ``nodes`` processes of ``devices`` devices each, one node
   per namespace, so that only traffic between nodes crosses the shaped
-  links; and the runs that failed. Each record has the examples/s (the
-  median step), the bytes each node sent on its link per step (counted on
-  the interface), and the accounting per device on each mesh axis."""
+  links, one per bandwidth and run of ``HIERARCHICAL_RUNS``; and the runs
+  that failed (``_nodes_record`` says what a record holds)."""
   runs, failures = [], []
   for bandwidth in bandwidths:
+    base = {
+        "bandwidth": bandwidth,
+        "nodes": nodes,
+        "devices_per_node": devices,
+        "model": model,
+    }
     with links.switched(nodes, BANDWIDTHS[bandwidth]) as network:
-      for name, hierarchical in HIERARCHICAL_RUNS:
-        mode = "hierarchical" if hierarchical else "flat"
+      for name, layout in HIERARCHICAL_RUNS:
         results = _attempt(
             failures,
-            f"{bandwidth} {mode} {name}",
-            lambda: _on_network(
-                network,
-                lambda i: _jax_cmd(
-                    "nodes",
-                    f"--workload={model}",
-                    f"--compressor={name}",
-                    f"--steps={steps}",
-                    f"--devices={devices}",
-                    "--link=eth0",
-                    *(["--hierarchical"] if hierarchical else []),
-                    *_distributed(network, i),
-                ),
-                timeout,
+            f"{bandwidth} {layout} {name}",
+            lambda: run_nodes(
+                network, model, name, layout, steps, devices, timeout
             ),
         )
         if results is None:
           continue
-        runs.append(
-            {
-                "bandwidth": bandwidth,
-                "nodes": nodes,
-                "devices_per_node": devices,
-                "model": model,
-                "compressor": name,
-                "mode": mode,
-                "examples_per_sec": min(
-                    r["examples_per_sec"] for r in results
-                ),
-                "slow_link_bytes_per_step": statistics.mean(
-                    r["link_tx_bytes_per_step"] for r in results
-                ),
-                "node_axis_bytes_per_device": results[0][
-                    "node_axis_bytes_per_device"
-                ],
-                "local_axis_bytes_per_device": results[0][
-                    "local_axis_bytes_per_device"
-                ],
-                "params_identical": (
-                    len({r["params_sha256"] for r in results}) == 1
-                ),
-            }
-        )
+        run = {**base, "compressor": name, "mode": layout}
+        runs.append({**run, **_nodes_record(results)})
         print(
-            f"  {bandwidth} {mode} {name}:"
+            f"  {bandwidth} {layout} {name}:"
             f" {runs[-1]['examples_per_sec']:.2f} examples/s,"
             f" {runs[-1]['slow_link_bytes_per_step'] / 1e6:.3f} MB/step on"
             " each node's link",
@@ -508,7 +537,8 @@ def add_arguments(parser) -> None:
       "--hierarchical",
       action="store_true",
       help="each worker a node of --devices_per_worker devices: hierarchical"
-      " ACP-SGD against flat ACP-SGD and S-SGD",
+      " ACP-SGD, and the same with the model sharded within a node, against"
+      " flat ACP-SGD and S-SGD",
   )
   parser.add_argument(
       "--devices_per_worker", type=cli.int_at_least(1), default=2

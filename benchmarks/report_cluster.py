@@ -1,5 +1,6 @@
 """The report's sections on clusters: the one on shaped links, the projection
-to the paper's clusters and hierarchical compression across nodes.
+to the paper's clusters and hierarchical compression across nodes (with the
+model sharded within a node, where that ran).
 
 The prose is ``report_template.md``'s; the fields come from the records and
 from the constants of the code that the prose names.
@@ -290,6 +291,26 @@ def projection_section(rows, out: pathlib.Path) -> list[str]:
   ]
 
 
+def _sharded_reading(rows) -> str:
+  """The sharded mode's paragraph, with its examples/s over the
+  hierarchical mode's on each link; empty if it did not run."""
+  bandwidths = dict.fromkeys(
+      r["bandwidth"] for r in rows if r["mode"] == "sharded"
+  )
+  ratios = {b: targets.sharded_ratio(rows, b) for b in bandwidths}
+  if not ratios:
+    return ""
+  return fill(
+      "hierarchical_sharded",
+      ratios=template.and_list(
+          f"{r:.2f}x on {plots.link_label(b)}"
+          for b, r in ratios.items()
+          if r is not None
+      )
+      or "not measured",
+  )
+
+
 def hierarchical_section(rows) -> list[str]:
   first = rows[0]
   shown = [
@@ -302,5 +323,6 @@ def hierarchical_section(rows) -> list[str]:
           **first,
           provenance=template.provenance(rows),
           table=records.table(shown, _HIERARCHICAL_COLUMNS),
-      )
+      ),
+      _sharded_reading(rows),
   ]

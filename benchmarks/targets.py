@@ -48,13 +48,23 @@ MNIST_ACCURACY_VS_SSGD_PTS = 1.0
 # Communication and everything else the cluster adds to ACP-SGD's
 # compute-only step at 1 Gb/s, at most.
 NEAR_LIMIT = 0.10
+# ACP-SGD with the model sharded within each node over hierarchical ACP-SGD,
+# examples/s at 1 Gb/s, at least.
+SHARDED_VS_HIERARCHICAL = 0.9
 
 
-def ratio(rows, num: tuple[str, str], den: tuple[str, str], bandwidth):
-  """examples/s of (system, compressor) ``num`` over ``den`` on a link, in
-  rows of one worker count."""
+def ratio(
+    rows,
+    num: tuple[str, str],
+    den: tuple[str, str],
+    bandwidth,
+    key: tuple[str, str] = ("system", "compressor"),
+):
+  """examples/s of ``num`` over ``den`` on a link, in rows of one worker
+  count, each named by its fields ``key``: (system, compressor), or for the
+  hierarchical cluster's rows (compressor, mode)."""
   speed = {
-      (r["system"], r["compressor"]): r["examples_per_sec"]
+      tuple(r[k] for k in key): r["examples_per_sec"]
       for r in rows
       if r["bandwidth"] == bandwidth
   }
@@ -300,6 +310,33 @@ def _cluster_at(workers: int, rows) -> list[Row]:
   return out
 
 
+def sharded_ratio(rows, bandwidth) -> float | None:
+  """Sharded ACP-SGD's examples/s over hierarchical ACP-SGD's on a link, in
+  the hierarchical cluster's rows."""
+  return ratio(
+      rows,
+      ("acp_sgd", "sharded"),
+      ("acp_sgd", "hierarchical"),
+      bandwidth,
+      key=("compressor", "mode"),
+  )
+
+
+def _sharded(records: Records) -> list[Row]:
+  rows = records["cluster_hierarchical"]
+  if not any(r["mode"] == "sharded" for r in rows):
+    return []
+  r = sharded_ratio(rows, SLOW_LINK)
+  first = rows[0]
+  return [(
+      f"{first['nodes']} nodes x {first['devices_per_node']} devices,"
+      f" {plots.link_label(SLOW_LINK)}: sharded ACP-SGD >="
+      f" {SHARDED_VS_HIERARCHICAL} x hierarchical ACP-SGD examples/s",
+      "not measured" if r is None else f"{r:.2f}x",
+      None if r is None else r >= SHARDED_VS_HIERARCHICAL,
+  )]
+
+
 def _projection(records: Records) -> list[Row]:
   projected = [r for r in records["projection"] if r["kind"] == "projection"]
   return [
@@ -327,6 +364,7 @@ TARGETS: tuple[tuple[str, Callable[[Records], list[Row]]], ...] = (
     ("convergence", _accuracy),
     ("cluster", _cluster),
     ("projection", _projection),
+    ("cluster_hierarchical", _sharded),
 )
 
 

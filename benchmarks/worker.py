@@ -7,7 +7,7 @@ prints.
   python -m benchmarks.worker psum --sizes 4096,1048576 --repeats 5 \
       [--busy_mb MB] --coordinator_address A --num_processes N --process_id I
   python -m benchmarks.worker nodes --workload W --compressor C --steps S \
-      --devices D [--hierarchical] [--link eth0] \
+      --devices D [--layout L] [--link eth0] [--params_out F.npz] \
       --coordinator_address A --num_processes N --process_id I
 
 ``parts`` times a data-parallel step, its
@@ -17,10 +17,14 @@ all-reduces of float32 buffers of the given byte sizes, on idle processes
 and right after a pass over memory, for calibrating the cost model on the
 links. ``nodes``
 trains on ``D`` devices per process, each process a node of a (processes x
-D) mesh: hierarchically (a dense mean within the process, the compressor
-across processes) or flat (the compressor over all devices); with
-``--link``, it counts the bytes that interface (its namespace's link to the
-switch) sent and received per timed step.
+D) mesh, in one of ``LAYOUTS``: flat (the compressor over all devices),
+hierarchical (a dense mean within the process, the compressor across
+processes) or sharded (hierarchical with the params and the optimizer's and
+compressor's state sharded over the process's devices); with ``--link``, it
+counts the bytes that interface (its namespace's link to the switch) sent
+and received, and the packets it sent, per timed step; with
+``--params_out``, it saves the params before and after the steps, whole,
+for comparing runs.
 """
 
 import argparse
@@ -30,6 +34,8 @@ import statistics
 import time
 
 _DIST = ("coordinator_address", "num_processes", "process_id")
+# How ``nodes`` lays out the mesh and the model (``_mesh_and_dp``).
+LAYOUTS = ("flat", "hierarchical", "sharded")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,13 +50,13 @@ def _parser() -> argparse.ArgumentParser:
   nodes.add_argument("--compressor", required=True)
   nodes.add_argument("--steps", type=int, required=True)
   nodes.add_argument("--devices", type=int, required=True, help="per process")
-  nodes.add_argument(
-      "--hierarchical",
-      action="store_true",
-      help="dense within a process, compressed across processes",
-  )
+  nodes.add_argument("--layout", choices=LAYOUTS, default="flat")
   nodes.add_argument(
       "--link", help="network interface whose bytes to count, e.g. eth0"
+  )
+  nodes.add_argument(
+      "--params_out",
+      help="an .npz file for the params before and after the steps",
   )
   parts = sub.add_parser("parts", parents=[common])
   parts.add_argument("--workload", required=True)
@@ -68,67 +74,74 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
-def _link_bytes(interface: str | None) -> tuple[int, int] | None:
-  """Bytes sent and received so far on ``interface``, or None."""
+# The counters of a link that ``nodes`` reads, per timed step.
+LINK_COUNTERS = ("tx_bytes", "rx_bytes", "tx_packets")
+
+
+def _link_counters(interface: str | None) -> list[int] | None:
+  """``LINK_COUNTERS`` of ``interface`` so far, or None."""
   if interface is None:
     return None
   stats = pathlib.Path("/sys/class/net", interface, "statistics")
-  return tuple(int((stats / f).read_text()) for f in ("tx_bytes", "rx_bytes"))
+  return [int((stats / f).read_text()) for f in LINK_COUNTERS]
 
 
-def _data_parallel(args, hierarchical: bool):
-  """The workload's data-parallel pieces on this run's devices: the
-  ``DataParallel``, the base optimizer, replicated params, the same global
-  batch for every step, and the per-device loss."""
+def _mesh_and_dp(compressor, layout: str):
+  """The ``DataParallel`` of ``layout`` over every process's devices:
+  ``flat``, one mesh axis over all devices; ``hierarchical``, a row of the
+  mesh per process, the compressor across rows; ``sharded``, as
+  hierarchical with the model sharded within each row."""
   import jax
   import numpy as np
-  from flax import nnx
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
 
   import acp_jax
-  from benchmarks import workloads
-  from train import config as config_lib
-  from train import experiment as experiment_lib
-  from train import loss as loss_lib
 
-  config = workloads.cluster_config(args.workload, args.compressor, args.steps)
-  # The model, data and optimizer of the workload; its 1-D mesh goes unused.
-  experiment = experiment_lib.build(config)
+  # Devices in process order: a flat ring over them crosses between
+  # processes as rarely as a ring can, and a row is one process's.
   devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-  if hierarchical:
-    mesh = jax.sharding.Mesh(
-        np.array(devices).reshape(jax.process_count(), -1), ("data", "local")
-    )
-    dp = acp_jax.DataParallel(experiment.compressor, mesh, local_axis="local")
-  else:
-    # Devices in process order: a ring over them crosses between processes
-    # as rarely as a ring can.
+  if layout == "flat":
     mesh = jax.sharding.Mesh(np.array(devices), ("data",))
-    dp = acp_jax.DataParallel(experiment.compressor, mesh)
-  inner = config_lib.optimizer(config, experiment.schedule)
-  graphdef, batch_stats = experiment.graphdef, experiment.abstract_batch_stats
+    return acp_jax.DataParallel(compressor, mesh)
+  mesh = jax.sharding.Mesh(
+      np.array(devices).reshape(jax.process_count(), -1), ("data", "local")
+  )
+  make = {
+      "hierarchical": acp_jax.DataParallel,
+      "sharded": acp_jax.ShardedDataParallel,
+  }[layout]
+  return make(compressor, mesh, local_axis="local")
 
-  params = jax.jit(
-      lambda: nnx.to_pure_dict(
-          nnx.split(experiment.create_model(), nnx.Param, ...)[1]
-      ),
-      out_shardings=NamedSharding(mesh, P()),
-  )()
-  # The same global batch every step, stacked [devices, per_device, ...];
-  # each process puts its own devices' rows.
+
+def _global_batch(experiment, dp):
+  """The workload's first global batch, stacked [devices, per_device, ...]
+  and sharded over the devices; each process puts its own devices' rows.
+  Every step takes it."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+
   rows = experiment.dataset.train.get(np.arange(experiment.global_batch))
   stacked = {
       k: v.reshape((dp.num_devices, -1) + v.shape[1:]) for k, v in rows.items()
   }
-  batch = {
+  return {
       k: jax.make_array_from_callback(
           v.shape,
-          NamedSharding(mesh, dp.device_spec),
+          NamedSharding(dp.mesh, dp.device_spec),
           lambda index, v=v: v[index],
       )
       for k, v in stacked.items()
   }
+
+
+def _loss_fn(experiment):
+  """The per-device loss of the workload's model on pure-dict params."""
+  import jax
+  from flax import nnx
+
+  from train import loss as loss_lib
+
+  graphdef, batch_stats = experiment.graphdef, experiment.abstract_batch_stats
 
   def loss_fn(params, batch):
     batch = jax.tree.map(lambda x: x[0], batch)
@@ -138,7 +151,36 @@ def _data_parallel(args, hierarchical: bool):
     )
     return loss_lib.mean_loss(logits, batch)
 
-  return experiment, dp, inner, params, batch, loss_fn
+  return loss_fn
+
+
+def _data_parallel(args, layout: str):
+  """The workload's data-parallel pieces on this run's devices: the
+  ``DataParallel`` of ``layout``, the base optimizer, the params where it
+  places them, the same global batch for every step, and the per-device
+  loss."""
+  import jax
+  from flax import nnx
+
+  from benchmarks import workloads
+  from train import config as config_lib
+  from train import experiment as experiment_lib
+
+  config = workloads.cluster_config(args.workload, args.compressor, args.steps)
+  # The model, data and optimizer of the workload; its 1-D mesh goes unused.
+  experiment = experiment_lib.build(config)
+  dp = _mesh_and_dp(experiment.compressor, layout)
+
+  def init():
+    model = experiment.create_model()
+    return nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[1])
+
+  params = jax.jit(
+      init, out_shardings=dp.param_shardings(jax.eval_shape(init))
+  )()
+  inner = config_lib.optimizer(config, experiment.schedule)
+  batch = _global_batch(experiment, dp)
+  return experiment, dp, inner, params, batch, _loss_fn(experiment)
 
 
 def _step_fn(dp, tx, loss_fn):
@@ -185,29 +227,67 @@ def step_traffic(step, dp, params, state, batch) -> list[dict[str, int]]:
   return phases
 
 
-def _nodes(args) -> dict:
+def _whole(params) -> dict:
+  """Each leaf of ``params`` whole, as numpy, by its path, from this
+  process's shards (a node's process holds every slice of its params)."""
   import jax
+  import numpy as np
+
+  out = {}
+  for path, x in jax.tree_util.tree_leaves_with_path(params):
+    whole = np.empty(x.shape, x.dtype)
+    for shard in x.addressable_shards:
+      whole[shard.index] = np.asarray(shard.data)
+    out[jax.tree_util.keystr(path, simple=True, separator="/")] = whole
+  return out
+
+
+def _timed_steps(step, params, state, batch, steps: int, link: str | None):
+  """Runs ``steps`` steps after two that compile each phase's program;
+  returns the last params, state and loss, each timed step's seconds and
+  how much ``LINK_COUNTERS`` of ``link`` grew over the timed steps."""
+  import jax
+
+  for _ in range(2):
+    params, state, loss = jax.block_until_ready(step(params, state, batch))
+  before, times = _link_counters(link), []
+  for _ in range(steps):
+    start = time.perf_counter()
+    params, state, loss = jax.block_until_ready(step(params, state, batch))
+    times.append(time.perf_counter() - start)
+  after = _link_counters(link)
+  sent = None if before is None else [a - b for a, b in zip(after, before)]
+  return params, state, loss, times, sent
+
+
+def _nodes(args) -> dict:
+  import numpy as np
 
   from train import metrics as metrics_lib
 
   experiment, dp, inner, params, batch, loss_fn = _data_parallel(
-      args, args.hierarchical
+      args, args.layout
   )
   tx = dp.chain(inner)
-  step = _step_fn(dp, tx, loss_fn)
-  state = tx.init(params)
-  for _ in range(2):  # compiles each phase's program
-    params, state, loss = jax.block_until_ready(step(params, state, batch))
-  before, times = _link_bytes(args.link), []
-  for _ in range(args.steps):
-    start = time.perf_counter()
-    params, state, loss = jax.block_until_ready(step(params, state, batch))
-    times.append(time.perf_counter() - start)
-  after = _link_bytes(args.link)
-  volumes = dp.comm_bytes(experiment.abstract_params)
+  initial = _whole(params) if args.params_out else None
+  params, _, loss, times, sent = _timed_steps(
+      _step_fn(dp, tx, loss_fn),
+      params,
+      tx.init(params),
+      batch,
+      args.steps,
+      args.link,
+  )
+  if args.params_out:
+    final = _whole(params)
+    np.savez(
+        args.params_out,
+        **{f"initial/{k}": v for k, v in initial.items()},
+        **{f"final/{k}": v for k, v in final.items()},
+    )
   per_axis = {
       axis: statistics.mean(v.total for v in phases.values())
-      for axis, phases in volumes.items()
+      for axis, phases in dp.comm_bytes(experiment.abstract_params).items()
   }
   result = {
       "examples_per_sec": experiment.global_batch / statistics.median(times),
@@ -216,9 +296,8 @@ def _nodes(args) -> dict:
       "node_axis_bytes_per_device": per_axis["data"],
       "local_axis_bytes_per_device": per_axis.get("local", 0),
   }
-  if before is not None:
-    result["link_tx_bytes_per_step"] = (after[0] - before[0]) / args.steps
-    result["link_rx_bytes_per_step"] = (after[1] - before[1]) / args.steps
+  for name, grown in zip(LINK_COUNTERS, sent or ()):
+    result[f"link_{name}_per_step"] = grown / args.steps
   return result
 
 
@@ -236,60 +315,21 @@ TIMES = (
 )
 
 
-def _parts(args) -> dict:
-  """Times a step and each of its parts, every process at once.
-
-  Each part is its own jitted program, run on the output of the one before,
-  after a barrier (an all-reduce of one float) so that every process starts
-  it together: its time is its own, not the wait for a slower process. The
-  compressor's arithmetic alone (``compress_local``) runs the same
-  compressor on a mesh of this process's device only, where its
-  collectives move nothing. The whole step runs fused, as a user's loop
-  runs it, after a barrier too; ``dispatch`` is the time its call takes to
-  return, before the host waits for the result. ``step_local`` is that
-  fused step on this process's device alone: the compute-only step, taken
-  in lockstep with the other processes, so that the cores are shared as in
-  the cluster step.
-  """
+def _lockstep(mesh):
+  """``timed(f, *xs)``: ``f(*xs)``, the seconds its call took to return and
+  to finish; it starts after a barrier (an all-reduce of one float over
+  ``mesh``), so that every process starts it together and its time is its
+  own, not the wait for a slower process."""
   import jax
   import jax.numpy as jnp
-  import optax
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  import acp_jax
-  from train import metrics as metrics_lib
-
-  experiment, dp, inner, params, batch, loss_fn = _data_parallel(args, False)
-  local = acp_jax.DataParallel(
-      experiment.compressor,
-      jax.sharding.Mesh(jax.local_devices()[:1], dp.mesh.axis_names),
-  )
-  tx = dp.chain(inner)
-  grad_fn = jax.jit(dp.value_and_grad(loss_fn))
-  compress = jax.jit(dp.compress, donate_argnums=(1,))
-  compress_local = jax.jit(local.compress, donate_argnums=(1,))
-
-  @jax.jit
-  def optimizer(mean, inner_state, params):
-    updates, inner_state = inner.update(mean, inner_state, params)
-    return optax.apply_updates(params, updates), inner_state
-
-  step = _step_fn(dp, tx, loss_fn)
-  tx_local = local.chain(inner)
-  step_local = _step_fn(local, tx_local, loss_fn)
-
-  def to_local(tree, spec):
-    return jax.device_put(
-        jax.tree.map(lambda x: x.addressable_data(0), tree),
-        NamedSharding(local.mesh, spec),
-    )
-
-  one = jax.device_put(jnp.ones(()), NamedSharding(dp.mesh, P()))
+  one = jax.device_put(jnp.ones(()), NamedSharding(mesh, P()))
   barrier = jax.jit(
       jax.shard_map(
-          lambda x: jax.lax.psum(x, dp.mesh.axis_names),
-          mesh=dp.mesh,
+          lambda x: jax.lax.psum(x, mesh.axis_names),
+          mesh=mesh,
           in_specs=P(),
           out_specs=P(),
           check_vma=False,
@@ -304,41 +344,106 @@ def _parts(args) -> dict:
     jax.block_until_ready(out)
     return out, returned - start, time.perf_counter() - start
 
-  state = tx.init(params)
-  comm, inner_state = dp.init_comm(params), state.inner
+  return timed
+
+
+def _one_device(dp):
+  """``dp``'s compressor on a mesh of this process's first device, where
+  its collectives move nothing; and ``to_local(tree, spec)``, which puts
+  this process's first shard of each leaf of ``tree`` there."""
+  import jax
+  from jax.sharding import NamedSharding
+
+  import acp_jax
+
+  local = acp_jax.DataParallel(
+      dp.compressor,
+      jax.sharding.Mesh(jax.local_devices()[:1], dp.mesh.axis_names),
+  )
+
+  def to_local(tree, spec):
+    return jax.device_put(
+        jax.tree.map(lambda x: x.addressable_data(0), tree),
+        NamedSharding(local.mesh, spec),
+    )
+
+  return local, to_local
+
+
+def _part_programs(dp, local, inner, loss_fn) -> dict:
+  """Each part of ``parts``'s step as its own jitted program, and the fused
+  step on ``dp``'s devices (``step``) and on ``local``'s (``step_local``)."""
+  import jax
+  import optax
+
+  @jax.jit
+  def optimizer(mean, inner_state, params):
+    updates, inner_state = inner.update(mean, inner_state, params)
+    return optax.apply_updates(params, updates), inner_state
+
+  return {
+      "forward_backward": jax.jit(dp.value_and_grad(loss_fn)),
+      "compress": jax.jit(dp.compress, donate_argnums=(1,)),
+      "compress_local": jax.jit(local.compress, donate_argnums=(1,)),
+      "optimizer": optimizer,
+      "step": _step_fn(dp, dp.chain(inner), loss_fn),
+      "step_local": _step_fn(local, local.chain(inner), loss_fn),
+  }
+
+
+def _parts(args) -> dict:
+  """Times a step and each of its parts, every process at once.
+
+  Each part is its own jitted program, run on the output of the one before,
+  in lockstep (``_lockstep``). The compressor's arithmetic alone
+  (``compress_local``) runs the same compressor on this process's device
+  alone (``_one_device``). The whole step runs fused, as a user's loop runs
+  it; ``dispatch`` is the time its call takes to return, before the host
+  waits for the result. ``step_local`` is that fused step on this process's
+  device alone: the compute-only step, taken in lockstep with the other
+  processes, so that the cores are shared as in the cluster step.
+  """
+  from jax.sharding import PartitionSpec as P
+
+  from train import metrics as metrics_lib
+
+  experiment, dp, inner, params, batch, loss_fn = _data_parallel(args, "flat")
+  local, to_local = _one_device(dp)
+  run, timed = _part_programs(dp, local, inner, loss_fn), _lockstep(dp.mesh)
+  state = dp.chain(inner).init(params)
+  comm, inner_state, part_params = dp.init_comm(params), state.inner, params
   comm_local = local.init_comm(params)
-  part_params = params
   local_batch = to_local(batch, local.device_spec)
   local_params = to_local(params, P())
-  local_state = tx_local.init(local_params)
+  local_state = local.chain(inner).init(local_params)
   times = {k: [] for k in TIMES}
   cycle = len(experiment.compressor.cycle)
   for i in range(2 * cycle + args.steps):  # the first cycles compile
     t = {}
-    (_, local_grads), _, t["forward_backward"] = timed(
-        grad_fn, part_params, batch
+    (_, grads), _, t["forward_backward"] = timed(
+        run["forward_backward"], part_params, batch
     )
-    grads = local_grads.stacked
-    local_grads = to_local(grads, local.device_spec)
     (_, comm_local), _, t["compress_local"] = timed(
-        compress_local, local_grads, comm_local
+        run["compress_local"],
+        to_local(grads.stacked, local.device_spec),
+        comm_local,
     )
-    (mean, comm), _, t["compress"] = timed(compress, grads, comm)
+    (mean, comm), _, t["compress"] = timed(run["compress"], grads.stacked, comm)
     (part_params, inner_state), _, t["optimizer"] = timed(
-        optimizer, mean, inner_state, part_params
+        run["optimizer"], mean, inner_state, part_params
     )
     (params, state, loss), t["dispatch"], t["step"] = timed(
-        step, params, state, batch
+        run["step"], params, state, batch
     )
     (local_params, local_state, _), _, t["step_local"] = timed(
-        step_local, local_params, local_state, local_batch
+        run["step_local"], local_params, local_state, local_batch
     )
     if i >= 2 * cycle:
       for key, value in t.items():
         times[key].append(value)
   return {
       "seconds": {k: statistics.median(v) for k, v in times.items()},
-      "traffic": step_traffic(step, dp, params, state, batch),
+      "traffic": step_traffic(run["step"], dp, params, state, batch),
       "loss": float(loss),
       "params_sha256": metrics_lib.params_digest(params),
   }

@@ -88,7 +88,7 @@ def test_fused_rounds_match_the_compiled_step(compressor):
   """The projection fuses each round into one all-reduce: so does XLA, in
   the step the cluster workers run (here on the test's 8 devices)."""
   args = argparse.Namespace(workload="tiny", compressor=compressor, steps=1)
-  _, dp, inner, params, batch, loss_fn = worker._data_parallel(args, False)
+  _, dp, inner, params, batch, loss_fn = worker._data_parallel(args, "flat")
   tx = dp.chain(inner)
   step = worker._step_fn(dp, tx, loss_fn)
   phases = worker.step_traffic(step, dp, params, tx.init(params), batch)
