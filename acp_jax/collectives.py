@@ -514,7 +514,8 @@ def _bucketed(
     row_sums: Sequence[bool | Sequence[bool]] | None = None,
 ) -> list[list[jax.Array]]:
   """The ``kind`` collective of each bucket's arrays (``_packed``, or
-  ``_each`` for an all-reduce that is not ``packed`` and not split);
+  ``_each`` for an all-reduce that is not ``packed``, not split and not
+  within ``row_shards``);
   ``per_leaf[i]`` are the arrays leaf ``i`` sends (any number, none
   included). Within ``row_shards``, a bucket's arrays marked in
   ``row_sums`` (a leaf's all, or one flag per array) and the others go as
@@ -535,7 +536,9 @@ def _bucketed(
         continue
       arrays = [per_leaf[i][j] for i, j in places]
       local = _split_axis(group)
-      if kind == "all_reduce" and not packed and local is None:
+      # Within row_shards every buffer is packed, as split buffers are: a
+      # tuple all-reduce across nodes is one message per array on XLA:CPU.
+      if kind == "all_reduce" and not (packed or local or _ROW_AXIS.get()):
         done = _each(arrays, axis_name)
       else:
         done = _packed(kind, arrays, axis_name, local)
