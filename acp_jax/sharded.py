@@ -61,6 +61,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import optax
 
+from acp_jax import _accounting
+from acp_jax import _specs
 from acp_jax import collectives
 from acp_jax import compressor as compressor_lib
 from acp_jax import data_parallel
@@ -203,7 +205,7 @@ class ShardedDataParallel(data_parallel.DataParallel):
     shardings = jax.tree.map(
         self._sharding,
         self._comm_specs(shapes),
-        is_leaf=data_parallel._is_spec,
+        is_leaf=_specs.is_spec,
     )
     return jax.jit(make, out_shardings=shardings)
 
@@ -300,10 +302,10 @@ class ShardedDataParallel(data_parallel.DataParallel):
     for phase, comm in self.phase_states(self.abstract_comm(shapes)).items():
       with collectives.recording() as sent:
         jax.eval_shape(self.compress, grads, comm)
-      volumes[self.axis_name][phase] = data_parallel._volume(
+      volumes[self.axis_name][phase] = _accounting.volume(
           sent, self.axis_name
       )
-      local = data_parallel._volume(sent, self.local_axis)
+      local = _accounting.volume(sent, self.local_axis)
       volumes[self.local_axis][phase] = local._replace(
           all_gather=local.all_gather + gathered
       )
