@@ -33,7 +33,7 @@ axis), and each device returns its own gradient. The exchange then
    of the orthogonalization, are all-reduced over the local axis
    (``collectives.row_sum``), so every device of a node takes the same
    Q. The orthogonalization of row-sharded P is Cholesky-QR2 on the summed
-   Gram matrices (``lowrank.orthogonalize_rows``), with a fallback that
+   Gram matrices (``orthogonalize.orthogonalize_rows``), with a fallback that
    sends nothing. Up to rounding, the result is what one device computes
    for the whole matrix: the basis may differ from Householder's in the
    signs of its columns, which no update depends on;
