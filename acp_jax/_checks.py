@@ -2,7 +2,9 @@
 
 A factory checks its hyperparameters once, when it runs, by one call of
 ``factory_args``; an update checks what it is given and where it is traced
-(``begin_update``), which costs nothing at run time.
+(``begin_update``), which costs nothing at run time. One module on
+purpose: every check a compressor makes lives here, once, so that each
+factory and update calls it rather than writing its own.
 """
 
 from collections.abc import Callable, Sequence

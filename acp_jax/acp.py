@@ -9,7 +9,9 @@ import optax
 from acp_jax import _checks
 from acp_jax import compressor
 from acp_jax import lowrank
+from acp_jax import orthogonalize
 from acp_jax import phase as phase_lib
+from acp_jax import projection
 
 Phase = phase_lib.Phase
 
@@ -171,28 +173,27 @@ def acp_sgd(
       mean, error, q = lowrank.dense_step(cfg, s, state.q, axis_name)
       return mean, state._replace(error=error, q=q, count=count)
     # P-step: F = M B, approximation F B^T. Q-step: F^T = B^T M (kept
-    # transposed, see lowrank.project_transposed), approximation B F^T.
+    # transposed, see projection.project_transposed), approximation B F^T.
     p_step = phase is Phase.P
     if p_step:
-      project, expand = lowrank.project, (lambda f, b: f @ b.T)
+      project, expand = projection.project, (lambda f, b: f @ b.T)
       # E' = M - F B^T
-      rank_one_terms = lambda f, b: (f, lowrank.transposed_rows(b))
+      rank_one_terms = lambda f, b: (f, projection.transposed_rows(b))
       previous = lowrank.start_factors(cfg, s, state.q, state.count)
+      basis = orthogonalize.orthogonalize
     else:
-      project = lowrank.project_terms_transposed
+      project = projection.project_terms_transposed
       expand = lambda ft, b: b @ ft
       # E' = M - B F^T
       rank_one_terms = lambda ft, b: (b, ft)
       previous = lowrank.leaves_of(s, state.p)
-    orthogonalize = (
-        lowrank.orthogonalize if p_step else lowrank.orthogonalize_rows
-    )
-    bases = [orthogonalize(f) for f in previous]
+      basis = orthogonalize.orthogonalize_rows
+    bases = [basis(f) for f in previous]
     factors = [
         lowrank.as_sent(cfg, project(m, b)) for m, b in zip(s.matrices, bases)
     ]
     errors = [
-        lowrank.residual(m, *rank_one_terms(f, b))
+        projection.residual(m, *rank_one_terms(f, b))
         for m, f, b in zip(s.matrices, factors, bases)
     ]
     # The one round: each bucket's factors and dense leaves together.

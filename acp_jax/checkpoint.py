@@ -15,6 +15,10 @@ is always in its first phase, would ask orbax for the wrong shape.
 other array against the live state.
 
 Needs ``orbax-checkpoint`` (``pip install acp_jax[checkpoint]``).
+
+One module on purpose: the checksums, the record and the phase-aware
+target are the parts of one verified save and restore, and its reference
+page lists them together for checkpointers of one's own.
 """
 
 import hashlib

@@ -113,37 +113,9 @@ def compressed_adam(
     with Adam's Convergence Speed", ICML 2021.
     https://arxiv.org/abs/2102.02888
   """
-  made_by = getattr(compressor, "made_by", None)
-  if not isinstance(compressor, compressor_lib.Compressor) or not made_by:
-    raise TypeError(
-        "compressed_adam needs a compressor made by acp_jax.ssgd,"
-        f" power_sgd or acp_sgd, got {type(compressor).__name__}"
-    )
+  _check_args(compressor, b1, b2, eps, preconditioned)
+  made_by = compressor.made_by
   name = made_by[0]
-  if name not in (_EXACT, *_WITH_WARMUP):
-    raise ValueError(
-        f"compressed_adam takes ssgd, power_sgd or acp_sgd, got {name}: the"
-        " others have no dense warm-up on which Adam's second moment could"
-        " be estimated."
-    )
-  if name != _EXACT and not compressor.warmup_steps:
-    raise ValueError(
-        f"compressed_adam: {name} has warmup_steps={compressor.warmup_steps};"
-        " Adam's second moment is estimated on the dense warm-up steps and"
-        f" then frozen, so make it with {name}(..., warmup_steps=N), N >= 1."
-    )
-  for key, value in (("b1", b1), ("b2", b2)):
-    if not 0 <= value < 1:
-      raise ValueError(
-          f"compressed_adam: {key} must be in [0, 1), got {value!r}"
-      )
-  if not eps > 0:
-    raise ValueError(f"compressed_adam: eps must be > 0, got {eps!r}")
-  if not isinstance(preconditioned, bool):
-    raise ValueError(
-        "compressed_adam: preconditioned must be a bool, got"
-        f" {preconditioned!r}"
-    )
   adam = optax.scale_by_adam(b1, b2, eps)
   local_fields = compressor.local_fields
 
@@ -224,3 +196,41 @@ def compressed_adam(
           },
       ),
   )
+
+
+def _check_args(
+    compressor: Any, b1: float, b2: float, eps: float, preconditioned: bool
+) -> None:
+  """Refuses ``compressed_adam``'s arguments where they are not usable: a
+  compressor without a dense warm-up, moments' rates outside [0, 1)."""
+  made_by = getattr(compressor, "made_by", None)
+  if not isinstance(compressor, compressor_lib.Compressor) or not made_by:
+    raise TypeError(
+        "compressed_adam needs a compressor made by acp_jax.ssgd,"
+        f" power_sgd or acp_sgd, got {type(compressor).__name__}"
+    )
+  name = made_by[0]
+  if name not in (_EXACT, *_WITH_WARMUP):
+    raise ValueError(
+        f"compressed_adam takes ssgd, power_sgd or acp_sgd, got {name}: the"
+        " others have no dense warm-up on which Adam's second moment could"
+        " be estimated."
+    )
+  if name != _EXACT and not compressor.warmup_steps:
+    raise ValueError(
+        f"compressed_adam: {name} has warmup_steps={compressor.warmup_steps};"
+        " Adam's second moment is estimated on the dense warm-up steps and"
+        f" then frozen, so make it with {name}(..., warmup_steps=N), N >= 1."
+    )
+  for key, value in (("b1", b1), ("b2", b2)):
+    if not 0 <= value < 1:
+      raise ValueError(
+          f"compressed_adam: {key} must be in [0, 1), got {value!r}"
+      )
+  if not eps > 0:
+    raise ValueError(f"compressed_adam: eps must be > 0, got {eps!r}")
+  if not isinstance(preconditioned, bool):
+    raise ValueError(
+        "compressed_adam: preconditioned must be a bool, got"
+        f" {preconditioned!r}"
+    )

@@ -30,27 +30,31 @@ buffer the compressor sends, so the node's devices share the sending: each
 runs the collective across nodes on its own chunk of each buffer, and the
 chunks are gathered back over the local axis (``collectives.split_over``).
 A node's link then carries the compressed bytes once, not once per device.
+
+This module is the one class ``DataParallel``, about half of it docstrings;
+the pieces it is made of live apart: ``_local_grads`` (the ``LocalGrads``
+type and the per-device gradient program), ``_specs`` (how the batch
+arguments split over the devices) and ``_accounting`` (what ``comm_bytes``
+records).
 """
 
-import collections
-from collections.abc import Mapping
-import sys
 from typing import Any, Callable, NamedTuple
-import warnings
 
 import jax
 from jax import lax
-from jax.extend import random as jex_random
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import optax
 
+from acp_jax import _accounting
 from acp_jax import _checks
+from acp_jax import _local_grads
+from acp_jax import _specs
 from acp_jax import collectives
 from acp_jax import compressor as compressor_lib
 from acp_jax import phase as phase_lib
+from acp_jax._local_grads import LocalGrads
 
 
 class DataParallelState(NamedTuple):
@@ -71,16 +75,11 @@ class DataParallelState(NamedTuple):
 NONFINITE_POLICIES = ("keep", "skip", "propagate")
 
 
-def _nnx():
-  """``flax.nnx`` if the caller has imported it (we never import flax)."""
-  return sys.modules.get("flax.nnx")
-
-
 def _values(tree: Any) -> Any:
   """``tree`` with any NNX ``Variable`` replaced by its value: the state
   made from it carries no param's metadata (e.g. a sharding annotation,
   which flax's eager sharding would apply to residuals stacked per node)."""
-  nnx = _nnx()
+  nnx = _local_grads.flax_nnx()
   return tree if nnx is None else nnx.as_pure(tree)
 
 
@@ -231,7 +230,7 @@ class DataParallel:
           self.compressor.init(shapes),
       )
 
-    shardings = jax.tree.map(self._sharding, specs, is_leaf=_is_spec)
+    shardings = jax.tree.map(self._sharding, specs, is_leaf=_specs.is_spec)
     return jax.jit(make, out_shardings=shardings)
 
   def param_shardings(self, params: Any) -> Any:
@@ -293,45 +292,12 @@ class DataParallel:
               self.compressor, params, num_devices=self.num_nodes
           )
       }
-    shapes = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
-    )
-    grads = self.abstract_local_grads(shapes)
-    dense = collectives.dense_nbytes(shapes)
-    volumes = {self.axis_name: {}, self.local_axis: {}}
-    for phase, comm in self.phase_states(self.abstract_comm(shapes)).items():
-      with collectives.recording() as sent:
-        jax.eval_shape(self.compress, grads, comm)
-      volumes[self.axis_name][phase] = _volume(sent, self.axis_name)
-      local = _volume(sent, self.local_axis)
-      volumes[self.local_axis][phase] = local._replace(
-          all_reduce=local.all_reduce + dense
-      )
-    return volumes
+    return _accounting.hierarchical(self, params)
 
   def _warn_if_sharded_elsewhere(self, params: Any) -> None:
     """Warns if a param is sharded over a mesh axis that is not a device
     axis: its all-gathers are traffic that ``comm_bytes`` does not count."""
-    others = set(self.mesh.axis_names) - set(self.device_axes)
-    for path, x in jax.tree_util.tree_leaves_with_path(params):
-      spec = getattr(getattr(x, "sharding", None), "spec", None) or ()
-      axes = {
-          a
-          for entry in spec
-          if entry is not None
-          for a in (entry if isinstance(entry, tuple) else (entry,))
-      }
-      if axes & others:
-        warnings.warn(
-            f"DataParallel.comm_bytes: param {jax.tree_util.keystr(path)} is"
-            f" sharded over mesh axis {sorted(axes & others)[0]!r}, which is"
-            " not a data axis. The step takes every param whole on each"
-            " device, so XLA adds collectives over that axis (all-gathers of"
-            " such params) that these bytes do not count. Replicate the"
-            " params, NamedSharding(mesh, P()), for them to count all.",
-            stacklevel=3,
-        )
-        return
+    _accounting.warn_if_sharded_elsewhere(self.mesh, self.device_axes, params)
 
   def at_step(self, opt_state: Any, step: int) -> Any:
     """``opt_state`` set to run step ``step`` (counted from 0): for a
@@ -347,7 +313,7 @@ class DataParallel:
     Returns:
       The state to pass to that step (the ``nnx.Optimizer`` itself).
     """
-    nnx = _nnx()
+    nnx = _local_grads.flax_nnx()
     if nnx is not None and isinstance(opt_state, nnx.Optimizer):
       variables = opt_state.opt_state.comm
       is_variable = lambda x: isinstance(x, nnx.Variable)
@@ -374,21 +340,6 @@ class DataParallel:
     return opt_state._replace(comm=self.compressor.at_step(opt_state.comm, step))
 
   # -- the exchange -----------------------------------------------------------
-
-  def _check_local_grads(self, grads: Any, params: Any) -> None:
-    n = self.num_devices
-    for (path, g), p in zip(
-        jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(params)
-    ):
-      if tuple(g.shape) != (n,) + tuple(p.shape):
-        raise ValueError(
-            f"gradient {jax.tree_util.keystr(path)} has shape {g.shape}, but"
-            f" a parameter of shape {p.shape} needs its {n} devices' local"
-            f" gradients stacked, shape {(n,) + tuple(p.shape)}. Take the"
-            " gradients from DataParallel.value_and_grad, not jax.grad or"
-            " nnx.grad (whose gradient of the global loss is already the"
-            " dense mean)."
-        )
 
   def compress(self, local_grads: Any, comm_state: Any) -> tuple[Any, Any]:
     """The compressed mean of the devices' gradients, and the new state.
@@ -465,9 +416,9 @@ class DataParallel:
 
     def update_fn(updates, state, params=None, **extra_args):
       _checks.check_not_in_conditional("DataParallel.chain")
-      updates = _stacked_local_grads(updates)
+      updates = _local_grads.stacked(updates)
       if params is not None:
-        self._check_local_grads(updates, params)
+        _local_grads.check_stacked(updates, params, self.num_devices)
       mean, comm, finite = self._compress(updates, state.comm)
       mean, inner = tx.update(mean, state.inner, params, **extra_args)
       if self.nonfinite == "skip":
@@ -486,7 +437,7 @@ class DataParallel:
       has_aux: bool = False,
       aux_specs: Any = None,
       batch_specs: Any = None,
-  ) -> Callable[..., tuple[Any, "LocalGrads"]]:
+  ) -> Callable[..., tuple[Any, LocalGrads]]:
     """Like ``jax.value_and_grad(fun)``, each device on its own batch shard.
 
     ``fun(params, *batch)`` is the loss of one device's shard. ``params`` is
@@ -539,405 +490,13 @@ class DataParallel:
       inside it and so sees their compressed mean), or add up several
       micro-batches' first with ``+`` (one compressed send for all).
     """
-    axes = self.device_axes
-    if aux_specs is None:
-      aux_specs = self.device_spec
-
-    def split_value(value):
-      return value if has_aux else (value, ())
-
-    def pure_loss(params, rest, *batch):
-      loss, aux = split_value(fun(params, *batch))
-      return loss, (aux, rest)
-
-    def module_loss(graphdef):
-      nnx = _nnx()
-
-      def loss_fn(params, rest, *batch):
-        model = nnx.merge(graphdef, params, rest)
-        loss, aux = split_value(fun(model, *batch))
-        rest = nnx.as_pure(nnx.split(model, nnx.Param, ...)[2])
-        # Non-parameter state (BatchNorm statistics) is averaged so that the
-        # replicas stay identical; integers (RNG counters) agree already.
-        rest = jax.tree.map(
-            lambda x: lax.pmean(x, axes)
-            if jnp.issubdtype(x.dtype, jnp.inexact)
-            else x,
-            rest,
-        )
-        return loss, (aux, rest)
-
-      return loss_fn
-
-    def run(loss_fn, params, rest, batch):
-      specs = self._batch_specs(batch, batch_specs)
-
-      def local(params, rest, *batch):
-        # A key that every device receives alike would draw the same
-        # randomness on every shard; the model keeps the unfolded one.
-        fold = _folding_device_index(axes)
-        batch = tuple(
-            jax.tree.map(
-                lambda x, spec: fold(x) if _is_replicated(spec) else x,
-                arg,
-                arg_specs,
-            )
-            for arg, arg_specs in zip(batch, specs)
-        )
-        (loss, (aux, new_rest)), grads = jax.value_and_grad(
-            loss_fn, has_aux=True
-        )(params, jax.tree.map(fold, rest), *batch)
-        new_rest = jax.tree.map(
-            lambda old, new: old if _is_key(old) else new, rest, new_rest
-        )
-        stack = lambda t: jax.tree.map(lambda x: x[None], t)
-        aux = jax.tree.map(
-            lambda spec, a: a if spec == P() else stack(a),
-            aux_specs,
-            aux,
-            is_leaf=_is_spec,
-        )
-        return (lax.pmean(loss, axes), aux), stack(grads), new_rest
-
-      return jax.shard_map(
-          local,
-          mesh=self.mesh,
-          in_specs=(P(), P()) + specs,
-          out_specs=((P(), aux_specs), self.device_spec, P()),
-          check_vma=False,
-      )(params, rest, *batch)
-
-    def wrapped(params, *batch):
-      nnx = _nnx()
-      if nnx is not None and isinstance(params, nnx.Module):
-        model = params
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        # Only arrays cross into shard_map: NNX variables may not be mutated
-        # from another trace level. The gradients get their Param type back
-        # so that nnx.Optimizer's filter finds them, and so does the guard.
-        value, grads, rest = run(
-            module_loss(graphdef), nnx.as_pure(params), nnx.as_pure(rest), batch
-        )
-        nnx.update(model, rest)
-        grads = jax.tree.map(
-            lambda v, g: v.replace(g),
-            params,
-            grads,
-            is_leaf=lambda x: isinstance(x, nnx.Variable),
-        )
-        guard = nnx.Param(_guard())
-      else:
-        value, grads, _ = run(pure_loss, params, None, batch)
-        guard = _guard()
-      return (value if has_aux else value[0]), LocalGrads(grads, guard)
-
-    return wrapped
-
-  def _batch_specs(self, batch: tuple, batch_specs: Any) -> tuple:
-    """Each batch argument's tree of leaf ``PartitionSpec``s (see
-    ``value_and_grad``), checked: split axes divide evenly over the devices,
-    and an assumed split agrees in size with the others."""
-    if batch_specs is None:
-      batch_specs = (None,) * len(batch)
-    if not isinstance(batch_specs, (tuple, list)) or len(batch_specs) != len(
-        batch
-    ):
-      raise ValueError(
-          f"batch_specs must hold one entry per argument after the params"
-          f" ({len(batch)} in this call), got {batch_specs!r}"
-      )
-    specs, splits = [], []  # splits: (name, size, axis, assumed)
-    for i, (arg, given) in enumerate(zip(batch, batch_specs)):
-      leaves, treedef = jax.tree_util.tree_flatten_with_path(arg)
-      if given is not None:
-        given = _broadcast_specs(given, arg, f"batch_specs[{i}]")
-      leaf_specs = []
-      for j, (path, x) in enumerate(leaves):
-        name = (
-            f"argument {i + 1}{jax.tree_util.keystr(path)} of the loss"
-            f" (batch_specs[{i}])"
-        )
-        if given is None:
-          spec, assumed = self._inferred_spec(name, x)
-        else:
-          spec, assumed = given[j], False
-        dim = self._split_dim(name, np.shape(x), spec)
-        if dim is not None:
-          splits.append((name, np.shape(x)[dim], dim, assumed))
-        leaf_specs.append(spec)
-      specs.append(jax.tree_util.tree_unflatten(treedef, leaf_specs))
-    _check_split_sizes(splits, self.device_spec[0])
-    return tuple(specs)
-
-  def _inferred_spec(self, name: str, x: Any) -> tuple[P, bool]:
-    """A leaf's spec without ``batch_specs``, and whether it is assumed
-    (split along the leading axis for want of anything saying otherwise)."""
-    if not np.shape(x):
-      return P(), False
-    placed = _placement(x)
-    if placed is not None:
-      dims = [
-          d
-          for d, entry in enumerate(placed)
-          if set(_spec_axes(entry)) & set(self.device_axes)
-      ]
-      if len(dims) > 1:
-        raise ValueError(
-            f"{name} is sharded as {placed}, over the device axes along"
-            f" {len(dims)} of its axes: pass batch_specs to say which one is"
-            " the batch"
-        )
-      if dims:
-        return P(*(None,) * dims[0], self.device_spec[0]), False
-    return self.device_spec, True
-
-  def _split_dim(self, name: str, shape: tuple, spec: P) -> int | None:
-    """The axis ``spec`` splits over the devices (None: every device gets
-    the leaf whole), refusing specs that are not data-parallel."""
-    entry = self.device_spec[0]
-    hint = (
-        f"name the device axes on the batch axis (e.g. P(None, {entry!r}) for"
-        " a time-major batch) or none (P(): every device gets it whole)"
+    return _local_grads.value_and_grad(
+        self,
+        fun,
+        has_aux=has_aux,
+        aux_specs=aux_specs,
+        batch_specs=batch_specs,
     )
-    if not isinstance(spec, P):
-      raise TypeError(
-          f"{name}: batch spec {spec!r} is not a PartitionSpec; {hint}"
-      )
-    if len(spec) > len(shape):
-      raise ValueError(
-          f"{name} has shape {shape}, too few axes for its batch spec {spec}"
-      )
-    named = [a for e in spec for a in _spec_axes(e)]
-    if not named:
-      return None
-    dims = [d for d, e in enumerate(spec) if _spec_axes(e)]
-    if sorted(named) != sorted(self.device_axes) or len(dims) > 1:
-      raise ValueError(
-          f"{name}: batch spec {spec} is not data-parallel; {hint}"
-      )
-    (dim,) = dims
-    if shape[dim] % self.num_devices:
-      raise ValueError(
-          f"{name} has shape {shape}: its axis {dim} must split evenly over"
-          f" the {self.num_devices} devices of mesh axes"
-          f" {', '.join(map(repr, self.device_axes))} (or pass batch_specs"
-          " to split another axis, or P() for an argument every device gets"
-          " whole)"
-      )
-    return dim
-
-
-class LocalGrads:
-  """Each device's gradients, stacked: what ``DataParallel.value_and_grad``
-  returns, and what only ``DataParallel.chain(tx)`` takes.
-
-  Local gradients are not the gradient: a transform applied to them (clipping
-  by their stacked norm, weight decay, a plain optimizer) acts on the wrong
-  object. So they carry a guard, a zero-size PRNG key, and JAX refuses every
-  arithmetic operation on a key while tracing, with an error whose dtype,
-  ``key<...>``, says where such a transform goes: inside ``chain``, after
-  the compressor, e.g. ``dp.chain(optax.chain(optax.clip_by_global_norm(1.0),
-  opt))``. A transform that combines them with another tree (a moment, the
-  params) fails on the differing structure, naming ``LocalGrads``.
-
-  Add up micro-batches' local gradients with ``+`` (or ``sum``) and scale
-  them with ``*`` and ``/``; read the arrays from ``stacked``.
-
-  Attributes:
-    stacked: the gradients in the params' structure (for a Flax NNX module,
-      an ``nnx.State`` of ``nnx.Param``), each leaf ``(num_devices, *shape)``
-      and sharded over the device axes.
-    guard: the key (an ``nnx.Param`` for a module, so that
-      ``nnx.Optimizer(..., wrt=nnx.Param)`` hands it on to ``chain``).
-  """
-
-  def __init__(self, stacked: Any, guard: Any):
-    self.stacked = stacked
-    self.guard = guard
-
-  def _map(self, f: Callable) -> "LocalGrads":
-    return LocalGrads(jax.tree.map(f, self.stacked), self.guard)
-
-  def __add__(self, other: Any) -> "LocalGrads":
-    if not isinstance(other, LocalGrads):
-      return NotImplemented
-    return LocalGrads(
-        jax.tree.map(jnp.add, self.stacked, other.stacked), self.guard
-    )
-
-  def __radd__(self, other: Any) -> "LocalGrads":
-    if isinstance(other, int) and other == 0:  # sum() starts from 0
-      return self
-    return NotImplemented
-
-  def __mul__(self, scale: Any) -> "LocalGrads":
-    if isinstance(scale, LocalGrads):
-      return NotImplemented
-    return self._map(lambda g: g * scale)
-
-  __rmul__ = __mul__
-
-  def __truediv__(self, scale: Any) -> "LocalGrads":
-    if isinstance(scale, LocalGrads):
-      return NotImplemented
-    return self._map(lambda g: g / scale)
-
-  def __repr__(self) -> str:
-    return f"LocalGrads(stacked={self.stacked!r})"
-
-
-jax.tree_util.register_pytree_with_keys(
-    LocalGrads,
-    lambda g: (
-        (
-            (jax.tree_util.GetAttrKey("stacked"), g.stacked),
-            (jax.tree_util.GetAttrKey("guard"), g.guard),
-        ),
-        None,
-    ),
-    lambda _, children: LocalGrads(*children),
-)
-
-
-def _never(*args):
-  del args
-  raise TypeError("the guard of acp_jax.LocalGrads is not a random key")
-
-
-# The guard's dtype is key<tag>: JAX prints it in the error of any operation
-# on it, so the tag is the message to whoever placed a transform there.
-_GUARD = jex_random.define_prng_impl(
-    key_shape=(0,),
-    seed=_never,
-    split=_never,
-    random_bits=_never,
-    fold_in=_never,
-    name="acp_jax.LocalGrads.guard",
-    tag=(
-        "acp_jax.LocalGrads: each device's gradients, stacked (add up"
-        " micro-batches' with +). Only DataParallel.chain(tx) takes them;"
-        " any transform goes inside it, after the compressor, e.g. clipping"
-        " the mean gradient with"
-        " dp.chain(optax.chain(optax.clip_by_global_norm(1.0), opt))"
-    ),
-)
-
-
-def _guard() -> jax.Array:
-  return jax.random.wrap_key_data(jnp.zeros((0,), jnp.uint32), impl=_GUARD)
-
-
-def _is_key(x: Any) -> bool:
-  return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
-
-
-def _is_guard(x: Any) -> bool:
-  return _is_key(x) and jax.random.key_impl(x) == _GUARD
-
-
-def _stacked_local_grads(updates: Any) -> Any:
-  """The stacked arrays of local gradients that ``chain``'s update gets: a
-  ``LocalGrads``, or the mapping of its fields that ``nnx.Optimizer`` hands
-  on (``nnx.state(grads, wrt)``)."""
-  if isinstance(updates, LocalGrads):
-    return updates.stacked
-  fields = set(updates) if isinstance(updates, Mapping) else set()
-  if fields == {"stacked", "guard"} and _is_guard(updates["guard"]):
-    return updates["stacked"]
-  hint = (
-      " nnx.Optimizer's wrt filter left out their guard, an nnx.Param:"
-      " build it with wrt=nnx.Param."
-      if fields == {"stacked"}
-      else ""
-  )
-  raise TypeError(
-      "DataParallel.chain(tx) takes the local gradients of"
-      f" DataParallel.value_and_grad (a LocalGrads), got"
-      f" {type(updates).__name__}. Take the gradients from"
-      " DataParallel.value_and_grad, not jax.grad or nnx.grad (whose"
-      " gradient of the global loss is already the dense mean)." + hint
-  )
-
-
-def _folding_device_index(axes: tuple[str, ...]) -> Callable[[Any], Any]:
-  """Folds this device's index over ``axes`` into a PRNG key (under
-  ``shard_map``); other values pass unchanged."""
-  index = lax.axis_index(axes)
-  return lambda x: jax.random.fold_in(x, index) if _is_key(x) else x
-
-
-def _placement(x: Any) -> P | None:
-  """The spec of ``x``'s sharding, where JAX exposes it: a concrete array's,
-  or a traced one's on ``Explicit`` mesh axes (``Auto`` axes do not show
-  while tracing)."""
-  try:
-    sharding = x.sharding
-  except AttributeError:  # a tracer, or not a jax.Array
-    sharding = getattr(jax.typeof(x), "sharding", None)
-  return sharding.spec if isinstance(sharding, NamedSharding) else None
-
-
-def _spec_axes(entry: Any) -> tuple[str, ...]:
-  """The mesh axes one entry of a ``PartitionSpec`` names."""
-  if entry is None or entry is P.UNCONSTRAINED:
-    return ()
-  return tuple(entry) if isinstance(entry, tuple) else (entry,)
-
-
-def _is_replicated(spec: P) -> bool:
-  return not any(_spec_axes(e) for e in spec)
-
-
-def _broadcast_specs(given: Any, arg: Any, where: str) -> list[P]:
-  """The leaf specs of ``arg`` from ``given``, a prefix tree of it."""
-  try:
-    tree = jax.tree.map(
-        lambda spec, sub: jax.tree.map(lambda _: spec, sub),
-        given,
-        arg,
-        is_leaf=_is_spec,
-    )
-  except ValueError as e:
-    raise ValueError(
-        f"{where} is not a PartitionSpec or a prefix tree of the argument's"
-        f" structure: {e}"
-    ) from None
-  return jax.tree.leaves(tree, is_leaf=_is_spec)
-
-
-def _check_split_sizes(splits: list, entry: Any) -> None:
-  """Refuses an assumed leading-axis split whose size disagrees with the
-  other split axes: then that axis is probably not the batch."""
-  fixed = {size for _, size, _, assumed in splits if not assumed}
-  if not fixed and splits:
-    # The batch: the size most leaves share, the larger on a tie (a leading
-    # axis beside the batch is time or channels, usually fewer).
-    counts = collections.Counter(size for _, size, _, _ in splits)
-    fixed = {max(counts, key=lambda size: (counts[size], size))}
-  for name, size, dim, assumed in splits:
-    if assumed and size not in fixed:
-      other, other_size, other_dim, _ = next(s for s in splits if s[1] in fixed)
-      raise ValueError(
-          f"{name} would be split over the devices along its axis {dim}, of"
-          f" size {size}, but {other} along its axis {other_dim}, of size"
-          f" {other_size}: which axis is the batch is ambiguous. Say it with"
-          " value_and_grad(fun, batch_specs=...), one entry per argument"
-          " after the params: P() for one that every device gets whole (e.g."
-          f" BatchNorm statistics), P(None, {entry!r}) for a time-major"
-          " batch; or place the arrays with a NamedSharding (seen outside"
-          " jit, or under jit on Explicit mesh axes)."
-      )
-
-
-def _volume(
-    sent: list[collectives.Sent], axis_name: str
-) -> compressor_lib.CommVolume:
-  """The bytes of the recorded collectives over ``axis_name``."""
-  by_kind = {"all_reduce": 0, "all_gather": 0}
-  for s in sent:
-    if s.axis_name == axis_name:
-      by_kind[s.kind] += s.nbytes
-  return compressor_lib.CommVolume(**by_kind)
 
 
 def _all_finite(arrays: list[jax.Array]) -> jax.Array:
@@ -948,7 +507,3 @@ def _all_finite(arrays: list[jax.Array]) -> jax.Array:
   ``x * 0`` reads a broadcast zero array beside it on XLA:CPU)."""
   zeros = [jnp.sum((x - x).astype(jnp.float32)) for x in arrays]
   return jnp.isfinite(sum(zeros, jnp.float32(0)))
-
-
-def _is_spec(x) -> bool:
-  return isinstance(x, P)

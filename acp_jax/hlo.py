@@ -7,20 +7,16 @@ text holds the step's dependency graph, which says which collectives wait on
 each other (``collective_rounds``), how much of the step's computation a
 collective could run beside (``overlap_potential``) and, once XLA:GPU has
 scheduled it, what each collective does run beside (``scheduled_overlap``).
+The parsing of the text, which every reader here shares, is
+``acp_jax._hlo_text``.
 """
 
 import collections
 import functools
-import re
 from typing import Any, Callable, NamedTuple
 
-_OPS = (
-    "all-reduce",
-    "all-gather",
-    "reduce-scatter",
-    "all-to-all",
-    "collective-permute",
-)
+from acp_jax import _hlo_text
+
 # The instructions a step's time goes into (XLA fuses elementwise work);
 # parameters, tuples, bitcasts, copies and collectives cost nothing here.
 _COMPUTE = frozenset((
@@ -32,15 +28,6 @@ _COMPUTE = frozenset((
     "while",
     "conditional",
 ))
-_INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?(?P<name>%?[\w.\-]+)\s*=\s*(?P<shape>.*?)\s+"
-    r"(?P<op>[a-z][\w\-]*)\((?P<operands>.*)$"
-)
-_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
-_HEADER = re.compile(r"^\s*(?P<entry>ENTRY\s+)?(?P<name>%[\w.\-]+)\s.*\{\s*$")
-_REFERENCE = re.compile(r"%[\w.\-]+")
-# Scheduling constraints, not data: a collective may still overlap them.
-_CONTROL = re.compile(r"control-predecessors=\{[^}]*\}")
 
 
 class CollectiveStats(NamedTuple):
@@ -80,57 +67,6 @@ class OverlapReport(NamedTuple):
   compute_bytes: int  # the output bytes of all compute instructions
 
 
-class _Instruction(NamedTuple):
-  name: str
-  op: str  # the opcode: "fusion", "all-reduce-start", ...
-  shape: str  # the result's shape text
-  references: tuple[str, ...]  # operands and called computations
-
-
-def _itemsize(element_type: str) -> int:
-  """Bytes of an HLO element type: pred, s8, bf16, f32, c64, f8e4m3fn..."""
-  if element_type == "pred":
-    return 1
-  bits = re.search(r"[0-9]+", element_type)
-  if bits is None or int(bits.group()) % 8:
-    raise ValueError(f"unknown HLO element type {element_type!r}")
-  return int(bits.group()) // 8
-
-
-def _array_bytes(arrays: list[tuple[str, str]]) -> int:
-  """Bytes of ``(element type, dims)`` pairs, as ``_ARRAY`` finds them."""
-  total = 0
-  for element_type, dims in arrays:
-    numel = 1
-    for d in filter(None, dims.split(",")):
-      numel *= int(d)
-    total += numel * _itemsize(element_type)
-  return total
-
-
-def _shape_bytes(shape_text: str) -> int:
-  """Bytes of a shape, summed over the arrays of a tuple."""
-  return _array_bytes(_ARRAY.findall(shape_text))
-
-
-def _collective_kind(op: str) -> str | None:
-  """The collective an opcode runs (an async start is its collective), or
-  None; the matching "-done" is not one."""
-  kind = op.removesuffix("-start")
-  return kind if kind in _OPS else None
-
-
-def _collective_bytes(op: str, shape_text: str) -> int:
-  """Result bytes of a collective: what a device holds after it."""
-  arrays = _ARRAY.findall(shape_text)
-  if op == "collective-permute-start" and arrays[-2:] == [("u32", "")] * 2:
-    arrays = arrays[:-2]  # two u32[] context scalars
-  if op in ("all-gather-start", "collective-permute-start"):
-    # The async start returns (operands..., results...).
-    arrays = arrays[len(arrays) // 2 :]
-  return _array_bytes(arrays)
-
-
 def collective_stats(hlo_text: str) -> dict[str, CollectiveStats]:
   """Count and result bytes of each kind of collective in an HLO module.
 
@@ -147,11 +83,11 @@ def collective_stats(hlo_text: str) -> dict[str, CollectiveStats]:
   count = collections.Counter()
   nbytes = collections.Counter()
   for line in hlo_text.splitlines():
-    match = _INSTRUCTION.match(line)
-    kind = match and _collective_kind(match["op"])
+    match = _hlo_text.INSTRUCTION.match(line)
+    kind = match and _hlo_text.collective_kind(match["op"])
     if kind:
       count[kind] += 1
-      nbytes[kind] += _collective_bytes(match["op"], match["shape"])
+      nbytes[kind] += _hlo_text.collective_bytes(match["op"], match["shape"])
   return {op: CollectiveStats(count[op], nbytes[op]) for op in count}
 
 
@@ -167,35 +103,9 @@ def traffic(compiled: Any) -> dict[str, CollectiveStats]:
   """
   text = compiled if isinstance(compiled, str) else compiled.as_text()
   stats = collective_stats(text)
-  return {kind: stats.get(kind, CollectiveStats(0, 0)) for kind in _OPS}
-
-
-def _computations(hlo_text: str) -> tuple[str, dict[str, list[_Instruction]]]:
-  """The module's computations, by name, and the name of its entry.
-
-  Lines before any computation header (a bare list of instructions) form a
-  computation of their own, named "", the entry unless the text names one.
-  """
-  computations: dict[str, list[_Instruction]] = {"": []}
-  entry, body = "", computations[""]
-  for line in hlo_text.splitlines():
-    header = _HEADER.match(line)
-    if header and "=" not in line.split("(")[0]:
-      body = computations.setdefault(header["name"], [])
-      entry = header["name"] if header["entry"] else entry
-      continue
-    match = _INSTRUCTION.match(line)
-    if match:
-      operands = _CONTROL.sub("", match["operands"])
-      body.append(
-          _Instruction(
-              match["name"],
-              match["op"],
-              match["shape"],
-              tuple(_REFERENCE.findall(operands)),
-          )
-      )
-  return entry, computations
+  return {
+      kind: stats.get(kind, CollectiveStats(0, 0)) for kind in _hlo_text.OPS
+  }
 
 
 class BufferPass(NamedTuple):
@@ -212,17 +122,6 @@ class BufferPass(NamedTuple):
 _NO_PASS = frozenset(
     ("parameter", "bitcast", "get-tuple-element", "tuple", "constant")
 )
-
-
-def _elements(shape_text: str) -> list[int]:
-  """Element counts of the arrays in a shape (several for a tuple)."""
-  counts = []
-  for _, dims in _ARRAY.findall(shape_text):
-    numel = 1
-    for d in filter(None, dims.split(",")):
-      numel *= int(d)
-    counts.append(numel)
-  return counts
 
 
 def buffer_passes(hlo_text: str, elements: int) -> list[BufferPass]:
@@ -243,11 +142,11 @@ def buffer_passes(hlo_text: str, elements: int) -> list[BufferPass]:
     in the order of the text; bitcasts, parameters and tuples move nothing
     and are left out.
   """
-  entry, computations = _computations(hlo_text)
+  entry, computations = _hlo_text.computations(hlo_text)
   sizes: dict[str, list[int]] = {}
   passes = []
   for ins in computations[entry]:
-    sizes[ins.name] = _elements(ins.shape)
+    sizes[ins.name] = _hlo_text.elements(ins.shape)
     if ins.op in _NO_PASS:
       continue
     reads = sum(sizes.get(ref, []).count(elements) for ref in ins.references)
@@ -258,7 +157,7 @@ def buffer_passes(hlo_text: str, elements: int) -> list[BufferPass]:
 
 
 def _rounds(
-    computations: dict[str, list[_Instruction]],
+    computations: dict[str, list[_hlo_text.Instruction]],
 ) -> Callable[[str], dict[str, int]]:
   """For a computation's name, the round of each of its instructions: the
   most collectives on a data path up to and including it. A call adds the
@@ -273,7 +172,7 @@ def _rounds(
       depth[instruction.name] = (
           max((depth.get(r, 0) for r in references), default=0)
           + max((max(rounds(c).values(), default=0) for c in called), default=0)
-          + (_collective_kind(instruction.op) is not None)
+          + (_hlo_text.collective_kind(instruction.op) is not None)
       )
     return depth
 
@@ -297,7 +196,7 @@ def collective_rounds(hlo_text: str) -> int:
   Returns:
     The number of rounds; 0 without collectives.
   """
-  entry, computations = _computations(hlo_text)
+  entry, computations = _hlo_text.computations(hlo_text)
   return max(_rounds(computations)(entry).values(), default=0)
 
 
@@ -359,8 +258,47 @@ def overlap_potential(hlo_text: str) -> OverlapReport:
     for c in acp_jax.overlap_potential(text).collectives:
       print(c.name, c.bytes, f"{c.independent_share:.0%}")
   """
-  entry, computations = _computations(hlo_text)
+  entry, computations = _hlo_text.computations(hlo_text)
   instructions = computations[entry]
+  graph = _graph(instructions)
+  cost = {
+      i.name: _hlo_text.shape_bytes(i.shape)
+      for i in instructions
+      if i.op in _COMPUTE
+  }
+  total = sum(cost.values())
+  share = lambda subset: (
+      sum(cost.get(name, 0) for name in subset) / total if total else 0.0
+  )
+  rounds = _rounds(computations)(entry)
+  collectives = [i for i in instructions if _hlo_text.collective_kind(i.op)]
+  ancestors = {i.name: _closure(i.name, graph.operands) for i in collectives}
+  upstream = set().union(*ancestors.values())
+  reports = tuple(
+      _collective_overlap(
+          i, graph, ancestors[i.name], upstream, share, rounds[i.name]
+      )
+      for i in collectives
+  )
+  return OverlapReport(
+      reports,
+      _bytes_weighted(reports, "independent_share"),
+      _bytes_weighted(reports, "upstream_share"),
+      total,
+  )
+
+
+class _Graph(NamedTuple):
+  """The data dependencies among one computation's instructions."""
+
+  names: set[str]
+  operands: dict[str, list[str]]  # the instructions each one reads
+  users: dict[str, list[str]]  # the instructions that read each one
+
+
+def _graph(instructions: list[_hlo_text.Instruction]) -> _Graph:
+  """The dependencies of ``instructions`` on each other (references to
+  called computations and to other computations' values left out)."""
   names = {instruction.name for instruction in instructions}
   operands = {
       i.name: [r for r in i.references if r in names] for i in instructions
@@ -369,43 +307,43 @@ def overlap_potential(hlo_text: str) -> OverlapReport:
   for name, inputs in operands.items():
     for operand in inputs:
       users[operand].append(name)
-  cost = {
-      i.name: _shape_bytes(i.shape) for i in instructions if i.op in _COMPUTE
-  }
-  total = sum(cost.values())
-  share = lambda subset: (
-      sum(cost.get(name, 0) for name in subset) / total if total else 0.0
+  return _Graph(names, operands, users)
+
+
+def _collective_overlap(
+    instruction: _hlo_text.Instruction,
+    graph: _Graph,
+    before: set[str],
+    upstream: set[str],
+    share: Callable[[set[str]], float],
+    round_: int,
+) -> CollectiveOverlap:
+  """One collective's shares: of the compute it waits for (``before``, its
+  ancestors), of the compute that waits for it, and of the rest, whose part
+  in ``upstream`` (the ancestors of any collective) is backprop."""
+  after = _closure(instruction.name, graph.users)
+  independent = graph.names - before - after - {instruction.name}
+  return CollectiveOverlap(
+      name=instruction.name,
+      kind=_hlo_text.collective_kind(instruction.op),
+      bytes=_hlo_text.collective_bytes(instruction.op, instruction.shape),
+      round=round_,
+      independent_share=share(independent),
+      ancestor_share=share(before),
+      descendant_share=share(after),
+      upstream_share=share(independent & upstream),
   )
-  rounds = _rounds(computations)(entry)
 
-  collectives = [i for i in instructions if _collective_kind(i.op)]
-  ancestors = {i.name: _closure(i.name, operands) for i in collectives}
-  upstream = set().union(*ancestors.values())
-  reports = []
-  for instruction in collectives:
-    before = ancestors[instruction.name]
-    after = _closure(instruction.name, users)
-    independent = names - before - after - {instruction.name}
-    reports.append(
-        CollectiveOverlap(
-            name=instruction.name,
-            kind=_collective_kind(instruction.op),
-            bytes=_collective_bytes(instruction.op, instruction.shape),
-            round=rounds[instruction.name],
-            independent_share=share(independent),
-            ancestor_share=share(before),
-            descendant_share=share(after),
-            upstream_share=share(independent & upstream),
-        )
-    )
 
+def _bytes_weighted(
+    reports: tuple[CollectiveOverlap, ...], field: str
+) -> float:
+  """The mean of a share over ``reports``, weighted by their bytes (0 when
+  they send none)."""
   sent = sum(r.bytes for r in reports)
-  mean = lambda field: (
-      sum(r.bytes * getattr(r, field) for r in reports) / sent if sent else 0.0
-  )
-  return OverlapReport(
-      tuple(reports), mean("independent_share"), mean("upstream_share"), total
-  )
+  if not sent:
+    return 0.0
+  return sum(r.bytes * getattr(r, field) for r in reports) / sent
 
 
 class ScheduledCollective(NamedTuple):
@@ -453,35 +391,42 @@ def scheduled_overlap(hlo_text: str) -> list[ScheduledCollective]:
     for c in acp_jax.scheduled_overlap(text):
       print(c.name, c.bytes, c.compute_between)
   """
-  entry, computations = _computations(hlo_text)
+  entry, computations = _hlo_text.computations(hlo_text)
   instructions = computations[entry]
   done_at = {
       i.references[0]: (position, i.name)
       for position, i in enumerate(instructions)
       if i.op.endswith("-done") and i.references
   }
-  out = []
-  for position, instruction in enumerate(instructions):
-    if not instruction.op.endswith("-start"):
-      continue
-    kind = _collective_kind(instruction.op)
-    if kind is None:
-      continue
-    if instruction.name not in done_at:
-      raise ValueError(
-          f"{instruction.name} ({instruction.op}) has no matching done in"
-          " the entry computation"
-      )
-    end, done = done_at[instruction.name]
-    out.append(
-        ScheduledCollective(
-            name=instruction.name,
-            kind=kind,
-            bytes=_collective_bytes(instruction.op, instruction.shape),
-            done=done,
-            compute_between=sum(
-                i.op in _COMPUTE for i in instructions[position + 1 : end]
-            ),
-        )
+  return [
+      _scheduled(instructions, position, done_at)
+      for position, i in enumerate(instructions)
+      if i.op.endswith("-start")
+      and _hlo_text.collective_kind(i.op) is not None
+  ]
+
+
+def _scheduled(
+    instructions: list[_hlo_text.Instruction],
+    position: int,
+    done_at: dict[str, tuple[int, str]],
+) -> ScheduledCollective:
+  """The async collective that starts at ``position``, and the compute
+  printed between it and its done (``done_at``: a done's position and name,
+  by the start it ends)."""
+  start = instructions[position]
+  if start.name not in done_at:
+    raise ValueError(
+        f"{start.name} ({start.op}) has no matching done in"
+        " the entry computation"
     )
-  return out
+  end, done = done_at[start.name]
+  return ScheduledCollective(
+      name=start.name,
+      kind=_hlo_text.collective_kind(start.op),
+      bytes=_hlo_text.collective_bytes(start.op, start.shape),
+      done=done,
+      compute_between=sum(
+          i.op in _COMPUTE for i in instructions[position + 1 : end]
+      ),
+  )

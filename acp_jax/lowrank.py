@@ -1,4 +1,10 @@
-"""Pieces shared by the low-rank compressors (Power-SGD and ACP-SGD)."""
+"""Pieces shared by the low-rank compressors (Power-SGD and ACP-SGD).
+
+Their settings and plan (which leaves are compressed, at what rank), their
+state trees, one round of their exchange and its bytes: one module for the
+plumbing around their updates, whose arithmetic lives in ``orthogonalize``
+and ``projection``.
+"""
 
 from collections.abc import Callable
 import math
@@ -14,7 +20,9 @@ from acp_jax import _checks
 from acp_jax import collectives
 from acp_jax import compressor
 from acp_jax import state_trees
+from acp_jax import orthogonalize
 from acp_jax import phase as phase_lib
+from acp_jax import projection
 
 
 def check_dense_step(cfg: "LowRank", count: jax.Array) -> None:
@@ -50,14 +58,6 @@ def check_dense_step(cfg: "LowRank", count: jax.Array) -> None:
   jax.debug.callback(check, count)
 
 
-class MatrixSpec(NamedTuple):
-  """How a leaf is compressed: viewed as an n x m matrix, sent at rank r."""
-
-  n: int
-  m: int
-  rank: int
-
-
 class LowRank(NamedTuple):
   """Settings of a low-rank compressor; build it with ``settings``. The
   functions of this module take it as ``cfg``."""
@@ -75,7 +75,7 @@ class LowRank(NamedTuple):
   warmup_factors: bool = True
   leaf_order: tuple[int, ...] | None = None  # see collectives.bucket_plan
 
-  def plan(self, tree: Any) -> list[MatrixSpec | None]:
+  def plan(self, tree: Any) -> list[projection.MatrixSpec | None]:
     """``matrix_spec`` of every leaf of ``tree``, honouring ``keep_dense``.
 
     Within ``collectives.row_shards`` the leaves are blocks of rows: the
@@ -141,7 +141,7 @@ def settings(
 
 def matrix_spec(
     shape: tuple[int, ...], rank: int, min_compression_rate: float
-) -> MatrixSpec | None:
+) -> projection.MatrixSpec | None:
   """The matrix view of a leaf, or None if the leaf is sent dense.
 
   A leaf with two or more dims is an n x m matrix, m its last dim and n the
@@ -156,229 +156,13 @@ def matrix_spec(
   r = min(rank, n, m)
   if (n + m) * r * min_compression_rate >= n * m:
     return None
-  return MatrixSpec(n, m, r)
-
-
-# Cholesky-QR2 beats Householder QR from this rank and height on XLA:CPU
-# (single-threaded LAPACK, minimum of 30 interleaved runs: 30522 x 32 in 7.3 ms
-# against 15.1, 3072 x 32 in 0.56 against 2.3, 768 x 32 in 0.16 against 0.19;
-# at rank 4 and 8 it is 1.4 to 3.4 times slower, at 256 x 32 1.2 times).
-_CHOLESKY_MIN_RANK = 32
-_CHOLESKY_MIN_ROWS = 768
-# Largest max|Q1^T Q1 - I| after the first pass that the second one corrects
-# to float32 accuracy; beyond it the input is too ill-conditioned.
-_CHOLESKY_MAX_DEFECT = 0.1
-
-
-def _householder(x: jax.Array) -> jax.Array:
-  return jnp.linalg.qr(x)[0]
-
-
-def _inverse_cholesky_factor(gram: jax.Array) -> jax.Array:
-  """R^-1 for the Cholesky factor R = L^T of ``gram`` = R^T R (r x r); NaN
-  where ``gram`` is not positive definite."""
-  lower = jnp.linalg.cholesky(gram)
-  eye = jnp.eye(gram.shape[0], dtype=gram.dtype)
-  return jax.scipy.linalg.solve_triangular(lower, eye, lower=True).T
-
-
-def _cholesky_qr2(x: jax.Array) -> jax.Array:
-  """Q of ``x`` by two passes of Cholesky-QR, guarded: Householder's Q where
-  the r x r check fails (R^-1 not finite, or the first pass's Q too far from
-  orthonormal for the second to correct), as on zero, rank-deficient or
-  ill-conditioned inputs, on which plain Cholesky-QR gives NaN.
-
-  The fallback is a conditional around compute only, per leaf, never around
-  a collective.
-  """
-  first = _inverse_cholesky_factor(x.T @ x)
-  q1 = x @ first
-  gram = q1.T @ q1
-  second = _inverse_cholesky_factor(gram)
-  eye = jnp.eye(x.shape[1], dtype=x.dtype)
-  ok = (
-      jnp.all(jnp.isfinite(first))
-      & jnp.all(jnp.isfinite(second))
-      & jnp.all(jnp.abs(gram - eye) <= _CHOLESKY_MAX_DEFECT)
-  )
-  return jax.lax.cond(
-      ok, lambda q, x: q, lambda q, x: _householder(x), q1 @ second, x
-  )
-
-
-def uses_cholesky_qr(n: int, r: int) -> bool:
-  """Whether ``orthogonalize`` takes Cholesky-QR2 for an n x r input: for
-  tall factors at large rank, where it is faster, and on the CPU backend
-  only (elsewhere its fallback's conditional would cost a host round trip
-  per leaf)."""
-  return (
-      r >= _CHOLESKY_MIN_RANK
-      and n >= max(_CHOLESKY_MIN_ROWS, r)
-      and jax.default_backend() == "cpu"
-  )
-
-
-def orthogonalize(x: jax.Array) -> jax.Array:
-  """Orthonormal basis of the columns of ``x`` (n x r, n >= r).
-
-  In float32, whatever the input dtype, so bf16 and fp16 factors stay well
-  conditioned: Householder QR, or for tall factors at large rank on a CPU
-  (``uses_cholesky_qr``) Cholesky-QR2 with a fallback to Householder where
-  it would lose orthogonality. Either way a rank-deficient input, zero
-  columns included, still gives orthonormal columns. (PyTorch's hook
-  orthogonalizes by Householder QR too, ``torch.linalg.qr``, in float32 at
-  rank > 2; by Gram-Schmidt at rank <= 2 and in half precision, where it
-  needs its ``orthogonalization_epsilon`` against zero columns.) The result
-  has the input's dtype; its columns may differ from Householder's in sign,
-  which no compressor's result depends on.
-  """
-  x32 = x.astype(jnp.float32)
-  if uses_cholesky_qr(*x.shape):
-    return _cholesky_qr2(x32).astype(x.dtype)
-  return _householder(x32).astype(x.dtype)
-
-
-def orthogonalize_rows(x: jax.Array) -> jax.Array:
-  """``orthogonalize`` for an n x r factor with a row per row of a matrix:
-  within ``collectives.row_shards``, ``x`` is this device's block of rows,
-  and the result is its block of the whole factor's basis (``_row_sharded_qr``).
-  """
-  if collectives.row_axis() is None:
-    return orthogonalize(x)
-  return _row_sharded_qr(x.astype(jnp.float32)).astype(x.dtype)
-
-
-def _row_sharded_qr(x: jax.Array) -> jax.Array:
-  """Cholesky-QR2 of a factor whose rows are sharded: each pass's Gram
-  matrix, r x r, is summed over the blocks (``collectives.row_sum``), so
-  every device forms the same R and takes its own rows of Q = X R^-1.
-
-  Guarded like ``_cholesky_qr2``, where the fallback may not communicate
-  (it sits in a conditional): where the check fails, the basis comes from
-  the eigendecomposition of the first Gram matrix, X V diag(w)^-1/2 on the
-  eigenvalues w above float32's rounding of the largest, and zero columns
-  for the others. So an all-zero input gives zeros, and a rank-deficient
-  one an orthonormal basis of its span padded with zero columns, which
-  every compressor takes as a projection on that span; Householder's
-  fallback completes the basis with arbitrary columns instead.
-  """
-  gram = collectives.row_sum(x.T @ x)
-  first = _inverse_cholesky_factor(gram)
-  q1 = x @ first
-  second_gram = collectives.row_sum(q1.T @ q1)
-  second = _inverse_cholesky_factor(second_gram)
-  eye = jnp.eye(x.shape[1], dtype=x.dtype)
-  ok = (
-      jnp.all(jnp.isfinite(first))
-      & jnp.all(jnp.isfinite(second))
-      & jnp.all(jnp.abs(second_gram - eye) <= _CHOLESKY_MAX_DEFECT)
-  )
-
-  def by_eigenvectors(q, x, gram):
-    del q
-    w, v = jnp.linalg.eigh(gram)
-    keep = w > jnp.finfo(w.dtype).eps * x.shape[1] * jnp.max(w)
-    return x @ (v * jnp.where(keep, jax.lax.rsqrt(jnp.where(keep, w, 1)), 0))
-
-  return jax.lax.cond(
-      ok, lambda q, x, gram: q, by_eigenvectors, q1 @ second, x, gram
-  )
-
-
-def project_transposed(m: jax.Array, b: jax.Array) -> jax.Array:
-  """B^T M for an n x m matrix M and an n x r basis B: the transpose of the
-  factor M^T B, r x m.
-
-  It stays transposed on purpose: XLA:CPU's dot runs about 8 times slower
-  when it has to lay out its result as m x r (4.5 ms against 0.57 ms for a
-  4608 x 512 M at rank 4, jax 0.10.2), and the consumers take it as it is
-  (an all-reduce, the product B F^T). On a CPU the small transpose B^T is
-  made apart (an optimization barrier keeps XLA from folding it into the
-  dot): a dot whose left operand contracts its minor dimension goes to
-  XLA:CPU's fast YNNPACK path, one that contracts dimension 0 of both does
-  not (30522 x 768 at rank 32: 26 ms against 41).
-  """
-  bt = b.T
-  if jax.default_backend() == "cpu":
-    bt = jax.lax.optimization_barrier(bt)
-  return bt @ m
-
-
-def transposed_rows(b: jax.Array) -> jax.Array:
-  """B^T for an m x r ``b``, written out as an r x m row-major array, for
-  ``residual``'s ``vt``.
-
-  A plain ``b.T`` is only a layout to XLA:CPU, which reads it inside the
-  residual's fusion with a stride of r between neighbouring elements of a
-  row: 5 times the fusion's time (30522 x 768 at rank 32: 590 ms against
-  108 with a row-major ``vt``, jax 0.10.2). A product is never fused into
-  that loop, so the r x r identity times B^T (r * r * m multiply-adds, under
-  a millisecond) makes XLA write it out; an optimization barrier does not,
-  as XLA:CPU removes it before choosing layouts.
-  """
-  if jax.default_backend() != "cpu":
-    return b.T
-  return jnp.eye(b.shape[1], dtype=b.dtype) @ b.T
-
-
-class Matrix(NamedTuple):
-  """A compressed leaf's M = G + E, kept as its two terms: forming M would
-  write a whole n x m temporary, and each pass over the matrix costs as much
-  as the arithmetic of a low-rank step on it."""
-
-  grad: jax.Array  # G, the leaf's gradient, leaf shape
-  error: jax.Array | None  # E, its residual, leaf shape; None: M = G
-  spec: MatrixSpec
-
-  def terms(self) -> list[jax.Array]:
-    """G and E as n x m matrices (views: a reshape of a row-major array)."""
-    shape = (self.spec.n, self.spec.m)
-    terms = [self.grad] if self.error is None else [self.grad, self.error]
-    return [x.reshape(shape) for x in terms]
-
-  def dense(self) -> jax.Array:
-    """M itself, n x m."""
-    return sum(self.terms()[1:], self.terms()[0])
-
-
-def project(mat: Matrix, b: jax.Array) -> jax.Array:
-  """M B for an m x r ``b``, n x r: each term projected apart, which reads
-  G and E once each and writes nothing of their size."""
-  return sum(x @ b for x in mat.terms())
-
-
-def project_terms_transposed(mat: Matrix, b: jax.Array) -> jax.Array:
-  """B^T M for an n x r ``b``, r x m (``project_transposed`` of each term),
-  summed over the row blocks within ``collectives.row_shards``."""
-  return collectives.row_sum(
-      sum(project_transposed(x, b) for x in mat.terms())
-  )
-
-
-def residual(mat: Matrix, u: jax.Array, vt: jax.Array) -> jax.Array:
-  """E' = G + E - U V^T in the leaf's shape, for n x r ``u`` and r x m
-  ``vt``: one pass that reads G and E and writes E'.
-
-  The product is spelled as its r rank-one terms so that XLA fuses it with
-  the sum, instead of writing U V^T to an n x m temporary for a second pass
-  to subtract (on a CPU, 0.5 times the time on 3072 x 768 at rank 32). E' is
-  formed with a leading axis of one, the block shape in which
-  ``DataParallel`` holds a device's residual, which lets XLA write it in
-  place of E; formed in the leaf's shape and reshaped, it costs a copy of
-  the whole matrix.
-  """
-  rank_one = [u[:, k, None] * vt[None, k, :] for k in range(u.shape[1])]
-  approx = sum(rank_one[1:], rank_one[0]).reshape((1,) + mat.grad.shape)
-  total = mat.grad[None]
-  if mat.error is not None:
-    total = total + mat.error[None]
-  return (total - approx)[0]
+  return projection.MatrixSpec(n, m, r)
 
 
 def _warn_if_nothing_compressed(
     cfg: LowRank,
     leaves: list[Any],
-    specs: list[MatrixSpec | None],
+    specs: list[projection.MatrixSpec | None],
     params: Any,
 ) -> None:
   """Warns if no leaf is compressed although there are matrices.
@@ -477,8 +261,8 @@ class Split(NamedTuple):
 
   treedef: Any
   shapes: list[tuple[int, ...]]
-  specs: list[MatrixSpec | None]
-  matrices: list[Matrix]  # M = G + E for each compressed leaf
+  specs: list[projection.MatrixSpec | None]
+  matrices: list[projection.Matrix]  # M = G + E for each compressed leaf
   dense: list[jax.Array]  # the gradient of each leaf sent dense
   buckets: collectives.BucketPlan  # of all leaves, by their gradients' bytes
 
@@ -500,7 +284,8 @@ def split(cfg: LowRank, grads: Any, errors: Any) -> Split:
     if spec is None:
       dense.append(g)
     else:
-      matrices.append(Matrix(g, None if state_trees.is_masked(e) else e, spec))
+      error = None if state_trees.is_masked(e) else e
+      matrices.append(projection.Matrix(g, error, spec))
   return Split(
       treedef,
       [x.shape for x in leaves],
@@ -549,7 +334,12 @@ def dense_step(
   means = [x.reshape(spec.n, spec.m) for x, spec in zip(mean, s.specs) if spec]
   qs = [
       collectives.row_sum(
-          project_transposed(m, orthogonalize_rows(m @ orthogonalize(f)))
+          projection.project_transposed(
+              m,
+              orthogonalize.orthogonalize_rows(
+                  m @ orthogonalize.orthogonalize(f)
+              ),
+          )
       ).T
       for m, f in zip(means, leaves_of(s, q))
   ]
@@ -649,7 +439,9 @@ def check_factors(cfg: LowRank, s: Split, factors: Any, rows: str) -> None:
 
 
 def volume(
-    cfg: LowRank, params: Any, factor_rows: Callable[[MatrixSpec], int]
+    cfg: LowRank,
+    params: Any,
+    factor_rows: Callable[[projection.MatrixSpec], int],
 ) -> int:
   """Bytes of one all-reduce carrying a factor of each compressed leaf (with
   ``factor_rows(spec)`` x rank elements, in ``comm_dtype``) and every dense

@@ -10,7 +10,9 @@ from acp_jax import _checks
 from acp_jax import collectives
 from acp_jax import compressor
 from acp_jax import lowrank
+from acp_jax import orthogonalize
 from acp_jax import phase as phase_lib
+from acp_jax import projection
 
 Phase = phase_lib.Phase
 
@@ -169,22 +171,22 @@ def power_sgd(
     # 512 x 512 leaf with entries near 3. Only the span of Q matters, since P
     # is orthogonalized next; an orthonormal basis of it keeps M Q at the
     # scale of M, as PyTorch's powerSGD_hook does.
-    qs = [lowrank.orthogonalize(q) for q in previous]
+    qs = [orthogonalize.orthogonalize(q) for q in previous]
     ps, dense = lowrank.psum_round(
         s,
-        [lowrank.project(m, q) for m, q in zip(s.matrices, qs)],
+        [projection.project(m, q) for m, q in zip(s.matrices, qs)],
         s.dense,
         axis_name,
         cfg.comm_dtype,
         packed=True,
     )
-    ps = [lowrank.orthogonalize_rows(p) for p in ps]
+    ps = [orthogonalize.orthogonalize_rows(p) for p in ps]
     # Q needs the reduced P: a second all-reduce per bucket that can neither
     # fuse with the bucket's first nor start before it ends.
     qts, _ = lowrank.psum_round(
         s,
         [
-            lowrank.project_terms_transposed(m, p)
+            projection.project_terms_transposed(m, p)
             for m, p in zip(s.matrices, ps)
         ],
         None,
@@ -201,7 +203,7 @@ def power_sgd(
             cfg,
             s,
             [
-                lowrank.residual(m, p, qt)
+                projection.residual(m, p, qt)
                 for m, p, qt in zip(s.matrices, ps, qts)
             ],
         ),

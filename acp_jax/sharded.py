@@ -33,7 +33,7 @@ axis), and each device returns its own gradient. The exchange then
    of the orthogonalization, are all-reduced over the local axis
    (``collectives.row_sum``), so every device of a node takes the same
    Q. The orthogonalization of row-sharded P is Cholesky-QR2 on the summed
-   Gram matrices (``lowrank.orthogonalize_rows``), with a fallback that
+   Gram matrices (``orthogonalize.orthogonalize_rows``), with a fallback that
    sends nothing. Up to rounding, the result is what one device computes
    for the whole matrix: the basis may differ from Householder's in the
    signs of its columns, which no update depends on. Sign-SGD's scale, a
@@ -67,6 +67,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import optax
 
+from acp_jax import _accounting
+from acp_jax import _specs
 from acp_jax import collectives
 from acp_jax import compressor as compressor_lib
 from acp_jax import data_parallel
@@ -210,7 +212,7 @@ class ShardedDataParallel(data_parallel.DataParallel):
     shardings = jax.tree.map(
         self._sharding,
         self._comm_specs(shapes),
-        is_leaf=data_parallel._is_spec,
+        is_leaf=_specs.is_spec,
     )
     return jax.jit(make, out_shardings=shardings)
 
@@ -308,10 +310,10 @@ class ShardedDataParallel(data_parallel.DataParallel):
     for phase, comm in self.phase_states(self.abstract_comm(shapes)).items():
       with collectives.recording() as sent:
         jax.eval_shape(self.compress, grads, comm)
-      volumes[self.axis_name][phase] = data_parallel._volume(
+      volumes[self.axis_name][phase] = _accounting.volume(
           sent, self.axis_name
       )
-      local = data_parallel._volume(sent, self.local_axis)
+      local = _accounting.volume(sent, self.local_axis)
       volumes[self.local_axis][phase] = local._replace(
           all_gather=local.all_gather + gathered
       )

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import acp_jax
+from acp_jax import _hlo_text
 from acp_jax import collectives
 from acp_jax import lowrank
 from tests import helpers
@@ -65,7 +66,7 @@ def test_compiled_bytes_equal_accounting_in_buckets(name):
 def collective_inputs(text):
   """For each collective of a compiled module's entry computation, the
   numbers of the entry parameters it depends on."""
-  entry, computations = acp_jax.hlo._computations(text)
+  entry, computations = _hlo_text.computations(text)
   instructions = computations[entry]
   names = {i.name for i in instructions}
   operands = {
@@ -78,7 +79,7 @@ def collective_inputs(text):
   return [
       {int(number[a]) for a in closure(i.name, operands) if a in number}
       for i in instructions
-      if acp_jax.hlo._collective_kind(i.op)
+      if _hlo_text.collective_kind(i.op)
   ]
 
 

@@ -10,7 +10,7 @@ import pytest
 
 import acp_jax
 from acp_jax import hlo
-from acp_jax import lowrank
+from acp_jax import orthogonalize
 from tests import helpers
 
 # Tall enough, at a rank high enough, for Cholesky-QR2 on a CPU.
@@ -35,11 +35,11 @@ def ill_conditioned(cond, seed=0):
 
 
 def test_tall_factors_take_cholesky_qr2_and_come_out_orthonormal():
-  assert lowrank.uses_cholesky_qr(N, R)
-  assert not lowrank.uses_cholesky_qr(N, 4)  # Householder is faster there
-  assert not lowrank.uses_cholesky_qr(64, R)
+  assert orthogonalize.uses_cholesky_qr(N, R)
+  assert not orthogonalize.uses_cholesky_qr(N, 4)  # Householder is faster there
+  assert not orthogonalize.uses_cholesky_qr(64, R)
   x = normal((N, R))
-  q = jax.jit(lowrank.orthogonalize)(x)
+  q = jax.jit(orthogonalize.orthogonalize)(x)
   householder = np.linalg.qr(x)[0]
   # Not Householder's own result (its columns carry other signs, at least),
   # but the same span, and orthonormal to float32 accuracy.
@@ -66,10 +66,10 @@ def test_cholesky_qr2_falls_back_to_householder_where_it_would_fail(case):
   }[case]
   # Unguarded, one pass of Cholesky-QR is NaN or far from orthonormal here.
   gram = jnp.asarray(x).T @ jnp.asarray(x)
-  first = jnp.asarray(x) @ lowrank._inverse_cholesky_factor(gram)
+  first = jnp.asarray(x) @ orthogonalize._inverse_cholesky_factor(gram)
   assert not np.isfinite(first).all() or defect(first) > 0.1
-  q = jax.jit(lowrank.orthogonalize)(x)
-  np.testing.assert_array_equal(q, jax.jit(lowrank._householder)(x))
+  q = jax.jit(orthogonalize.orthogonalize)(x)
+  np.testing.assert_array_equal(q, jax.jit(orthogonalize._householder)(x))
   assert defect(q) < 1e-5
   if case != "zero":  # the span of x is kept
     q = np.asarray(q)
@@ -89,7 +89,7 @@ def test_acp_sgd_on_a_zero_gradient_keeps_finite_orthonormal_factors():
     mean, state = compress(grads, state)
     np.testing.assert_array_equal(mean["w"], 0.0)
   assert np.isfinite(state.q["w"]).all() and np.isfinite(state.p["w"]).all()
-  assert defect(lowrank.orthogonalize(state.p["w"])) < 1e-5
+  assert defect(orthogonalize.orthogonalize(state.p["w"])) < 1e-5
 
 
 def step_text(name, phase, shape, devices=1, nonfinite="propagate"):

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import acp_jax
 from acp_jax import collectives
-from acp_jax import lowrank
+from acp_jax import orthogonalize
 from tests import test_hierarchical as th
 
 LOCAL = th.LOCAL
@@ -150,12 +150,12 @@ def test_memory_of_bert_base_with_adamw_within_a_twentieth_of_a_quarter():
 
 
 def _orthogonalized_blocks(x):
-  """``lowrank.orthogonalize_rows`` of ``x``'s blocks of rows, one per
+  """``orthogonalize.orthogonalize_rows`` of ``x``'s blocks of rows, one per
   device of the local axis, within ``row_shards``; the blocks put back."""
 
   def body(block):
     with collectives.row_shards("local", LOCAL):
-      return lowrank.orthogonalize_rows(block)
+      return orthogonalize.orthogonalize_rows(block)
 
   mesh = th.mesh2d()
   return jax.jit(
@@ -174,7 +174,7 @@ def test_row_sharded_orthogonalization_spans_what_one_device_spans():
   x = rng.standard_normal((64, 4)).astype(np.float32)
   q = np.asarray(_orthogonalized_blocks(x))
   np.testing.assert_allclose(q.T @ q, np.eye(4), atol=1e-5)
-  whole = np.asarray(lowrank.orthogonalize(jnp.asarray(x)))
+  whole = np.asarray(orthogonalize.orthogonalize(jnp.asarray(x)))
   np.testing.assert_allclose(q @ q.T, whole @ whole.T, atol=1e-5)
 
 

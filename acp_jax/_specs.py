@@ -1,0 +1,182 @@
+"""PartitionSpecs: reading them, and the ones of a step's batch arguments.
+
+``DataParallel.value_and_grad`` splits each argument after the params over
+the device axes along one of its axes; ``batch_specs`` says which, from the
+user's ``batch_specs``, from where an array is placed, or by assuming its
+leading axis, and refuses what would not split as data parallelism.
+"""
+
+import collections
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def is_spec(x) -> bool:
+  return isinstance(x, P)
+
+
+def batch_specs(
+    batch: tuple, batch_specs: Any, device_spec: P, num_devices: int
+) -> tuple:
+  """Each batch argument's tree of leaf ``PartitionSpec``s (see
+  ``value_and_grad``), checked: split axes divide evenly over the devices,
+  and an assumed split agrees in size with the others. ``device_spec`` is
+  ``DataParallel.device_spec``, over ``num_devices`` devices."""
+  if batch_specs is None:
+    batch_specs = (None,) * len(batch)
+  if not isinstance(batch_specs, (tuple, list)) or len(batch_specs) != len(
+      batch
+  ):
+    raise ValueError(
+        f"batch_specs must hold one entry per argument after the params"
+        f" ({len(batch)} in this call), got {batch_specs!r}"
+    )
+  specs, splits = [], []  # splits: (name, size, axis, assumed)
+  for i, (arg, given) in enumerate(zip(batch, batch_specs)):
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(arg)
+    if given is not None:
+      given = _broadcast_specs(given, arg, f"batch_specs[{i}]")
+    leaf_specs = []
+    for j, (path, x) in enumerate(leaves):
+      name = (
+          f"argument {i + 1}{jax.tree_util.keystr(path)} of the loss"
+          f" (batch_specs[{i}])"
+      )
+      if given is None:
+        spec, assumed = _inferred_spec(name, x, device_spec)
+      else:
+        spec, assumed = given[j], False
+      dim = _split_dim(name, np.shape(x), spec, device_spec, num_devices)
+      if dim is not None:
+        splits.append((name, np.shape(x)[dim], dim, assumed))
+      leaf_specs.append(spec)
+    specs.append(jax.tree_util.tree_unflatten(treedef, leaf_specs))
+  _check_split_sizes(splits, device_spec[0])
+  return tuple(specs)
+
+
+def _inferred_spec(name: str, x: Any, device_spec: P) -> tuple[P, bool]:
+  """A leaf's spec without ``batch_specs``, and whether it is assumed
+  (split along the leading axis for want of anything saying otherwise)."""
+  if not np.shape(x):
+    return P(), False
+  placed = placement(x)
+  if placed is not None:
+    dims = [
+        d
+        for d, entry in enumerate(placed)
+        if set(spec_axes(entry)) & set(spec_axes(device_spec[0]))
+    ]
+    if len(dims) > 1:
+      raise ValueError(
+          f"{name} is sharded as {placed}, over the device axes along"
+          f" {len(dims)} of its axes: pass batch_specs to say which one is"
+          " the batch"
+      )
+    if dims:
+      return P(*(None,) * dims[0], device_spec[0]), False
+  return device_spec, True
+
+
+def _split_dim(
+    name: str, shape: tuple, spec: P, device_spec: P, num_devices: int
+) -> int | None:
+  """The axis ``spec`` splits over the devices (None: every device gets
+  the leaf whole), refusing specs that are not data-parallel."""
+  entry = device_spec[0]
+  device_axes = spec_axes(entry)
+  hint = (
+      f"name the device axes on the batch axis (e.g. P(None, {entry!r}) for"
+      " a time-major batch) or none (P(): every device gets it whole)"
+  )
+  if not isinstance(spec, P):
+    raise TypeError(
+        f"{name}: batch spec {spec!r} is not a PartitionSpec; {hint}"
+    )
+  if len(spec) > len(shape):
+    raise ValueError(
+        f"{name} has shape {shape}, too few axes for its batch spec {spec}"
+    )
+  named = [a for e in spec for a in spec_axes(e)]
+  if not named:
+    return None
+  dims = [d for d, e in enumerate(spec) if spec_axes(e)]
+  if sorted(named) != sorted(device_axes) or len(dims) > 1:
+    raise ValueError(f"{name}: batch spec {spec} is not data-parallel; {hint}")
+  (dim,) = dims
+  if shape[dim] % num_devices:
+    raise ValueError(
+        f"{name} has shape {shape}: its axis {dim} must split evenly over"
+        f" the {num_devices} devices of mesh axes"
+        f" {', '.join(map(repr, device_axes))} (or pass batch_specs"
+        " to split another axis, or P() for an argument every device gets"
+        " whole)"
+    )
+  return dim
+
+
+def placement(x: Any) -> P | None:
+  """The spec of ``x``'s sharding, where JAX exposes it: a concrete array's,
+  or a traced one's on ``Explicit`` mesh axes (``Auto`` axes do not show
+  while tracing)."""
+  try:
+    sharding = x.sharding
+  except AttributeError:  # a tracer, or not a jax.Array
+    sharding = getattr(jax.typeof(x), "sharding", None)
+  return sharding.spec if isinstance(sharding, NamedSharding) else None
+
+
+def spec_axes(entry: Any) -> tuple[str, ...]:
+  """The mesh axes one entry of a ``PartitionSpec`` names."""
+  if entry is None or entry is P.UNCONSTRAINED:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def is_replicated(spec: P) -> bool:
+  return not any(spec_axes(e) for e in spec)
+
+
+def _broadcast_specs(given: Any, arg: Any, where: str) -> list[P]:
+  """The leaf specs of ``arg`` from ``given``, a prefix tree of it."""
+  try:
+    tree = jax.tree.map(
+        lambda spec, sub: jax.tree.map(lambda _: spec, sub),
+        given,
+        arg,
+        is_leaf=is_spec,
+    )
+  except ValueError as e:
+    raise ValueError(
+        f"{where} is not a PartitionSpec or a prefix tree of the argument's"
+        f" structure: {e}"
+    ) from None
+  return jax.tree.leaves(tree, is_leaf=is_spec)
+
+
+def _check_split_sizes(splits: list, entry: Any) -> None:
+  """Refuses an assumed leading-axis split whose size disagrees with the
+  other split axes: then that axis is probably not the batch."""
+  fixed = {size for _, size, _, assumed in splits if not assumed}
+  if not fixed and splits:
+    # The batch: the size most leaves share, the larger on a tie (a leading
+    # axis beside the batch is time or channels, usually fewer).
+    counts = collections.Counter(size for _, size, _, _ in splits)
+    fixed = {max(counts, key=lambda size: (counts[size], size))}
+  for name, size, dim, assumed in splits:
+    if assumed and size not in fixed:
+      other, other_size, other_dim, _ = next(s for s in splits if s[1] in fixed)
+      raise ValueError(
+          f"{name} would be split over the devices along its axis {dim}, of"
+          f" size {size}, but {other} along its axis {other_dim}, of size"
+          f" {other_size}: which axis is the batch is ambiguous. Say it with"
+          " value_and_grad(fun, batch_specs=...), one entry per argument"
+          " after the params: P() for one that every device gets whole (e.g."
+          f" BatchNorm statistics), P(None, {entry!r}) for a time-major"
+          " batch; or place the arrays with a NamedSharding (seen outside"
+          " jit, or under jit on Explicit mesh axes)."
+      )
