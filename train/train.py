@@ -84,10 +84,47 @@ def train_step(
   """
 
   stats_spec = batch_stats_spec(batch_norm)
+  # Synchronized statistics agree across devices: returned once.
+  (_, (batch_stats, sums)), grads = dp.value_and_grad(
+      _local_loss(state, graphdef, stats_spec),
+      has_aux=True,
+      aux_specs=(stats_spec, DEVICE),
+      batch_specs=(DEVICE, stats_spec),
+  )(state.params, batch, state.batch_stats)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  new_state = TrainState(
+      step=state.step + 1,
+      params=params,
+      batch_stats=batch_stats,
+      opt_state=opt_state,
+      rng=state.rng,
+  )
+  bad = _nonfinite_by_device(
+      state_parts(new_state, dp, batch_norm), dp.num_devices
+  )
+  metrics = _step_metrics(sums, grads, updates, params, bad, dp.num_devices)
+  return _guard(
+      state,
+      new_state,
+      metrics,
+      skip_nonfinite=skip_nonfinite,
+      divergence_factor=divergence_factor,
+      loss_min=loss_min,
+  )
+
+
+def _local_loss(state: TrainState, graphdef: nnx.GraphDef, stats_spec):
+  """The loss ``train_step`` differentiates on each device's shard.
+
+  It maps ``(params, batch, batch_stats)`` to the mean loss and, as aux, the
+  new BatchNorm statistics and the sums ``[loss, correct, weight]``. The
+  batch comes as ``[1, per_device, ...]`` blocks, local statistics stacked
+  per device, synchronized ones whole; dropout's key is folded from the
+  state's key, its step and the device index.
+  """
 
   def loss_fn(params, batch, batch_stats):
-    # Runs on each device's shard: [1, per_device, ...] blocks, and local
-    # statistics stacked per device; synchronized ones come whole.
     batch = _this_device(batch)
     if stats_spec == DEVICE:
       batch_stats = _this_device(batch_stats)
@@ -103,43 +140,46 @@ def train_step(
         jnp.stack([loss_sum, correct, weight]),
     )
 
-  # Synchronized statistics agree across devices: returned once.
-  (_, (batch_stats, sums)), grads = dp.value_and_grad(
-      loss_fn,
-      has_aux=True,
-      aux_specs=(stats_spec, DEVICE),
-      batch_specs=(DEVICE, stats_spec),
-  )(state.params, batch, state.batch_stats)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  # Per-device partial sums, reduced by one small all-reduce.
+  return loss_fn
+
+
+def _step_metrics(
+    sums, grads, updates, params, bad, num_devices: int
+) -> dict[str, jax.Array]:
+  """The step's metrics from per-device partial sums (``sums``
+  ``[loss, correct, weight]``, the squared norms of the local ``grads``,
+  the non-finite flags ``bad``), reduced by one small all-reduce."""
   grad_sq = sum(
       jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim)))
       for g in jax.tree.leaves(grads.stacked)
   )
-  new_state = TrainState(
-      step=state.step + 1,
-      params=params,
-      batch_stats=batch_stats,
-      opt_state=opt_state,
-      rng=state.rng,
-  )
-  bad = _nonfinite_by_device(
-      state_parts(new_state, dp, batch_norm), dp.num_devices
-  )
   loss_sum, correct, weight, grad_sq, state_nonfinite = jnp.sum(
       jnp.concatenate([sums, grad_sq[:, None], bad[:, None]], axis=1), axis=0
   )
-  metrics = {
+  return {
       "loss": loss_sum / weight,
       "accuracy": correct / weight,
       # Root mean square over devices of the local gradients' norms: the
       # norm of their mean would need the dense all-reduce we avoid.
-      "grad_norm": jnp.sqrt(grad_sq / dp.num_devices),
+      "grad_norm": jnp.sqrt(grad_sq / num_devices),
       "update_norm": optax.tree.norm(updates),
       "param_norm": optax.tree.norm(params),
       "state_nonfinite": state_nonfinite,
   }
+
+
+def _guard(
+    state: TrainState,
+    new_state: TrainState,
+    metrics: dict[str, jax.Array],
+    *,
+    skip_nonfinite: bool,
+    divergence_factor: float,
+    loss_min: jax.Array | None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+  """``train_step``'s divergence test and non-finite skip (see there): the
+  state the step keeps, and its metrics with ``diverged``, ``skipped`` and
+  ``loss_min`` added where they apply."""
   diverged = jnp.bool_(False)
   if loss_min is not None and divergence_factor:
     diverged = metrics["loss"] > divergence_factor * loss_min
@@ -147,7 +187,11 @@ def train_step(
   keep = jnp.bool_(True)
   if skip_nonfinite:
     checked = jnp.stack([metrics[k] for k in loop.FINITE_METRICS])
-    keep = jnp.all(jnp.isfinite(checked)) & (state_nonfinite == 0) & ~diverged
+    keep = (
+        jnp.all(jnp.isfinite(checked))
+        & (metrics["state_nonfinite"] == 0)
+        & ~diverged
+    )
     new_state = acp_jax.phase.where(
         keep, new_state._replace(step=state.step), state
     )._replace(step=state.step + 1)
@@ -307,7 +351,7 @@ def train_and_evaluate(
 
 def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
   """``train_and_evaluate`` in a workdir this run holds."""
-  config, last = experiment.config, experiment.config.num_train_steps
+  config = experiment.config
   loader = data_lib.Loader(
       experiment.dataset.train,
       global_batch=experiment.global_batch,
@@ -318,18 +362,7 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
   )
   # The pieces of the loop (train/loop.py), each holding its own state.
   train_fn, eval_fn = compile_steps(experiment)
-  state = init_state(experiment)
-  checkpoints = loop.Checkpoints(
-      experiment, workdir, run_identity(experiment, state), loader
-  )
-  state, start = checkpoints.restore(
-      state, functools.partial(_is_finite, experiment)
-  )
-  # The divergence guard's running minimum stays on the devices.
-  loss_min = jax.device_put(
-      np.float32(checkpoints.loss_min),
-      NamedSharding(experiment.mesh, REPLICATED),
-  )
+  checkpoints, state, start, loss_min = _resume(experiment, workdir, loader)
   evaluation = loop.Evaluation(
       config, functools.partial(evaluate, experiment, eval_fn)
   )
@@ -350,12 +383,12 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
         pipeline.batches(
             loader.batch,
             start,
-            last,
+            config.num_train_steps,
             workers=config.data_workers,
             prefetch=config.data_prefetch,
         )
     )
-    for index, batch in zip(range(start, last), batches):
+    for index, batch in zip(range(start, config.num_train_steps), batches):
       step = index + 1
       # Out of a compressor's dense warm-up when it ends (else a no-op).
       state = state._replace(
@@ -370,17 +403,45 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
         timer.completed(step)
       steps.push(step, metrics)
       stop = stops.should_stop(step)
-      if evaluation.due(step) or checkpoints.due(step) or stop:
-        steps.flush()
-        if evaluation.due(step):
-          log.evaluation(step, evaluation(state))
-        if checkpoints.due(step) or stop:
-          checkpoints.save(step, state, steps.latest)
-        timer.pause()
+      _between_steps(
+          step, state, stop, steps, evaluation, log, checkpoints, timer
+      )
       if stop:
         raise runtime.Interrupted(stops.signal_name, step)
     steps.flush()
   return _summary(experiment, state, steps.latest, evaluation, timer)
+
+
+def _resume(experiment: Experiment, workdir: str, loader):
+  """The checkpoints of ``workdir`` and what they restore: the state, its
+  step and the divergence guard's running minimum, kept on the devices."""
+  state = init_state(experiment)
+  checkpoints = loop.Checkpoints(
+      experiment, workdir, run_identity(experiment, state), loader
+  )
+  state, start = checkpoints.restore(
+      state, functools.partial(_is_finite, experiment)
+  )
+  loss_min = jax.device_put(
+      np.float32(checkpoints.loss_min),
+      NamedSharding(experiment.mesh, REPLICATED),
+  )
+  return checkpoints, state, start, loss_min
+
+
+def _between_steps(
+    step, state, stop, steps, evaluation, log, checkpoints, timer
+):
+  """After ``step``: the evaluation and the checkpoint that are due (or that
+  a stop request makes due), with the metrics read first and the step timer
+  paused over them."""
+  if evaluation.due(step) or checkpoints.due(step) or stop:
+    steps.flush()
+    if evaluation.due(step):
+      log.evaluation(step, evaluation(state))
+    if checkpoints.due(step) or stop:
+      checkpoints.save(step, state, steps.latest)
+    timer.pause()
 
 
 def _summary(experiment, state, metrics, evaluation, timer) -> dict[str, Any]:
