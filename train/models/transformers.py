@@ -52,6 +52,15 @@ class SelfAttention(nnx.Module):
     return self.out(jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, l, d))
 
 
+def _positions(inputs, max_len: int) -> jax.Array:
+  """The positions ``0 .. L-1`` of ``inputs`` ``[B, L]``; raises if ``L``
+  exceeds the ``max_len`` learned positions."""
+  length = inputs.shape[1]
+  if length > max_len:
+    raise ValueError(f"sequence length {length} exceeds max_len {max_len}")
+  return jnp.arange(length)
+
+
 class BertLayer(nnx.Module):
   """Post-LN encoder layer of the original BERT."""
 
@@ -165,14 +174,10 @@ class Bert(nnx.Module):
 
   def __call__(self, inputs, *, train: bool, rngs: nnx.Rngs | None = None):
     check_dropout_rngs(self, self.dropout_rate, train, rngs)
-    length = inputs.shape[1]
-    if length > self.max_len:
-      raise ValueError(
-          f"sequence length {length} exceeds max_len {self.max_len}"
-      )
+    positions = _positions(inputs, self.max_len)
     x = (
         self.word_embed(inputs)
-        + self.position_embed(jnp.arange(length))
+        + self.position_embed(positions)
         + self.type_embed.embedding[0]
     )
     x = self.dropout(self.embed_norm(x), deterministic=not train, rngs=rngs)
@@ -256,12 +261,8 @@ class CharLM(nnx.Module):
 
   def __call__(self, inputs, *, train: bool, rngs: nnx.Rngs | None = None):
     check_dropout_rngs(self, self.dropout_rate, train, rngs)
-    length = inputs.shape[1]
-    if length > self.max_len:
-      raise ValueError(
-          f"sequence length {length} exceeds max_len {self.max_len}"
-      )
-    x = self.token_embed(inputs) + self.position_embed(jnp.arange(length))
+    positions = _positions(inputs, self.max_len)
+    x = self.token_embed(inputs) + self.position_embed(positions)
     x = self.dropout(x, deterministic=not train, rngs=rngs)
     for block in self.blocks:
       x = block(x, train=train, rngs=rngs)
