@@ -100,14 +100,7 @@ def train_and_evaluate(
 def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
   """``train_and_evaluate`` in a workdir this run holds."""
   config = experiment.config
-  loader = data_lib.Loader(
-      experiment.dataset.train,
-      global_batch=experiment.global_batch,
-      seed=config.seed,
-      process_index=jax.process_index(),
-      process_count=jax.process_count(),
-      augment=config.augment,
-  )
+  loader = _loader(experiment)
   # The pieces of the loop (train/loop.py), each holding its own state.
   train_fn, eval_fn = compile_steps(experiment)
   checkpoints, state, start, loss_min = _resume(experiment, workdir, loader)
@@ -158,6 +151,19 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
         raise runtime.Interrupted(stops.signal_name, step)
     steps.flush()
   return _summary(experiment, state, steps.latest, evaluation, timer)
+
+
+def _loader(experiment: Experiment) -> data_lib.Loader:
+  """This process's training batches, in the run's order."""
+  config = experiment.config
+  return data_lib.Loader(
+      experiment.dataset.train,
+      global_batch=experiment.global_batch,
+      seed=config.seed,
+      process_index=jax.process_index(),
+      process_count=jax.process_count(),
+      augment=config.augment,
+  )
 
 
 def _resume(experiment: Experiment, workdir: str, loader):
