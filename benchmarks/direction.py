@@ -48,23 +48,24 @@ import json
 import statistics
 import sys
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 from flax import nnx
 import jax
 import jax.numpy as jnp
 import optax
 
-import acp_jax
-from acp_jax import state_trees
-from acp_jax import lowrank
+from benchmarks import adam_geometry
 from benchmarks import workloads
+from benchmarks.adam_geometry import B1
+from benchmarks.adam_geometry import B2
+from benchmarks.adam_geometry import EPS
 from train import data as data_lib
 from train import experiment as experiment_lib
 
 RANKS = (4, 8)
 METHODS = ("power_sgd", "acp_sgd")
-# None: the compressor as it is; else a key of GEOMETRY_KINDS.
+# None: the compressor as it is; else a key of GEOMETRY_KINDS or MOMENTUM.
 GEOMETRIES = (
     None,
     "factored_scaled",
@@ -73,164 +74,7 @@ GEOMETRIES = (
     "momentum",
     "momentum_preconditioned",
 )
-# name -> compressed_adam's preconditioned.
-MOMENTUM = {"momentum": False, "momentum_preconditioned": True}
 METRICS = ("grad", "adam", "adam_shared")
-B1, B2, EPS = 0.9, 0.99, 1e-8
-# Below this fraction of its leaf's mean, a row's or column's second moment
-# counts as this fraction: the scaling stays finite on rows never used.
-FLOOR = 1e-6
-
-
-class Scaled(NamedTuple):
-  """A compressor's state with a running second moment of its means.
-
-  Attributes:
-    inner: the compressor's own state.
-    moment: per compressed leaf, the running mean of the squared mean
-      gradient: factored, a pair of (n,) (the mean over columns) and (m,)
-      (over rows) float32; full, (n, m) float32. Identical on every replica.
-    count: int32 scalar, the means seen.
-  """
-
-  inner: Any
-  moment: list
-  count: Any
-
-
-def _inverse_root(v, count):
-  """``v``'s normalized inverse square root, ones before any mean was
-  seen."""
-  v = v / jnp.maximum(v.mean(), 1e-30)
-  d = jnp.sqrt(1.0 / jnp.maximum(v, FLOOR))
-  return jnp.where(count > 0, d, jnp.ones_like(d))
-
-
-class Geometry(NamedTuple):
-  """The weights W that a variant compresses M * W in (elementwise), and
-  sends back M = approx / W: rank-r preserving when W is an outer product."""
-
-  init: Any  # (n, m) -> zero moment
-  weights: Any  # (moment, count) -> (n, m) W
-  accumulate: Any  # (moment, mean matrix) -> moment
-
-
-def _ema(old, new):
-  return B2 * old + (1 - B2) * new
-
-
-def _factored() -> Geometry:
-  return Geometry(
-      lambda n, m: (jnp.zeros((n,), jnp.float32), jnp.zeros((m,), jnp.float32)),
-      lambda v, count: (
-          _inverse_root(v[0], count)[:, None] * _inverse_root(v[1], count)
-      ),
-      lambda v, x: (
-          _ema(v[0], jnp.mean(jnp.square(x), 1)),
-          _ema(v[1], jnp.mean(jnp.square(x), 0)),
-      ),
-  )
-
-
-def _full() -> Geometry:
-  return Geometry(
-      lambda n, m: jnp.zeros((n, m), jnp.float32),
-      _inverse_root,
-      lambda v, x: _ema(v, jnp.square(x)),
-  )
-
-
-# name -> (its Geometry, whether the residual stays in the scaled space).
-GEOMETRY_KINDS = {
-    "factored_scaled": (_factored, True),
-    "factored": (_factored, False),
-    "full": (_full, False),
-}
-
-
-class Variant:
-  """A compressor as measured: its update on one device's gradients, with
-  or without the scaling in Adam's geometry."""
-
-  def __init__(self, method: str, rank: int, geometry: str | None, warmup):
-    self.name = method + f"_r{rank}" + (f"_{geometry}" if geometry else "")
-    self.geometry = None
-    self.momentum = geometry in MOMENTUM
-    if geometry and not self.momentum:
-      make, self.scaled_residual = GEOMETRY_KINDS[geometry]
-      self.geometry = make()
-    self.tx = getattr(acp_jax, method)(
-        rank, warmup_steps=warmup, bucket_bytes=float("inf")
-    )
-    if self.momentum:
-      self.tx = acp_jax.compressed_adam(
-          self.tx, b1=B1, b2=B2, eps=EPS, preconditioned=MOMENTUM[geometry]
-      )
-    self._spec = lambda x: lowrank.matrix_spec(tuple(x.shape), rank, 2.0)
-
-  def init(self, params):
-    inner = self.tx.init(params)
-    if self.geometry is None:
-      return inner
-    specs = [self._spec(x) for x in jax.tree.leaves(params)]
-    return Scaled(
-        inner,
-        [self.geometry.init(s.n, s.m) for s in specs if s],
-        jnp.zeros((), jnp.int32),
-    )
-
-  def at_step(self, state, step: int):
-    if self.geometry is None:
-      return self.tx.at_step(state, step)
-    return state._replace(inner=self.tx.at_step(state.inner, step))
-
-  def local_fields(self, state) -> Any:
-    """``state`` with True at the fields that differ across devices."""
-    inner = state.inner if self.geometry else state
-    flags = type(inner)(*(f in self.tx.local_fields for f in inner._fields))
-    if self.geometry is None:
-      return flags
-    return Scaled(flags, False, False)
-
-  def _per_matrix(self, xs, weights, fn):
-    """``fn(x as n x m, W)`` at the compressed leaves of ``xs``."""
-    out, it = list(xs), iter(weights)
-    for i, x in enumerate(xs):
-      spec = self._spec(x) if not state_trees.is_masked(x) else None
-      if spec:
-        out[i] = fn(x.reshape(spec.n, spec.m), next(it)).reshape(x.shape)
-    return out
-
-  def update(self, grads, state):
-    """The compressed mean of one device's ``grads``, inside the mapping."""
-    if self.geometry is None:
-      return self.tx.update(grads, state)
-    g = self.geometry
-    leaves, treedef = jax.tree.flatten(grads)
-    weights = [g.weights(v, state.count) for v in state.moment]
-    scaled = self._per_matrix(leaves, weights, lambda x, w: x * w)
-    mean, inner = self.tx.update(
-        jax.tree.unflatten(treedef, scaled), state.inner
-    )
-    mean = self._per_matrix(jax.tree.leaves(mean), weights, lambda x, w: x / w)
-    matrices = [
-        x.reshape(spec.n, spec.m) for x in mean if (spec := self._spec(x))
-    ]
-    moment = [g.accumulate(v, x) for v, x in zip(state.moment, matrices)]
-    count = state.count + 1
-    if not self.scaled_residual and "error" in inner._fields:
-      # The residual, stored scaled by the old W, is re-expressed in the new
-      # one: the unscaled residual is kept.
-      ratios = [g.weights(v, count) / w for v, w in zip(moment, weights)]
-      errors = state_trees.state_leaves(inner.error)
-      errors = self._per_matrix(errors, ratios, lambda e, r: e * r)
-      inner = inner._replace(
-          error=jax.tree.unflatten(
-              jax.tree.structure(inner.error, is_leaf=state_trees.is_masked),
-              errors,
-          )
-      )
-    return jax.tree.unflatten(treedef, mean), Scaled(inner, moment, count)
 
 
 class _Run:
@@ -243,14 +87,10 @@ class _Run:
   others, identical on every replica, are held once.
   """
 
-  def __init__(self, variant: Variant, params, num_devices: int):
+  def __init__(self, variant: adam_geometry.Variant, params, num_devices):
     self.variant = variant
     state = variant.init(params)
-    axes = jax.tree.map(
-        lambda local: 0 if local else None,
-        variant.local_fields(state),
-        is_leaf=lambda x: isinstance(x, bool),
-    )
+    axes = variant.device_axes(state)
     self._update = jax.jit(
         jax.vmap(
             variant.update,
@@ -277,6 +117,26 @@ class _Run:
     mean, self.state = self._update(grads, state)
     return mean
 
+  def cosines(self, steps, grads, step, warmup_steps, mean, ref_adam, ref_dir):
+    """This run's step; after the warm-up, its ``METRICS`` against S-SGD's
+    ``mean`` gradient, Adam state ``ref_adam`` and update ``ref_dir``
+    (``steps``, a ``_Reference``, computes them), else None."""
+    if self.variant.momentum:
+      old_mu = self.state.adam.mu
+    approx = self.step(grads, step)
+    if step < warmup_steps:
+      return None
+    if self.variant.momentum:
+      return steps.momentum_cosines(
+          self.state.adam.mu, old_mu, mean, approx, ref_dir
+      )
+    if step == warmup_steps:
+      self.adam = ref_adam
+    cosines, self.adam = steps.cosines(
+        approx, mean, self.adam, ref_adam, ref_dir
+    )
+    return cosines
+
 
 def _cosine(a, b):
   """The cosine between two trees, as vectors of all their leaves."""
@@ -285,6 +145,63 @@ def _cosine(a, b):
   na = sum(jnp.vdot(x, x) for x in la)
   nb = sum(jnp.vdot(y, y) for y in lb)
   return dot / jnp.sqrt(na * nb)
+
+
+class _Reference:
+  """S-SGD's AdamW trajectory on ``exp``'s model, and the cosines of a
+  variant's mean and update with it, compiled.
+
+  Attributes:
+    grads: (params, batch stacked by device) -> each device's gradient.
+    mean: stacked gradients -> their mean.
+    adam: Adam's scaling (``scale_by_adam``), and ``adam_update`` its update.
+    descent: weight decay and the schedule's learning rate, after Adam.
+  """
+
+  def __init__(self, exp):
+    graphdef = exp.graphdef
+
+    def loss_fn(params, batch):
+      model = nnx.merge(graphdef, params, {})
+      logits = model(batch["inputs"], train=True)
+      return optax.softmax_cross_entropy_with_integer_labels(
+          logits, batch["targets"]
+      ).mean()
+
+    # Each device's gradient of the loss of its shard.
+    self.grads = jax.jit(jax.vmap(jax.grad(loss_fn), in_axes=(None, 0)))
+    self.adam = optax.scale_by_adam(B1, B2, EPS)
+    self.descent = optax.chain(
+        optax.add_decayed_weights(exp.config.optimizer.weight_decay),
+        optax.scale_by_learning_rate(exp.schedule),
+    )
+    self.mean = jax.jit(lambda g: jax.tree.map(lambda x: x.mean(0), g))
+    self.adam_update = jax.jit(self.adam.update)
+    self.cosines = jax.jit(self._cosines)
+    self.momentum_cosines = jax.jit(_momentum_cosines)
+    self.apply = jax.jit(self._apply)
+
+  def _cosines(self, approx, mean, own_adam, ref_adam, ref_dir):
+    direction, own_adam = self.adam.update(approx, own_adam)
+    shared, _ = self.adam.update(approx, ref_adam)
+    cosines = [
+        _cosine(approx, mean),
+        _cosine(direction, ref_dir),
+        _cosine(shared, ref_dir),
+    ]
+    return cosines, own_adam
+
+  def _apply(self, direction, descent_state, params):
+    updates, descent_state = self.descent.update(
+        direction, descent_state, params
+    )
+    return optax.apply_updates(params, updates), descent_state
+
+
+def _momentum_cosines(mu, old_mu, mean, direction, ref_dir):
+  """A ``momentum`` variant's ``grad`` and ``adam`` cosines."""
+  held = jax.tree.map(lambda m, g: B1 * m + (1 - B1) * g, old_mu, mean)
+  return [_cosine(mu, held), _cosine(direction, ref_dir)]
 
 
 def config(char_lm_path: str, tiny: bool):
@@ -315,66 +232,26 @@ def measure(
     tiny: bool = False,
 ) -> list[dict[str, Any]]:
   """Per variant, the mean of each metric over the measured steps."""
-
   cfg = config(char_lm_path, tiny)
   cfg.seed = seed
   cfg.num_train_steps = warmup_steps + measure_steps
   exp = experiment_lib.build(cfg)
-  graphdef = exp.graphdef
   # On the default device alone: the simulated devices are a vmapped axis.
   params = jax.jit(
       lambda: nnx.to_pure_dict(
           nnx.split(exp.create_model(), nnx.Param, nnx.BatchStat)[1]
       )
   )()
-
-  def loss_fn(params, batch):
-    model = nnx.merge(graphdef, params, {})
-    logits = model(batch["inputs"], train=True)
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits, batch["targets"]
-    ).mean()
-
-  # Each device's gradient of the loss of its shard.
-  grads_fn = jax.jit(jax.vmap(jax.grad(loss_fn), in_axes=(None, 0)))
-  adam = optax.scale_by_adam(B1, B2, EPS)
-  descent = optax.chain(
-      optax.add_decayed_weights(cfg.optimizer.weight_decay),
-      optax.scale_by_learning_rate(exp.schedule),
-  )
-  mean_fn = jax.jit(lambda g: jax.tree.map(lambda x: x.mean(0), g))
-  adam_fn = jax.jit(adam.update)
-  descent_state = descent.init(params)
-
-  @jax.jit
-  def metrics_fn(approx, mean, own_adam, ref_adam, ref_dir):
-    direction, own_adam = adam.update(approx, own_adam)
-    shared, _ = adam.update(approx, ref_adam)
-    cosines = [
-        _cosine(approx, mean),
-        _cosine(direction, ref_dir),
-        _cosine(shared, ref_dir),
-    ]
-    return cosines, own_adam
-
-  @jax.jit
-  def momentum_metrics(mu, old_mu, mean, direction, ref_dir):
-    held = jax.tree.map(lambda m, g: B1 * m + (1 - B1) * g, old_mu, mean)
-    return [_cosine(mu, held), _cosine(direction, ref_dir)]
-
-  @jax.jit
-  def apply(direction, descent_state, params):
-    updates, descent_state = descent.update(direction, descent_state, params)
-    return optax.apply_updates(params, updates), descent_state
-
+  ref = _Reference(exp)
+  descent_state = ref.descent.init(params)
   variants = [
-      Variant(m, r, g, warmup_steps)
+      adam_geometry.Variant(m, r, g, warmup_steps)
       for m in methods
       for r in ranks
       for g in geometries
   ]
   runs = [_Run(v, params, num_devices) for v in variants]
-  ref_adam = adam.init(params)
+  ref_adam = ref.adam.init(params)
   loader = data_lib.Loader(
       exp.dataset.train, global_batch=exp.global_batch, seed=seed
   )
@@ -384,31 +261,24 @@ def measure(
         k: v.reshape((num_devices, -1) + v.shape[1:])
         for k, v in loader.batch(step).items()
     }
-    grads = grads_fn(params, batch)
-    mean = mean_fn(grads)
-    ref_dir, ref_adam_next = adam_fn(mean, ref_adam)
+    grads = ref.grads(params, batch)
+    mean = ref.mean(grads)
+    ref_dir, ref_adam_next = ref.adam_update(mean, ref_adam)
     for run in runs:
-      if run.variant.momentum:
-        old_mu = run.state.adam.mu
-      approx = run.step(grads, step)
-      if step < warmup_steps:
-        continue
-      if run.variant.momentum:
-        cosines = momentum_metrics(
-            run.state.adam.mu, old_mu, mean, approx, ref_dir
-        )
-      else:
-        if step == warmup_steps:
-          run.adam = ref_adam
-        cosines, run.adam = metrics_fn(
-            approx, mean, run.adam, ref_adam, ref_dir
-        )
-      for key, value in zip(METRICS, cosines):
+      cosines = run.cosines(
+          ref, grads, step, warmup_steps, mean, ref_adam, ref_dir
+      )
+      for key, value in zip(METRICS, cosines or ()):
         values[run.variant.name][key].append(float(value))
     ref_adam = ref_adam_next
-    params, descent_state = apply(ref_dir, descent_state, params)
+    params, descent_state = ref.apply(ref_dir, descent_state, params)
     if (step + 1) % 10 == 0:
       print(f"step {step + 1}", file=sys.stderr, flush=True)
+  return _rows(values)
+
+
+def _rows(values) -> list[dict[str, Any]]:
+  """Per variant, the mean of each metric's values, and their count."""
   return [
       {
           "variant": name,
@@ -422,7 +292,7 @@ def measure(
   ]
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m benchmarks.direction")
   parser.add_argument(
       "--char_lm_path", required=True, help="plain-text file for the char LM"
@@ -435,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
       "--geometries",
       default=",".join(g or "none" for g in GEOMETRIES),
       help="comma-separated: none (the compressor as it is), "
-      + ", ".join((*GEOMETRY_KINDS, *MOMENTUM)),
+      + ", ".join((*adam_geometry.GEOMETRY_KINDS, *adam_geometry.MOMENTUM)),
   )
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument(
@@ -444,7 +314,11 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument(
       "--tiny", action="store_true", help="a tiny model: a smoke test"
   )
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+  args = _parser().parse_args(argv)
   start = time.perf_counter()
   rows = measure(
       args.char_lm_path,

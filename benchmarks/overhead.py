@@ -175,60 +175,86 @@ def measure(models: list[str], repeats: int) -> list[dict[str, Any]]:
   for model in models:
     params = workloads.experiment(model).abstract_params
     about = workloads.describe(model)
-    calls = {
-        (name, phase): call
-        for name in workloads.COMPRESSORS
-        for phase, call in enumerate(
-            phase_calls(workloads.compressor(model, name), params)
-        )
-    }
-    calls[PSUM, 0] = psum_call(params)
-    for name, threads in torch_threads_by_name.items():
-      calls[name, 0] = _torch_call(model, params, threads)
+    calls = _calls(model, params, torch_threads_by_name)
     ours = jax_threads()  # after the calls are made: the LAPACK is loaded
     times = interleaved(calls, repeats)
     del calls  # frees the gradients and states before the next model
     rows = {}
     for name in names:
+      threads = (
+          torch_threads(torch_threads_by_name[name])
+          if name in torch_threads_by_name
+          else ours
+      )
       phases = [t for (n, _), t in times.items() if n == name]
-      medians = [statistics.median(t) * 1e3 for t in phases]
-      row = {
+      rows[name] = {
           "model": model,
           "params": about["params"],
           "compressor": name,
           "repeats": repeats,
-          "update_ms": statistics.fmean(medians),
-          "min_ms": statistics.fmean(min(t) * 1e3 for t in phases),
-          "threads": (
-              torch_threads(torch_threads_by_name[name])
-              if name in torch_threads_by_name
-              else ours
-          ),
+          **_times(phases, threads),
       }
-      if len(medians) == 2:  # ACP-SGD's P-steps and Q-steps
-        row.update(update_ms_p=medians[0], update_ms_q=medians[1])
-      rows[name] = row
-    base = rows["ssgd"]["update_ms"]
-    for row in rows.values():
-      row["added_ms"] = row["update_ms"] - base
-      row["vs_ssgd"] = row["update_ms"] / base
-    acp, power = rows["acp_sgd"], rows["power_sgd"]
-    acp["vs_power_sgd"] = acp["update_ms"] / power["update_ms"]
-    acp["meets_target"] = acp["vs_power_sgd"] <= targets.ACP_VS_POWER_SGD
-    rows["ssgd"]["vs_psum"] = base / rows[PSUM]["update_ms"]
-    if with_torch:
-      # Against the implementation a user would otherwise pick, at its
-      # faster thread setting.
-      fastest = min(torch_threads_by_name, key=lambda n: rows[n]["update_ms"])
-      torch_ms = rows[fastest]["update_ms"]
-      for name, row in (("acp_sgd", acp), ("power_sgd", power)):
-        row["vs_torch"] = row["update_ms"] / torch_ms
-        row["torch_reference"] = fastest
-        goal = targets.VS_TORCH[name].get(model)
-        if goal is not None:
-          row["meets_torch_target"] = row["vs_torch"] <= goal
+    _compare(model, rows, tuple(torch_threads_by_name))
     records.extend(rows.values())
   return records
+
+
+def _calls(model: str, params, torch_threads_by_name: dict[str, int]):
+  """The updates to time on ``model``'s ``params``, by (name, phase): each
+  compressor's phases, the psum per leaf and PyTorch's hook at each thread
+  setting."""
+  calls = {
+      (name, phase): call
+      for name in workloads.COMPRESSORS
+      for phase, call in enumerate(
+          phase_calls(workloads.compressor(model, name), params)
+      )
+  }
+  calls[PSUM, 0] = psum_call(params)
+  for name, threads in torch_threads_by_name.items():
+    calls[name, 0] = _torch_call(model, params, threads)
+  return calls
+
+
+def _times(phases: list[list[float]], threads: str) -> dict[str, Any]:
+  """A row's times in ms from each phase's timed calls (in s), the mean over
+  phases of the medians and of the minima, its ``threads``, and with two
+  phases (ACP-SGD's P-steps and Q-steps) each phase's median."""
+  medians = [statistics.median(t) * 1e3 for t in phases]
+  out = {
+      "update_ms": statistics.fmean(medians),
+      "min_ms": statistics.fmean(min(t) * 1e3 for t in phases),
+      "threads": threads,
+  }
+  if len(medians) == 2:
+    out.update(update_ms_p=medians[0], update_ms_q=medians[1])
+  return out
+
+
+def _compare(model: str, rows: dict[str, dict], torch_names: tuple[str, ...]):
+  """Adds to ``rows`` (one model's, by name) the ratios and the targets:
+  against S-SGD, ACP-SGD against Power-SGD, S-SGD against the psum, and,
+  with ``torch_names``, both low-rank methods against PyTorch's hook at its
+  faster thread setting."""
+  base = rows["ssgd"]["update_ms"]
+  for row in rows.values():
+    row["added_ms"] = row["update_ms"] - base
+    row["vs_ssgd"] = row["update_ms"] / base
+  acp, power = rows["acp_sgd"], rows["power_sgd"]
+  acp["vs_power_sgd"] = acp["update_ms"] / power["update_ms"]
+  acp["meets_target"] = acp["vs_power_sgd"] <= targets.ACP_VS_POWER_SGD
+  rows["ssgd"]["vs_psum"] = base / rows[PSUM]["update_ms"]
+  if torch_names:
+    # Against the implementation a user would otherwise pick, at its
+    # faster thread setting.
+    fastest = min(torch_names, key=lambda n: rows[n]["update_ms"])
+    torch_ms = rows[fastest]["update_ms"]
+    for name, row in (("acp_sgd", acp), ("power_sgd", power)):
+      row["vs_torch"] = row["update_ms"] / torch_ms
+      row["torch_reference"] = fastest
+      goal = targets.VS_TORCH[name].get(model)
+      if goal is not None:
+        row["meets_torch_target"] = row["vs_torch"] <= goal
 
 
 COLUMNS = {

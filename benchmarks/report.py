@@ -16,6 +16,7 @@ from typing import Any
 from acp_jax import collectives
 from benchmarks import comm
 from benchmarks import convergence
+from benchmarks import convergence_summary
 from benchmarks import overhead
 from benchmarks import pipeline
 from benchmarks import plots
@@ -147,7 +148,7 @@ def _stalls(curves, warmup: int) -> list[dict[str, Any]]:
           "variant": variant,
           **{
               f"K + {step - warmup}": loss
-              for step, loss in convergence.stall(curves, variant, warmup).items()
+              for step, loss in convergence_summary.stall(curves, variant, warmup).items()
           },
       }
       for variant in ("acp_sgd_warm", "acp_sgd_warm_cold", "acp_sgd")
@@ -162,7 +163,7 @@ def _gap_table(curves) -> str:
                 "acp_sgd_warm", "acp_sgd_2r_warm")
       if any(c["variant"] == v and c["task"] == "char_lm" for c in curves)
   )
-  rows = convergence.gaps(curves, "char_lm", variants)
+  rows = convergence_summary.gaps(curves, "char_lm", variants)
   if not rows:
     return ""
   columns = {k: k for row in rows for k in row}
@@ -171,7 +172,7 @@ def _gap_table(curves) -> str:
 
 def _convergence_section(finals, curves, out: pathlib.Path) -> list[str]:
   plots.convergence(curves, out / "convergence.png")
-  rows = convergence.summarize(finals, curves)
+  rows = convergence_summary.summarize(finals, curves)
   warmup = max(r["warmup_steps"] for r in finals)
   stalls = _stalls(curves, warmup)
   later = sorted(
@@ -193,7 +194,7 @@ def _convergence_section(finals, curves, out: pathlib.Path) -> list[str]:
           config_seq_len=config.data.seq_len,
           steps=finals[0]["steps"],
           warmup=warmup,
-          table=records.table(rows, convergence.COLUMNS),
+          table=records.table(rows, convergence_summary.COLUMNS),
           later=template.and_list(map(str, later)),
           stall_table=(
               records.table(stalls, {k: k for k in stalls[0]}) if stalls else ""
@@ -211,8 +212,8 @@ def _convergence_reading(rows, curves, warmup: int) -> str:
   by = {r["variant"]: r for r in rows if r["task"] == "char_lm"}
   needed = ("acp_sgd_2r_warm", "power_sgd_warm", "acp_sgd_2r", "power_sgd",
             "acp_sgd_warm", "acp_sgd_warm_cold")
-  warm = convergence.stall(curves, "acp_sgd_warm", warmup)
-  cold = convergence.stall(curves, "acp_sgd_warm_cold", warmup)
+  warm = convergence_summary.stall(curves, "acp_sgd_warm", warmup)
+  cold = convergence_summary.stall(curves, "acp_sgd_warm_cold", warmup)
   after = sorted(set(warm) & set(cold))[1:2]
   if not all(v in by for v in needed) or not after:
     return ""

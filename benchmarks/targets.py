@@ -9,7 +9,7 @@ no threshold). A target whose records are missing is reported as not run.
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks import convergence
+from benchmarks import convergence_summary
 from benchmarks import plots
 from benchmarks import project
 
@@ -189,7 +189,7 @@ def _accuracy(records: Records) -> list[Row]:
   more bytes per step than Power-SGD at the config's rank (so at that rank
   or twice it), against S-SGD: the best such variant, by the mean over
   seeds; and Power-SGD with a warm-up at its rank, where AdamW trains."""
-  summary = convergence.summarize(records["convergence"])
+  summary = convergence_summary.summarize(records["convergence"])
   out = []
   for task, (where, stated, key, goal) in ACCURACY_TARGETS.items():
     rows = {r["variant"]: r for r in summary if r["task"] == task}

@@ -21,7 +21,6 @@ with gloo and several buckets the stock hook mismatches collectives.
 
 import argparse
 import datetime
-import hashlib
 import json
 import statistics
 import time
@@ -32,6 +31,8 @@ from torch import distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn import functional as F
+
+from train import digest
 
 MASK_RATE = 0.15  # As `synthetic_tokens` with task="masked_lm".
 START_POWERSGD_ITER = 2  # The smallest the hook accepts with error feedback.
@@ -192,6 +193,13 @@ def main(argv=None):
       max_len=args.max_len,
   )
   torch.manual_seed(args.seed + 1 + args.process_id)  # Per-worker dropout.
+  step_seconds = _train(args, _ddp(args, model))
+  print("RESULT " + json.dumps(_result(args, model, step_seconds)), flush=True)
+  dist.destroy_process_group()
+
+
+def _ddp(args, model) -> nn.parallel.DistributedDataParallel:
+  """``model`` under DDP, with PowerSGD's hook for ``--compressor=power_sgd``."""
   ddp = nn.parallel.DistributedDataParallel(model)
   if args.compressor == "power_sgd":
     state = powerSGD_hook.PowerSGDState(
@@ -204,6 +212,12 @@ def main(argv=None):
         random_seed=args.seed,
     )
     ddp.register_comm_hook(state, _powersgd_one_bucket_at_a_time)
+  return ddp
+
+
+def _train(args, ddp) -> list[float]:
+  """``--steps`` AdamW steps of ``ddp``; the seconds of each after the
+  warm-up."""
   optimizer = torch.optim.AdamW(
       ddp.parameters(), lr=1e-4, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01
   )
@@ -219,10 +233,12 @@ def main(argv=None):
     optimizer.step()
     if step >= args.warmup:
       step_seconds.append(time.perf_counter() - start)
-  digest = hashlib.sha256()
-  for _, p in model.named_parameters():
-    digest.update(p.detach().float().contiguous().numpy().tobytes())
-  result = {
+  return step_seconds
+
+
+def _result(args, model, step_seconds: list[float]) -> dict:
+  """The worker's ``RESULT`` record."""
+  return {
       "system": "torch",
       "compressor": args.compressor,
       "rank": args.rank if args.compressor == "power_sgd" else None,
@@ -237,10 +253,11 @@ def main(argv=None):
           args.batch_size * args.world_size / statistics.median(step_seconds)
       ),
       "params": sum(p.numel() for p in model.parameters()),
-      "params_sha256": digest.hexdigest(),
+      # The bytes train.metrics.params_digest hashes of the same params.
+      "params_sha256": digest.sha256(
+          p.detach().float().numpy() for p in model.parameters()
+      ),
   }
-  print("RESULT " + json.dumps(result), flush=True)
-  dist.destroy_process_group()
 
 
 if __name__ == "__main__":

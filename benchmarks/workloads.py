@@ -18,8 +18,8 @@ import ml_collections
 import acp_jax
 from acp_jax import collectives
 from acp_jax import lowrank
-from train import config as config_lib
 from train import experiment as experiment_lib
+from train import optimizers
 
 COMPRESSORS = ("ssgd", "sign_sgd", "topk_sgd", "power_sgd", "acp_sgd")
 
@@ -115,7 +115,7 @@ def compressor(name: str, compressor_name: str) -> acp_jax.Compressor:
         f"unknown compressor {compressor_name!r}; choose from"
         f" {', '.join(COMPRESSORS)}"
     )
-  return config_lib.compressor(
+  return optimizers.compressor(
       config(name, compressor_name), experiment_lib.AXIS
   )
 

@@ -82,7 +82,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.data_workers = 0
   config.data_prefetch = 2
 
-  # The model by name (train/models.py) with its arguments beside it; the
+  # The model by name (train/models/) with its arguments beside it; the
   # number of classes or the vocabulary comes from the data.
   config.model = ml_collections.ConfigDict({"name": "small_cnn", "width": 32})
 

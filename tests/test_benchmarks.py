@@ -166,6 +166,7 @@ def test_overhead_times_every_compressor(results):
 
 def test_convergence_runs_every_variant_and_counts_warmup_bytes(results):
   from benchmarks import convergence
+  from benchmarks import convergence_summary
 
   finals = _records(results, "convergence")
   curves = _records(results, "convergence_curves")
@@ -203,7 +204,7 @@ def test_convergence_runs_every_variant_and_counts_warmup_bytes(results):
     assert warm["bytes_sent"] == pytest.approx(
         k * dense + (warm["steps"] - k) * cold["bytes_per_step"], rel=0.01
     )
-  summary = convergence.summarize(finals, curves)
+  summary = convergence_summary.summarize(finals, curves)
   ssgd = next(r for r in summary if r["variant"] == "ssgd")
   assert ssgd["accuracy_vs_ssgd_pts"] == 0 and ssgd["seeds"] == 1
   assert ssgd["steps_to_target_ratio"] == 1.0

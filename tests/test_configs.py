@@ -15,6 +15,7 @@ from configs import default
 from tests import datafiles
 from train import config as config_lib
 from train import models
+from train import optimizers
 from train import experiment as experiment_lib
 from train import train
 
@@ -232,7 +233,7 @@ def test_the_default_config_holds_every_compressor_argument():
   a function of the params, which no flag can hold; the trainer reads
   leaf_order from the model's loss)."""
   config = get_config("default")
-  for name, factory in config_lib.COMPRESSORS.items():
+  for name, factory in optimizers.COMPRESSORS.items():
     arguments = set(inspect.signature(factory).parameters)
     assert arguments - {"axis_name", "keep_dense", "leaf_order"} == set(
         config.compressor[name]
@@ -372,7 +373,7 @@ def test_every_optimizer_is_chosen_by_name_on_every_config(name):
   assert dict(config.optimizer.adamw) == dict(get_config(name).optimizer.adamw)
   decay = config.optimizer.weight_decay
   np.testing.assert_array_equal(
-      _update(config_lib.optimizer(config, 0.1), params, grads)["w"],
+      _update(optimizers.optimizer(config, 0.1), params, grads)["w"],
       _update(
           optax.chain(
               optax.add_decayed_weights(decay),
@@ -391,7 +392,7 @@ def test_every_optimizer_is_chosen_by_name_on_every_config(name):
   assert dict(config.optimizer.sgd) == dict(get_config(name).optimizer.sgd)
   adamw = config.optimizer.adamw
   np.testing.assert_array_equal(
-      _update(config_lib.optimizer(config, 0.1), params, grads)["w"],
+      _update(optimizers.optimizer(config, 0.1), params, grads)["w"],
       _update(
           optax.adamw(
               0.1, b1=adamw.b1, b2=0.95, eps=adamw.eps, weight_decay=decay

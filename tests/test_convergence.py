@@ -3,6 +3,7 @@
 import pytest
 
 from benchmarks import convergence
+from benchmarks import convergence_summary
 from tests.conftest import NUM_DEVICES
 from train import config as config_lib
 
@@ -53,17 +54,17 @@ def test_steps_to_target_interpolates_between_evaluations():
   )
   # S-SGD reaches its final 1.5 at step 100; "slow" between 100 and 150,
   # at 1.7 - 2/3 of the way down to 1.4: step 100 + 50 * 2/3.
-  ratio = convergence.steps_to_target(curves, "t", "slow")
+  ratio = convergence_summary.steps_to_target(curves, "t", "slow")
   assert ratio == pytest.approx((100 + 50 * 2 / 3) / 100)
-  assert convergence.steps_to_target(curves, "t", "ssgd") == 1.0
+  assert convergence_summary.steps_to_target(curves, "t", "ssgd") == 1.0
 
 
 def test_steps_to_target_is_none_where_the_target_is_not_reached():
   curves = _curve("ssgd", [(50, 2.0), (100, 1.5)]) + _curve(
       "stuck", [(50, 2.0), (100, 1.6)]
   )
-  assert convergence.steps_to_target(curves, "t", "stuck") is None
-  assert convergence.steps_to_target(curves, "other", "stuck") is None
+  assert convergence_summary.steps_to_target(curves, "t", "stuck") is None
+  assert convergence_summary.steps_to_target(curves, "other", "stuck") is None
 
 
 def test_steps_to_target_takes_the_mean_over_seeds():
@@ -73,7 +74,7 @@ def test_steps_to_target_takes_the_mean_over_seeds():
       + _curve("v", [(100, 1.0), (200, 0.9)], seed=1)
   )
   # Mean 1.1 at 100, 0.9 at 200: 1.0 is reached halfway.
-  assert convergence.steps_to_target(curves, "t", "v") == pytest.approx(1.5)
+  assert convergence_summary.steps_to_target(curves, "t", "v") == pytest.approx(1.5)
 
 
 def test_summary_names_the_optimizer_and_the_ratio():
@@ -99,11 +100,11 @@ def test_summary_names_the_optimizer_and_the_ratio():
   curves = _curve("ssgd", [(100, 1.2), (200, 1.0)]) + _curve(
       "v", [(100, 1.0), (200, 0.9)]
   )
-  rows = {r["variant"]: r for r in convergence.summarize(finals, curves)}
+  rows = {r["variant"]: r for r in convergence_summary.summarize(finals, curves)}
   assert rows["v"]["optimizer"] == "adamw"
   assert rows["v"]["steps_to_target_ratio"] == pytest.approx(0.5)
   assert rows["v"]["loss_vs_ssgd_pct"] == pytest.approx(-10.0)
-  assert "steps_to_target_ratio" not in convergence.summarize(finals)[0]
+  assert "steps_to_target_ratio" not in convergence_summary.summarize(finals)[0]
 
 
 def test_plan_runs_the_variants_asked_for_in_their_order():

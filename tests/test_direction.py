@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks import adam_geometry
 from benchmarks import direction
 
 
@@ -75,25 +76,9 @@ def test_the_compressed_moment_sent_whole_is_the_true_moment(text):
 
 
 def _update(variant, grads, state):
+  axes = variant.device_axes(state)
   run = jax.vmap(
-      variant.update,
-      in_axes=(
-          0,
-          jax.tree.map(
-              lambda f: 0 if f else None,
-              variant.local_fields(state),
-              is_leaf=lambda x: isinstance(x, bool),
-          ),
-      ),
-      out_axes=(
-          None,
-          jax.tree.map(
-              lambda f: 0 if f else None,
-              variant.local_fields(state),
-              is_leaf=lambda x: isinstance(x, bool),
-          ),
-      ),
-      axis_name="data",
+      variant.update, in_axes=(0, axes), out_axes=(None, axes), axis_name="data"
   )
   return run(grads, state)
 
@@ -108,8 +93,8 @@ def test_geometry_keeps_the_unscaled_residual(geometry):
   grads = [
       {"w": jax.random.normal(k, (n, 12, 10)) * jnp.arange(1, 11)} for k in keys
   ]
-  plain = direction.Variant("power_sgd", 2, None, 0)
-  scaled = direction.Variant("power_sgd", 2, geometry, 0)
+  plain = adam_geometry.Variant("power_sgd", 2, None, 0)
+  scaled = adam_geometry.Variant("power_sgd", 2, geometry, 0)
   p_state = plain.init(params)
   s_state = scaled.init(params)
   stack = lambda x: jnp.broadcast_to(x, (n,) + x.shape)

@@ -1,4 +1,4 @@
-"""Tests for train/models.py: exact parameter counts, forward passes, BN.
+"""Tests for train/models/: exact parameter counts, forward passes, BN.
 
 Full-size models are only built abstractly (`nnx.eval_shape`). Small models
 get their values from NumPy rather than from their initializers: on 2 CPU

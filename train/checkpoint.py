@@ -34,6 +34,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from acp_jax import checkpoint as acp_checkpoint
+from train import checks
 
 # Keys the Checkpointer adds to each record.
 _RESERVED = ("run", "checksums", "layout")
@@ -56,8 +57,7 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str, *, keep: int, run: dict[str, Any]):
-    if not isinstance(keep, int) or keep < 0:
-      raise ValueError(f"keep must be a non-negative int, got {keep!r}")
+    checks.integer("keep", keep, 0)
     try:
       # Round-tripped so that it compares equal to what a record holds
       # (tuples come back as lists).

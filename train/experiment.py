@@ -26,6 +26,7 @@ import acp_jax
 from train import config as config_lib
 from train import data as data_lib
 from train import models
+from train import optimizers
 
 AXIS = "data"
 DEVICE = P(AXIS)  # stacked on a leading device axis, one slice per device
@@ -200,14 +201,14 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
   graphdef, params, batch_stats = nnx.split(
       nnx.eval_shape(create), nnx.Param, nnx.BatchStat
   )
-  compressor = config_lib.compressor(
+  compressor = optimizers.compressor(
       config,
       AXIS,
       leaf_order=_backward_order(
           config, dataset, model_kwargs, (graphdef, params, batch_stats)
       ),
   )
-  schedule = config_lib.schedule(config)
+  schedule = optimizers.schedule(config)
   mesh = jax.make_mesh(
       (num_devices,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,)
   )
@@ -222,7 +223,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
       abstract_batch_stats=nnx.to_pure_dict(batch_stats),
       compressor=compressor,
       dp=dp,
-      tx=dp.chain(config_lib.optimizer(config, schedule)),
+      tx=dp.chain(optimizers.optimizer(config, schedule)),
       schedule=schedule,
       global_batch=global_batch,
   )

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from train import checks
+
 # Channel statistics of ImageNet's training set, on the [0, 1] scale.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -60,11 +62,7 @@ class Preprocess:
   std: tuple[float, ...] = IMAGENET_STD
 
   def __post_init__(self):
-    size = self.image_size
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-      raise ValueError(
-          f"config.data.image_size must be a positive int, got {size!r}"
-      )
+    checks.integer("config.data.image_size", self.image_size, 1)
     scale = _pair("crop_scale", self.crop_scale)
     if scale[1] > 1:
       raise ValueError(

@@ -1,6 +1,5 @@
 """What a run reports: metrics.jsonl, the params' digest, summaries."""
 
-import hashlib
 import json
 import numbers
 import os
@@ -9,6 +8,9 @@ from typing import Any
 from absl import logging
 import jax
 import numpy as np
+
+from train import checks
+from train import digest
 
 
 def params_digest(params) -> str:
@@ -25,10 +27,14 @@ def params_digest(params) -> str:
       for the same slice (replicas that drifted apart). NaN equals NaN:
       identical non-finite replicas have not drifted.
   """
-  digest = hashlib.sha256()
+  return digest.sha256(_host_arrays(params))
+
+
+def _host_arrays(params):
+  """The arrays ``params_digest`` hashes, in order (see there)."""
   for path, x in jax.tree_util.tree_leaves_with_path(params):
     if not isinstance(x, jax.Array):
-      digest.update(np.ascontiguousarray(np.asarray(x)).tobytes())
+      yield np.asarray(x)
       continue
     slices = {}
     for shard in x.addressable_shards:
@@ -42,8 +48,7 @@ def params_digest(params) -> str:
             " devices"
         )
     for key in sorted(slices, key=lambda k: [(s or 0) for s, _ in k]):
-      digest.update(slices[key].tobytes())
-  return digest.hexdigest()
+      yield slices[key]
 
 
 def read_records(path: str) -> list[dict[str, Any]]:
@@ -72,7 +77,7 @@ def read_records(path: str) -> list[dict[str, Any]]:
       )
       continue
     step = record.get("step") if isinstance(record, dict) else None
-    if not isinstance(step, int) or isinstance(step, bool):
+    if not checks.is_int(step):
       raise ValueError(
           f"{where} is not a metrics record (a JSON object with an int"
           f' "step"): {text!r}. Repair or remove that line.'

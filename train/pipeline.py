@@ -15,16 +15,13 @@ from absl import flags
 import grain
 import numpy as np
 
-
-def _check_count(name: str, value) -> None:
-  if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-    raise ValueError(f"config.{name} must be a non-negative int, got {value!r}")
+from train import checks
 
 
 def check(workers: int, prefetch: int) -> None:
   """Raises ``ValueError`` naming a bad ``data_workers`` or ``data_prefetch``."""
-  _check_count("data_workers", workers)
-  _check_count("data_prefetch", prefetch)
+  checks.integer("config.data_workers", workers, 0)
+  checks.integer("config.data_prefetch", prefetch, 0)
   if workers and not prefetch:
     raise ValueError(
         f"config.data_workers={workers} needs config.data_prefetch >= 1"

@@ -67,25 +67,35 @@ def setup(
     if auto_distributed:
       raise ValueError("--auto_distributed excludes --coordinator_address")
   if any(x is not None for x in explicit) or auto_distributed:
-    # Collectives between CPU processes go over gloo (TCP).
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    # JAX aborts the process when the time is up, with a message that names
-    # neither side: say here what is being waited for.
-    print(
-        f"process {process_id} of {num_processes}: joining the coordinator at"
-        f" {coordinator_address or '(detected)'}; the run fails if the other"
-        f" processes have not all joined within {distributed_timeout_s} s"
-        " (--distributed_timeout_s)",
-        file=sys.stderr,
-        flush=True,
+    _join_cluster(
+        coordinator_address, num_processes, process_id, distributed_timeout_s
     )
-    jax.distributed.initialize(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
-        initialization_timeout=distributed_timeout_s,
-        heartbeat_timeout_seconds=distributed_timeout_s,
-    )
+
+
+def _join_cluster(
+    coordinator_address, num_processes, process_id, timeout_s
+) -> None:
+  """``jax.distributed.initialize`` with these arguments (all None: detected),
+  CPU collectives over gloo, waiting ``timeout_s`` for the other processes."""
+  # Collectives between CPU processes go over gloo (TCP).
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # JAX aborts the process when the time is up, with a message that names
+  # neither side: say here what is being waited for.
+  print(
+      f"process {process_id} of {num_processes}: joining the coordinator at"
+      f" {coordinator_address or '(detected)'}; the run fails if the other"
+      f" processes have not all joined within {timeout_s} s"
+      " (--distributed_timeout_s)",
+      file=sys.stderr,
+      flush=True,
+  )
+  jax.distributed.initialize(
+      coordinator_address=coordinator_address,
+      num_processes=num_processes,
+      process_id=process_id,
+      initialization_timeout=timeout_s,
+      heartbeat_timeout_seconds=timeout_s,
+  )
 
 
 class Interrupted(Exception):

@@ -19,6 +19,8 @@ from tokenizers import normalizers
 from tokenizers import pre_tokenizers
 from tokenizers import trainers
 
+from train import checks
+
 # BERT's special tokens; they take ids 0-4, in this order.
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
@@ -29,11 +31,7 @@ def train(lines: Iterable[str], vocab_size: int) -> tokenizers.Tokenizer:
   Raises:
     ValueError: if ``vocab_size`` leaves no room beside the special tokens.
   """
-  if (
-      not isinstance(vocab_size, int)
-      or isinstance(vocab_size, bool)
-      or vocab_size <= len(SPECIAL_TOKENS)
-  ):
+  if not checks.is_int(vocab_size) or vocab_size <= len(SPECIAL_TOKENS):
     raise ValueError(
         f"vocab_size must be an int > {len(SPECIAL_TOKENS)}, got"
         f" {vocab_size!r}"

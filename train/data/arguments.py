@@ -10,6 +10,8 @@ import dataclasses
 import os
 from typing import Any
 
+from train import checks
+
 _MINIMUM = "minimum"
 _PATH = "path"
 
@@ -33,13 +35,6 @@ def path():
 def names(loaders) -> set[str]:
   """Every argument that one of ``loaders`` (dataclass types) takes."""
   return {f.name for loader in loaders for f in dataclasses.fields(loader)}
-
-
-def check_int(key: str, value, minimum: int) -> None:
-  if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-    raise ValueError(
-        f"config.data.{key} must be an int >= {minimum}, got {value!r}"
-    )
 
 
 def check(
@@ -78,7 +73,9 @@ def check(
     )
   for f in fields:
     if _MINIMUM in f.metadata:
-      check_int(f.name, kwargs[f.name], f.metadata[_MINIMUM])
+      checks.int_in(
+          f"config.data.{f.name}", kwargs[f.name], f.metadata[_MINIMUM]
+      )
   for f in fields:
     if f.metadata.get(_PATH):
       kwargs[f.name] = os.path.expanduser(os.fspath(kwargs[f.name]))

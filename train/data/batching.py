@@ -4,6 +4,7 @@ from typing import Iterator
 
 import numpy as np
 
+from train import checks
 from train.data.sources import Source
 
 # CIFAR-style augmentation, as in the ResNet papers.
@@ -14,8 +15,8 @@ _EXAMPLE_STREAM = 2
 
 
 def _check_split(global_batch: int, process_index: int, process_count: int):
-  _check_positive("global_batch", global_batch)
-  _check_positive("process_count", process_count)
+  checks.integer("global_batch", global_batch, 1)
+  checks.integer("process_count", process_count, 1)
   if not 0 <= process_index < process_count:
     raise ValueError(
         f"process_index={process_index} must lie in [0, {process_count})"
@@ -25,11 +26,6 @@ def _check_split(global_batch: int, process_index: int, process_count: int):
         f"global_batch={global_batch} is not divisible by"
         f" process_count={process_count}"
     )
-
-
-def _check_positive(name: str, value) -> None:
-  if not isinstance(value, (int, np.integer)) or value < 1:
-    raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _augment(
@@ -86,8 +82,7 @@ class Loader:
         ``augment`` on non-image data.
     """
     _check_split(global_batch, process_index, process_count)
-    if not isinstance(seed, (int, np.integer)) or seed < 0:
-      raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    checks.integer("seed", seed, 0)
     if not len(source):
       raise ValueError("the source holds no examples")
     if augment:
@@ -120,8 +115,7 @@ class Loader:
     return self._orders[epoch]
 
   def _check_step(self, step: int) -> None:
-    if not isinstance(step, (int, np.integer)) or step < 0:
-      raise ValueError(f"step must be a non-negative int, got {step!r}")
+    checks.integer("step", step, 0)
 
   def batch(self, step: int) -> dict[str, np.ndarray]:
     """This process's rows of global batch ``step``."""
