@@ -163,7 +163,7 @@ def _data_parallel(args, layout: str):
   from flax import nnx
 
   from benchmarks import workloads
-  from train import config as config_lib
+  from train import optimizers
   from train import experiment as experiment_lib
 
   config = workloads.cluster_config(args.workload, args.compressor, args.steps)
@@ -178,7 +178,7 @@ def _data_parallel(args, layout: str):
   params = jax.jit(
       init, out_shardings=dp.param_shardings(jax.eval_shape(init))
   )()
-  inner = config_lib.optimizer(config, experiment.schedule)
+  inner = optimizers.optimizer(config, experiment.schedule)
   batch = _global_batch(experiment, dp)
   return experiment, dp, inner, params, batch, _loss_fn(experiment)
 
