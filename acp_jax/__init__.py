@@ -8,7 +8,7 @@ compiled HLO live in ``acp_jax.hlo``.
 
 from acp_jax.acp import acp_sgd
 from acp_jax.acp import AcpSgdState
-from acp_jax.collectives import backward_order
+from acp_jax.buckets import backward_order
 from acp_jax.compressed_adam import compressed_adam
 from acp_jax.compressed_adam import CompressedAdamState
 from acp_jax.compressor import comm_bytes

@@ -18,6 +18,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from acp_jax import buckets
 from acp_jax import collectives
 from acp_jax import state_trees
 
@@ -73,10 +74,10 @@ def comm_dtype(value: Any) -> Any:
 
 
 def bucket_bytes(value: Any, caller: str) -> float:
-  """``value``, or ``collectives.DEFAULT_BUCKET_BYTES`` for None; raises
+  """``value``, or ``buckets.DEFAULT_BUCKET_BYTES`` for None; raises
   unless it is a positive number (``math.inf``: one bucket)."""
   if value is None:
-    return collectives.DEFAULT_BUCKET_BYTES
+    return buckets.DEFAULT_BUCKET_BYTES
   if not _is_number(value) or not value > 0:
     raise ValueError(
         f"{caller}: bucket_bytes must be a positive number (math.inf for one"

@@ -2,12 +2,13 @@
 
 Every compressor exchanges its leaves in buckets, as PyTorch DDP does: the
 leaves are taken in backward order, the order in which backprop produces
-their gradients (``leaf_order``, read from the loss by ``backward_order``;
-without one, the reverse of the params' leaf order, a proxy: a model's last
-layer is usually its last leaf, but a tied embedding, a model's first leaf,
-gets its gradient last), and cut into consecutive buckets of at most
-``bucket_bytes`` of *uncompressed* gradient (a leaf larger than that fills a
-bucket alone).
+their gradients (``leaf_order``, read from the loss by
+``buckets.backward_order``; without one, the reverse of the params' leaf
+order, a proxy: a model's last layer is usually its last leaf, but a tied
+embedding, a model's first leaf, gets its gradient last), and cut into
+consecutive buckets of at most ``bucket_bytes`` of *uncompressed* gradient (a
+leaf larger than that fills a bucket alone; ``acp_jax.buckets`` makes the
+plans).
 
 The threshold counts uncompressed bytes for every compressor, so a bucket
 holds the same leaves whatever is sent of them (dense, signs, top-k, either
@@ -35,7 +36,7 @@ buckets: 11 all-reduces in 11 rounds; 23 in 2 rounds with the combiner off;
 2 in 2 with one bucket per round). Since XLA:CPU runs collectives after one
 another anyway, buckets buy a dependent method nothing there, so Power-SGD
 sends one bucket per round where the default backend is a CPU
-(``for_dependent_rounds``). Compile with
+(``buckets.for_dependent_rounds``). Compile with
 ``--xla_disable_hlo_passes=cpu-all-reduce-combiner`` to see the all-reduces
 one by one. All-gathers (Sign-SGD's, Top-k's) are packed per bucket and
 dtype: XLA:CPU does not combine all-gathers, so they stay apart there.
@@ -81,11 +82,9 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-# PyTorch DDP's default bucket_cap_mb.
-DEFAULT_BUCKET_BYTES = 25 * 2**20
-
-# Leaf indices, bucket by bucket, in the order the buckets are sent.
-BucketPlan = tuple[tuple[int, ...], ...]
+# Leaf indices, bucket by bucket, in the order the buckets are sent (made by
+# ``acp_jax.buckets``).
+BucketPlan = Sequence[Sequence[int]]
 
 # The axis over which packed buffers are split, or None (see ``split_over``).
 _SPLIT_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -302,112 +301,6 @@ def axis_size(axis_name: str, caller: str) -> int:
     ) from None
 
 
-def bucket_plan(
-    leaf_bytes: Sequence[int],
-    bucket_bytes: float,
-    leaf_order: Sequence[int] | None = None,
-) -> BucketPlan:
-  """Leaves grouped into buckets, in backward order.
-
-  Args:
-    leaf_bytes: the uncompressed bytes of each leaf, in the params' leaf
-      order.
-    bucket_bytes: a bucket is closed when the next leaf would take it past
-      this many bytes; a larger leaf fills a bucket alone. Empty leaves join
-      the current bucket, so they never change the plan of the others.
-    leaf_order: the leaves' indices in the order backprop produces their
-      gradients (``backward_order``), each once; None for the reverse of
-      the leaf order.
-
-  Returns:
-    Tuples of leaf indices, in ``leaf_order``.
-  """
-  order = range(len(leaf_bytes) - 1, -1, -1)
-  if leaf_order is not None:
-    if sorted(leaf_order) != list(range(len(leaf_bytes))):
-      raise ValueError(
-          f"leaf_order {tuple(leaf_order)} does not order the"
-          f" {len(leaf_bytes)} leaves 0..{len(leaf_bytes) - 1}: it was read"
-          " from another model's loss, or the params tree changed. Read it"
-          " again with backward_order(loss, params, ...)."
-      )
-    order = leaf_order
-  buckets, current, size = [], [], 0
-  for i in order:
-    if current and leaf_bytes[i] and size + leaf_bytes[i] > bucket_bytes:
-      buckets.append(tuple(current))
-      current, size = [], 0
-    current.append(i)
-    size += leaf_bytes[i]
-  if current:
-    buckets.append(tuple(current))
-  return tuple(buckets)
-
-
-def leaf_plan(
-    leaves: Sequence,
-    bucket_bytes: float,
-    leaf_order: Sequence[int] | None = None,
-) -> BucketPlan:
-  """``bucket_plan`` of arrays (or their shapes), by their own bytes."""
-  return bucket_plan(
-      [nbytes(x.shape, x.dtype) for x in leaves], bucket_bytes, leaf_order
-  )
-
-
-def _produced_at(jaxpr, var) -> tuple[int, ...] | None:
-  """Where in ``jaxpr`` (a core.Jaxpr) ``var`` is made: the index of its
-  equation, followed by the place inside a call's own jaxpr; None for an
-  input or a literal."""
-  for index, eqn in enumerate(jaxpr.eqns):
-    if any(out is var for out in eqn.outvars):
-      inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-      inner = getattr(inner, "jaxpr", inner)
-      if inner is not None and len(inner.outvars) == len(eqn.outvars):
-        position = [o is var for o in eqn.outvars].index(True)
-        below = _produced_at(inner, inner.outvars[position])
-        return (index,) + (below or ())
-      return (index,)
-  return None
-
-
-def backward_order(loss, params: Any, *args, **kwargs) -> tuple[int, ...]:
-  """The leaves of ``params`` in the order ``jax.grad`` computes their
-  gradients: a ``leaf_order`` for the compressors' buckets.
-
-  It reads the order of the gradient equations in
-  ``jax.make_jaxpr(jax.grad(loss))(params, *args, **kwargs)``, which
-  follows backprop (the compiled step completes them in nearly the same
-  order): a tied embedding, used first and last, gets its gradient last. A
-  gradient that jax returns as a literal waits for nothing and comes first.
-
-  Args:
-    loss: a function of ``params`` (its first argument) and the other
-      arguments, returning a scalar.
-    params: the parameters, or a tree of ``jax.ShapeDtypeStruct`` like them.
-    *args: the other arguments (a batch, or its shapes).
-    **kwargs: keyword arguments of ``loss``.
-
-  Returns:
-    Indices into ``jax.tree.leaves(params)``, the first gradient first.
-  """
-  closed = jax.make_jaxpr(jax.grad(loss))(params, *args, **kwargs)
-  jaxpr = closed.jaxpr
-  places = [_produced_at(jaxpr, var) for var in jaxpr.outvars]
-  return tuple(
-      sorted(range(len(places)), key=lambda i: (places[i] or (-1,), -i))
-  )
-
-
-def for_dependent_rounds(plan: BucketPlan) -> BucketPlan:
-  """The buckets of a method whose second round needs its first one's result:
-  ``plan`` itself, or all in one bucket on the CPU backend, whose all-reduce
-  combiner would chain the buckets' rounds (see the module's docstring)."""
-  if jax.default_backend() != "cpu" or len(plan) < 2:
-    return plan
-  return (tuple(i for bucket in plan for i in bucket),)
-
-
 def _collective(
     kind: str, x: jax.Array, axis_name: str, axis: int = 0, tiled: bool = False
 ) -> jax.Array:
@@ -562,7 +455,7 @@ def bucketed_psum(
 
   Args:
     per_leaf: for each leaf, the arrays it sends (none, one, or several).
-    plan: the buckets, from ``bucket_plan`` over the same leaves.
+    plan: the buckets, from ``buckets.bucket_plan`` over the same leaves.
     axis_name: the mapped axis to sum over.
     packed: pack each bucket into one buffer per dtype.
     row_sums: None, or for each leaf whether its arrays are sums over rows

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 
 from acp_jax import _checks
-from acp_jax import collectives
+from acp_jax import buckets
 
 
 class CommVolume(NamedTuple):
@@ -61,7 +61,7 @@ class Compressor(optax.GradientTransformation):
     bucket_bytes: at most this many bytes of uncompressed gradient go into
       a bucket, unless a leaf alone is larger (see ``collectives``).
     leaf_order: the order in which the buckets take the leaves (see
-      ``collectives.bucket_plan``), or None.
+      ``buckets.bucket_plan``), or None.
     dependent_rounds: whether a bucket's second round needs its first one's
       result (Power-SGD), which changes the buckets on a CPU.
     cycle: the names of the phases a compressing step runs through, in
@@ -82,7 +82,7 @@ class Compressor(optax.GradientTransformation):
       axis_name: str,
       local_fields: Sequence[str] = ("error",),
       phases: PhasesFn = _one_phase,
-      bucket_bytes: float = collectives.DEFAULT_BUCKET_BYTES,
+      bucket_bytes: float = buckets.DEFAULT_BUCKET_BYTES,
       leaf_order: tuple[int, ...] | None = None,
       dependent_rounds: bool = False,
       cycle: Sequence[str] = ("step",),
@@ -173,15 +173,15 @@ class Compressor(optax.GradientTransformation):
       return state
     return switched
 
-  def buckets(self, params: Any) -> collectives.BucketPlan:
+  def buckets(self, params: Any) -> buckets.BucketPlan:
     """The buckets in which ``update`` sends the gradients of ``params``
     (or of their shapes): tuples of indices into ``jax.tree.leaves(params)``,
     in the order they are sent (``leaf_order``, else the last leaf first)."""
-    plan = collectives.leaf_plan(
+    plan = buckets.leaf_plan(
         jax.tree.leaves(params), self.bucket_bytes, self.leaf_order
     )
     if self.dependent_rounds:
-      return collectives.for_dependent_rounds(plan)
+      return buckets.for_dependent_rounds(plan)
     return plan
 
 

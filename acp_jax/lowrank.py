@@ -17,6 +17,7 @@ import numpy as np
 import optax
 
 from acp_jax import _checks
+from acp_jax import buckets
 from acp_jax import collectives
 from acp_jax import compressor
 from acp_jax import state_trees
@@ -67,13 +68,13 @@ class LowRank(NamedTuple):
   keep_dense: compressor.KeepDense
   seed: int
   caller: str  # the factory's name, for error messages
-  bucket_bytes: float = collectives.DEFAULT_BUCKET_BYTES
+  bucket_bytes: float = buckets.DEFAULT_BUCKET_BYTES
   use_error_feedback: bool = True
   warm_start: bool = True
   comm_dtype: Any = None  # None: the factors travel in the leaves' dtype
   warmup_steps: int = 0
   warmup_factors: bool = True
-  leaf_order: tuple[int, ...] | None = None  # see collectives.bucket_plan
+  leaf_order: tuple[int, ...] | None = None  # see buckets.bucket_plan
 
   def plan(self, tree: Any) -> list[projection.MatrixSpec | None]:
     """``matrix_spec`` of every leaf of ``tree``, honouring ``keep_dense``.
@@ -264,7 +265,7 @@ class Split(NamedTuple):
   specs: list[projection.MatrixSpec | None]
   matrices: list[projection.Matrix]  # M = G + E for each compressed leaf
   dense: list[jax.Array]  # the gradient of each leaf sent dense
-  buckets: collectives.BucketPlan  # of all leaves, by their gradients' bytes
+  buckets: buckets.BucketPlan  # of all leaves, by their gradients' bytes
 
 
 def split(cfg: LowRank, grads: Any, errors: Any) -> Split:
@@ -292,7 +293,7 @@ def split(cfg: LowRank, grads: Any, errors: Any) -> Split:
       specs,
       matrices,
       dense,
-      collectives.leaf_plan(leaves, cfg.bucket_bytes, cfg.leaf_order),
+      buckets.leaf_plan(leaves, cfg.bucket_bytes, cfg.leaf_order),
   )
 
 

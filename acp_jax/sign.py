@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from acp_jax import _checks
+from acp_jax import buckets
 from acp_jax import collectives
 from acp_jax import compressor
 from acp_jax import error_feedback
@@ -128,7 +129,7 @@ def sign_sgd(
     leaves, treedef = jax.tree.flatten(updates)
     gathered = collectives.bucketed_all_gather(
         [[_pack_signs(g)] for g in leaves],
-        collectives.leaf_plan(leaves, bucket_bytes, leaf_order),
+        buckets.leaf_plan(leaves, bucket_bytes, leaf_order),
         axis_name,
     )
     votes = [
@@ -146,7 +147,7 @@ def sign_sgd(
     ]
     gathered = collectives.bucketed_all_gather(
         [[_pack_signs(p), scale] for p, scale in zip(ps, scales)],
-        collectives.leaf_plan(ps, bucket_bytes, leaf_order),
+        buckets.leaf_plan(ps, bucket_bytes, leaf_order),
         axis_name,
         row_sums=[(False, True)] * len(ps),  # a block's signs, the leaf's scale
     )

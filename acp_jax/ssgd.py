@@ -4,6 +4,7 @@ import jax
 import optax
 
 from acp_jax import _checks
+from acp_jax import buckets
 from acp_jax import collectives
 from acp_jax import compressor
 
@@ -61,7 +62,7 @@ def ssgd(
     leaves, treedef = jax.tree.flatten(updates)
     mean = collectives.bucketed_pmean(
         leaves,
-        collectives.leaf_plan(leaves, bucket_bytes, leaf_order),
+        buckets.leaf_plan(leaves, bucket_bytes, leaf_order),
         axis_name,
         comm_dtype,
     )

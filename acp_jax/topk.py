@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from acp_jax import _checks
+from acp_jax import buckets
 from acp_jax import collectives
 from acp_jax import compressor
 from acp_jax import error_feedback
@@ -136,7 +137,7 @@ def topk_sgd(
     ]
     gathered = collectives.bucketed_all_gather(
         [list(c) for c in chosen],
-        collectives.leaf_plan(ps, bucket_bytes, leaf_order),
+        buckets.leaf_plan(ps, bucket_bytes, leaf_order),
         axis_name,
         row_sums=[True] * len(ps),
     )

@@ -13,7 +13,7 @@ import pathlib
 import re
 from typing import Any
 
-from acp_jax import collectives
+from acp_jax import buckets
 from benchmarks import comm
 from benchmarks import convergence
 from benchmarks import convergence_summary
@@ -49,7 +49,7 @@ _COMMANDS = {
     "projection": "project",
     "cluster_hierarchical": "cluster --hierarchical",
 }
-_BUCKET_MIB = collectives.DEFAULT_BUCKET_BYTES / 2**20
+_BUCKET_MIB = buckets.DEFAULT_BUCKET_BYTES / 2**20
 
 
 def _comm_section(rows, out: pathlib.Path) -> list[str]:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from acp_jax import buckets
 from acp_jax import collectives
 from tests.conftest import NUM_DEVICES
 
@@ -168,10 +169,10 @@ def test_an_axis_of_one_device_splits_nothing():
 
 def test_bucket_plan_follows_the_leaf_order():
   sizes = [4, 4, 4, 4]
-  assert collectives.bucket_plan(sizes, 8) == ((3, 2), (1, 0))
-  assert collectives.bucket_plan(sizes, 8, (0, 3, 1, 2)) == ((0, 3), (1, 2))
+  assert buckets.bucket_plan(sizes, 8) == ((3, 2), (1, 0))
+  assert buckets.bucket_plan(sizes, 8, (0, 3, 1, 2)) == ((0, 3), (1, 2))
   with pytest.raises(ValueError, match="does not order the 4 leaves"):
-    collectives.bucket_plan(sizes, 8, (0, 1, 2))
+    buckets.bucket_plan(sizes, 8, (0, 1, 2))
 
 
 def test_backward_order_puts_a_tied_embedding_last():
@@ -187,9 +188,9 @@ def test_backward_order_puts_a_tied_embedding_last():
 
   tokens = jax.ShapeDtypeStruct((3,), jnp.int32)
   # The reverse of the leaf order would send the embedding first.
-  assert collectives.backward_order(loss, params, tokens) == (2, 1, 0)
+  assert buckets.backward_order(loss, params, tokens) == (2, 1, 0)
   # The same through a jitted loss, whose gradients one call returns.
-  assert collectives.backward_order(jax.jit(loss), params, tokens) == (2, 1, 0)
+  assert buckets.backward_order(jax.jit(loss), params, tokens) == (2, 1, 0)
 
 
 def test_a_compressor_cuts_its_buckets_in_its_leaf_order():

@@ -8,7 +8,6 @@ import warnings
 import chex
 import jax
 from jax import lax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
