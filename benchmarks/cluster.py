@@ -26,24 +26,22 @@ compressor across nodes), the same with the model sharded within the node
 (``acp_jax.ShardedDataParallel``), and flat compression over all devices.
 """
 
-import contextlib
 import importlib.util
-import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
 from benchmarks import cli
+from benchmarks import cluster_nodes
 from benchmarks import costmodel
+from benchmarks import launch
 from benchmarks import links
 from benchmarks import workloads
 
-BANDWIDTHS = {"1gbit": 1000.0, "10gbit": 10000.0, "unshaped": None}
+BANDWIDTHS = launch.BANDWIDTHS
 TORCH = ("ssgd", "power_sgd")
 # Their train step takes minutes to compile at 4 workers (Sign-SGD 212 s in
 # one process here; four processes compile at once on 2 cores), so by
@@ -54,7 +52,6 @@ PSUM_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)
 # The pass over memory before each busy all-reduce of the calibration: about
 # as long as a part of the cluster workload's step.
 BUSY_MB = 40
-_COORDINATOR_PORT = 8476
 
 
 def _torch_args(model: str, compressor: str, steps: int) -> list[str]:
@@ -76,87 +73,6 @@ def _torch_args(model: str, compressor: str, steps: int) -> list[str]:
   ]
 
 
-def _launch(commands: list[list[str]], timeout: float) -> list[dict[str, Any]]:
-  """Runs the commands at once and returns each one's ``RESULT`` record;
-  all are killed if one fails or ``timeout`` seconds pass."""
-  env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0"}
-  with contextlib.ExitStack() as stack:
-    # Files, not pipes: a chatty worker cannot block on a full pipe.
-    logs = [
-        [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in "oe"]
-        for _ in commands
-    ]
-    procs = [
-        subprocess.Popen(
-            cmd,
-            stdout=out,
-            stderr=err,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
-        for cmd, (out, err) in zip(commands, logs)
-    ]
-    deadline = time.monotonic() + timeout
-    try:
-      for proc in procs:
-        try:
-          proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-          raise TimeoutError(
-              f"{' '.join(proc.args)} ran past {timeout:.0f} s"
-          ) from None
-    finally:
-      for proc in procs:
-        if proc.poll() is None:
-          os.killpg(proc.pid, signal.SIGKILL)
-          proc.wait()
-    outputs = []
-    for proc, (out, err) in zip(procs, logs):
-      out.seek(0)
-      err.seek(0)
-      if proc.returncode:
-        raise RuntimeError(
-            f"{' '.join(proc.args)} exited with {proc.returncode}:\n"
-            + "\n".join(err.read().strip().splitlines()[-15:])
-        )
-      lines = [l for l in out.read().splitlines() if l.startswith("RESULT ")]
-      if not lines:
-        raise RuntimeError(f"{' '.join(proc.args)} printed no RESULT line")
-      outputs.append(json.loads(lines[-1][len("RESULT ") :]))
-    return outputs
-
-
-def _jax_cmd(mode: str, *args: str) -> list[str]:
-  return [sys.executable, "-m", "benchmarks.worker", mode, *args]
-
-
-def _distributed(network: links.Network, worker: int) -> list[str]:
-  return [
-      f"--coordinator_address={network.address(0)}:{_COORDINATOR_PORT}",
-      f"--num_processes={len(network.names)}",
-      f"--process_id={worker}",
-  ]
-
-
-def _on_network(network, make_cmd, timeout):
-  return _launch(
-      [network.exec_prefix(i) + make_cmd(i) for i in range(len(network.names))],
-      timeout,
-  )
-
-
-def _attempt(failures: list[str], what: str, run):
-  """``run()``'s result, or None with the failure noted: one run that
-  fails or times out costs its own record, not the others'."""
-  try:
-    return run()
-  except (RuntimeError, TimeoutError) as e:
-    failures.append(f"{what}: {e}")
-    print(f"  FAILED {what}: {str(e).splitlines()[0]}", flush=True)
-    return None
-
-
 def calibrate(
     network: links.Network, timeout: float
 ) -> tuple[costmodel.Link, costmodel.Link, list[dict[str, Any]]]:
@@ -172,13 +88,13 @@ def calibrate(
   calibration does not see.
   """
   sizes = ",".join(str(s) for s in PSUM_SIZES)
-  results = _on_network(
+  results = launch.on_network(
       network,
-      lambda i: _jax_cmd(
+      lambda i: launch.jax_cmd(
           "psum",
           f"--sizes={sizes}",
           f"--busy_mb={BUSY_MB}",
-          *_distributed(network, i),
+          *launch.distributed(network, i),
       ),
       timeout,
   )
@@ -205,21 +121,20 @@ def predict(step_local: float, phases, workers: int, link) -> float:
   communication on ``link``, averaged over the phases. XLA:CPU runs a
   step's thunks in order, so nothing is hidden behind backprop."""
   return statistics.mean(
-      step_local + costmodel.Traffic(**t).seconds(workers, link)
-      for t in phases
+      step_local + costmodel.Traffic(**t).seconds(workers, link) for t in phases
   )
 
 
 def _jax_run(network, model, name, steps, timeout, idle, busy):
   """One compressor's ``parts`` run on ``network``, as a record."""
-  results = _on_network(
+  results = launch.on_network(
       network,
-      lambda i: _jax_cmd(
+      lambda i: launch.jax_cmd(
           "parts",
           f"--workload={model}",
           f"--compressor={name}",
           f"--steps={steps}",
-          *_distributed(network, i),
+          *launch.distributed(network, i),
       ),
       timeout,
   )
@@ -252,7 +167,7 @@ def _jax_run(network, model, name, steps, timeout, idle, busy):
 
 def _torch_run(network, model, name, steps, timeout):
   workers = len(network.names)
-  results = _on_network(
+  results = launch.on_network(
       network,
       lambda i: [sys.executable]
       + _torch_args(model, name, steps)
@@ -295,7 +210,7 @@ def measure(
   per link.
   """
   runs, calibration, failures = [], [], []
-  with tempfile.TemporaryDirectory() as cache, _compilation_cache(cache):
+  with tempfile.TemporaryDirectory() as cache, launch.compilation_cache(cache):
     for p in workers:
       for bandwidth in bandwidths:
         with links.switched(p, BANDWIDTHS[bandwidth]) as network:
@@ -313,7 +228,7 @@ def measure(
           for name in compressors:
             if name in fastest_link_only and not last:
               continue
-            run = _attempt(
+            run = launch.attempt(
                 failures,
                 f"{p} workers {bandwidth} acp_jax {name}",
                 lambda: _jax_run(
@@ -324,7 +239,7 @@ def measure(
               runs.append({**base, **run})
               _show(runs[-1])
           for name in TORCH if with_torch else ():
-            run = _attempt(
+            run = launch.attempt(
                 failures,
                 f"{p} workers {bandwidth} torch {name}",
                 lambda: _torch_run(network, model, name, steps, timeout),
@@ -333,133 +248,6 @@ def measure(
               runs.append({**base, **run})
               _show(runs[-1])
   return runs, calibration, failures
-
-
-@contextlib.contextmanager
-def _compilation_cache(path: str):
-  """JAX's persistent compilation cache in ``path`` for the workers this
-  process starts, every program cached however fast it compiled."""
-  keys = {
-      "JAX_COMPILATION_CACHE_DIR": path,
-      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-      "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
-  }
-  saved = {k: os.environ.get(k) for k in keys}
-  os.environ.update(keys)
-  try:
-    yield
-  finally:
-    for k, v in saved.items():
-      if v is None:
-        os.environ.pop(k, None)
-      else:
-        os.environ[k] = v
-
-
-# (compressor, layout of ``worker.LAYOUTS``): hierarchical ACP-SGD, the
-# same with the model sharded within each node, flat ACP-SGD, whose ring
-# over all devices crosses the slow links, and flat S-SGD.
-HIERARCHICAL_RUNS = (
-    ("acp_sgd", "hierarchical"),
-    ("acp_sgd", "sharded"),
-    ("acp_sgd", "flat"),
-    ("ssgd", "flat"),
-)
-
-
-def run_nodes(
-    network: links.Network,
-    model: str,
-    compressor: str,
-    layout: str,
-    steps: int,
-    devices: int,
-    timeout: float,
-    params_out=None,
-) -> list[dict[str, Any]]:
-  """Each worker's ``nodes`` record of one run on ``network``: a node of
-  ``devices`` devices per worker, each counting the bytes on its link;
-  with ``params_out(i)``, worker ``i`` saves its params there."""
-  return _on_network(
-      network,
-      lambda i: _jax_cmd(
-          "nodes",
-          f"--workload={model}",
-          f"--compressor={compressor}",
-          f"--steps={steps}",
-          f"--devices={devices}",
-          f"--layout={layout}",
-          "--link=eth0",
-          *([f"--params_out={params_out(i)}"] if params_out else []),
-          *_distributed(network, i),
-      ),
-      timeout,
-  )
-
-
-def _nodes_record(results: list[dict[str, Any]]) -> dict[str, Any]:
-  """One run's record from its workers': the slowest worker's examples/s,
-  the bytes and packets a node's link sent per step, the accounting per
-  device on each mesh axis, and whether the workers ended with the same
-  params."""
-  first = results[0]
-  return {
-      "examples_per_sec": min(r["examples_per_sec"] for r in results),
-      "slow_link_bytes_per_step": statistics.mean(
-          r["link_tx_bytes_per_step"] for r in results
-      ),
-      # Each packet adds its headers (66 bytes of Ethernet, IP and TCP) to
-      # the bytes counted, and each gloo message its own framing.
-      "slow_link_packets_per_step": statistics.mean(
-          r["link_tx_packets_per_step"] for r in results
-      ),
-      "node_axis_bytes_per_device": first["node_axis_bytes_per_device"],
-      "local_axis_bytes_per_device": first["local_axis_bytes_per_device"],
-      "params_identical": len({r["params_sha256"] for r in results}) == 1,
-  }
-
-
-def measure_hierarchical(
-    model: str,
-    nodes: int,
-    devices: int,
-    bandwidths: list[str],
-    steps: int,
-    timeout: float,
-) -> tuple[list[dict[str, Any]], list[str]]:
-  """Records of ``nodes`` processes of ``devices`` devices each, one node
-  per namespace, so that only traffic between nodes crosses the shaped
-  links, one per bandwidth and run of ``HIERARCHICAL_RUNS``; and the runs
-  that failed (``_nodes_record`` says what a record holds)."""
-  runs, failures = [], []
-  for bandwidth in bandwidths:
-    base = {
-        "bandwidth": bandwidth,
-        "nodes": nodes,
-        "devices_per_node": devices,
-        "model": model,
-    }
-    with links.switched(nodes, BANDWIDTHS[bandwidth]) as network:
-      for name, layout in HIERARCHICAL_RUNS:
-        results = _attempt(
-            failures,
-            f"{bandwidth} {layout} {name}",
-            lambda: run_nodes(
-                network, model, name, layout, steps, devices, timeout
-            ),
-        )
-        if results is None:
-          continue
-        run = {**base, "compressor": name, "mode": layout}
-        runs.append({**run, **_nodes_record(results)})
-        print(
-            f"  {bandwidth} {layout} {name}:"
-            f" {runs[-1]['examples_per_sec']:.2f} examples/s,"
-            f" {runs[-1]['slow_link_bytes_per_step'] / 1e6:.3f} MB/step on"
-            " each node's link",
-            flush=True,
-        )
-  return runs, failures
 
 
 def _show(run: dict[str, Any]) -> None:
@@ -483,18 +271,6 @@ COLUMNS = {
     "error_pct": "model error, %",
     "params_identical": "same params",
 }
-
-HIERARCHICAL_COLUMNS = {
-    "bandwidth": "link",
-    "mode": "mode",
-    "compressor": "compressor",
-    "examples_per_sec": "examples/s",
-    "slow_link_bytes_per_step": "bytes/step on a node's link",
-    "node_axis_bytes_per_device": "accounted, node axis",
-    "local_axis_bytes_per_device": "accounted, local axis",
-    "params_identical": "same params",
-}
-
 
 HELP = "worker processes on shaped network links (needs root)"
 
@@ -560,7 +336,7 @@ def main(args) -> None:
   # A SIGTERM unwinds like an error, so the links come down.
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
   if args.hierarchical:
-    runs, failures = measure_hierarchical(
+    runs, failures = cluster_nodes.measure_hierarchical(
         args.model,
         workers[0],
         args.devices_per_worker,
@@ -569,7 +345,7 @@ def main(args) -> None:
         args.timeout,
     )
     outputs = {"cluster_hierarchical": runs}
-    cli.finish(args, meta, outputs, runs, HIERARCHICAL_COLUMNS, failures)
+    cli.finish(args, meta, outputs, runs, cluster_nodes.COLUMNS, failures)
     return
   torch = not args.no_torch and importlib.util.find_spec("torch") is not None
   if not torch and not args.no_torch:

@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks import __main__ as cli
 from benchmarks import cluster
+from benchmarks import cluster_nodes
 from benchmarks import links
 from benchmarks import worker
 
@@ -125,8 +126,8 @@ def test_two_workers_train_on_a_shaped_link(tmp_path):
 # (14), IPv4 (20) and TCP with timestamps (32).
 HEADER_BYTES = 66
 # gloo's framing of its messages, at most, per packet sent (measured: about
-# 35 for hierarchical ACP-SGD's few large messages, about 42 for the sharded
-# mode's one message per leaf).
+# 35 for hierarchical ACP-SGD's few large messages, about 42 when the
+# sharded mode sent one message per leaf).
 FRAMING_BYTES = 64
 
 
@@ -138,7 +139,7 @@ def test_sharded_nodes_train_as_hierarchical_ones_sending_the_accounting(
   runs = {}
   with links.switched(2, None, prefix="acptest") as network:
     for layout in ("hierarchical", "sharded"):
-      runs[layout] = cluster.run_nodes(
+      runs[layout] = cluster_nodes.run_nodes(
           network,
           "tiny",
           "acp_sgd",
@@ -162,6 +163,13 @@ def test_sharded_nodes_train_as_hierarchical_ones_sending_the_accounting(
       runs["sharded"][0]["node_axis_bytes_per_device"]
       == runs["hierarchical"][0]["node_axis_bytes_per_device"]
   )
+  # Both pack a round's buffers: a message per leaf would multiply the
+  # packets (15 times, when the sharded mode sent its blocks as a tuple).
+  packets = {
+      layout: max(r["link_tx_packets_per_step"] for r in results)
+      for layout, results in runs.items()
+  }
+  assert packets["sharded"] <= 2 * packets["hierarchical"], packets
   want, got = (np.load(tmp_path / f"{layout}0.npz") for layout in runs)
   assert sorted(got.files) == sorted(want.files)
   finals = [k for k in want.files if k.startswith("final/")]
