@@ -10,14 +10,13 @@ prints.
       --devices D [--layout L] [--link eth0] [--params_out F.npz] \
       --coordinator_address A --num_processes N --process_id I
 
-``parts`` times a data-parallel step, its
-parts, and the same step on each process's device alone (the compute-only
-step the cost model starts from), all in lockstep. ``psum`` times
-all-reduces of float32 buffers of the given byte sizes, on idle processes
-and right after a pass over memory, for calibrating the cost model on the
-links. ``nodes``
-trains on ``D`` devices per process, each process a node of a (processes x
-D) mesh, in one of ``LAYOUTS``: flat (the compressor over all devices),
+``parts`` times a data-parallel step, its parts, and the same step on each
+process's device alone (the compute-only step the cost model starts from),
+all in lockstep. ``psum`` times all-reduces of float32 buffers of the given
+byte sizes, on idle processes and right after a pass over memory, for
+calibrating the cost model on the links. ``nodes`` trains on ``D`` devices
+per process, each process a node of a (processes x D) mesh, in one of
+``LAYOUTS``: flat (the compressor over all devices),
 hierarchical (a dense mean within the process, the compressor across
 processes) or sharded (hierarchical with the params and the optimizer's and
 compressor's state sharded over the process's devices); with ``--link``, it
@@ -25,6 +24,10 @@ counts the bytes that interface (its namespace's link to the switch) sent
 and received, and the packets it sent, per timed step; with
 ``--params_out``, it saves the params before and after the steps, whole,
 for comparing runs.
+
+The three modes are one program, kept in one module: they share the
+process's start (``jax.distributed``), the workload's data-parallel step and
+the lockstep timer.
 """
 
 import argparse
