@@ -26,8 +26,8 @@ and received, and the packets it sent, per timed step; with
 for comparing runs.
 
 The three modes are one program, kept in one module: they share the
-process's start (``jax.distributed``), the workload's data-parallel step and
-the lockstep timer.
+process's start (``jax.distributed``, in ``main``), its flags, and ``parts``
+and ``nodes`` the workload's data-parallel step (``_data_parallel``).
 """
 
 import argparse
