@@ -70,6 +70,10 @@ sends across nodes are split over it as ``split_over`` splits buffers
 ``recording`` lists the collectives that buffers go through while a
 function is traced (under ``jax.eval_shape``, nothing runs), by axis: the
 exact bytes per device of a step, however its buffers were split.
+
+One module, since sending a bucket, splitting it over a node, its rows'
+sums and its recording are one mechanism that every compressor calls;
+which leaves a bucket holds is ``acp_jax.buckets``.
 """
 
 from collections.abc import Iterator, Sequence

@@ -8,7 +8,8 @@ each other (``collective_rounds``), how much of the step's computation a
 collective could run beside (``overlap_potential``) and, once XLA:GPU has
 scheduled it, what each collective does run beside (``scheduled_overlap``).
 The parsing of the text, which every reader here shares, is
-``acp_jax._hlo_text``.
+``acp_jax._hlo_text``; the readers stay one module, since each answers one
+question about the same parsed graph.
 """
 
 import collections
