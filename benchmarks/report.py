@@ -35,6 +35,7 @@ _PER_MODEL_COLUMNS = {
 # The record files the report reads, in the order of its sections.
 RECORD_FILES = (
     "comm",
+    "overlap",
     "overhead",
     "convergence",
     "convergence_curves",

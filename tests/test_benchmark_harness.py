@@ -91,3 +91,30 @@ def test_machine_facts_come_from_the_records(committed):
   written = (committed / "REPORT.md").read_text()
   assert "this machine's 16 cores (2 workers: 0.125 per core" in written
   assert "2 cores" not in written
+
+
+def test_the_overlap_target_takes_each_models_lowest_phase():
+  from benchmarks import targets
+
+  def row(model, phase, upstream, compressor="acp_sgd"):
+    return {
+        "model": model,
+        "compressor": compressor,
+        "phase": phase,
+        "upstream_after": upstream,
+    }
+
+  rows = [
+      row("resnet50", "p", 0.70),
+      row("resnet50", "q", 0.60),
+      row("bert_base", "p", 0.30),
+      row("bert_base", "q", 0.40),
+      row("bert_base", "step", 0.01, compressor="power_sgd"),
+  ]
+  ((_, measured, met),) = targets.check({"overlap": rows})
+  assert measured == "resnet50: 0.60, bert_base: 0.30"
+  assert met is True
+  rows[2] = row("bert_base", "p", 0.20)  # one phase below its goal
+  assert targets.check({"overlap": rows})[0][2] is False
+  # A model without records cannot meet its goal.
+  assert targets.check({"overlap": rows[:2]})[0][2] is False
