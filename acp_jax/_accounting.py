@@ -22,24 +22,31 @@ def volume(
 
 
 def hierarchical(
-    dp: Any, params: Any
+    dp: Any,
+    params: Any,
+    untraced: compressor_lib.CommVolume | None = None,
 ) -> dict[str, dict[str, compressor_lib.CommVolume]]:
   """``dp.comm_bytes(params)`` with a ``local_axis``: each phase's exchange
-  traced on shapes, its collectives recorded by axis, plus the dense mean
-  within the node on the local axis."""
+  traced on shapes, its collectives recorded by axis, plus on the local axis
+  what the exchange does not trace: ``untraced``, by default the dense mean
+  within the node."""
   shapes = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
   )
+  if untraced is None:
+    untraced = compressor_lib.CommVolume(
+        all_reduce=collectives.dense_nbytes(shapes)
+    )
   grads = dp.abstract_local_grads(shapes)
-  dense = collectives.dense_nbytes(shapes)
   volumes = {dp.axis_name: {}, dp.local_axis: {}}
   for phase, comm in dp.phase_states(dp.abstract_comm(shapes)).items():
     with collectives.recording() as sent:
       jax.eval_shape(dp.compress, grads, comm)
     volumes[dp.axis_name][phase] = volume(sent, dp.axis_name)
     local = volume(sent, dp.local_axis)
-    volumes[dp.local_axis][phase] = local._replace(
-        all_reduce=local.all_reduce + dense
+    volumes[dp.local_axis][phase] = compressor_lib.CommVolume(
+        all_reduce=local.all_reduce + untraced.all_reduce,
+        all_gather=local.all_gather + untraced.all_gather,
     )
   return volumes
 

@@ -297,27 +297,16 @@ class ShardedDataParallel(data_parallel.DataParallel):
       loss's mean is not counted, nor are collectives over other axes.
     """
     self._warn_if_sharded_elsewhere(params)
-    shapes = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
-    )
-    grads = self.abstract_local_grads(shapes)
     gathered = sum(
         collectives.nbytes(x.shape, x.dtype)
-        for x in jax.tree.leaves(shapes)
+        for x in jax.tree.leaves(params)
         if self.param_spec(tuple(x.shape)) != P()
     )
-    volumes = {self.axis_name: {}, self.local_axis: {}}
-    for phase, comm in self.phase_states(self.abstract_comm(shapes)).items():
-      with collectives.recording() as sent:
-        jax.eval_shape(self.compress, grads, comm)
-      volumes[self.axis_name][phase] = _accounting.volume(
-          sent, self.axis_name
-      )
-      local = _accounting.volume(sent, self.local_axis)
-      volumes[self.local_axis][phase] = local._replace(
-          all_gather=local.all_gather + gathered
-      )
-    return volumes
+    # The gradient's dense sum within the node is traced; the forward's
+    # all-gather of the params is not.
+    return _accounting.hierarchical(
+        self, params, compressor_lib.CommVolume(all_gather=gathered)
+    )
 
 
 class MemoryPerDevice(NamedTuple):
