@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import optax
 
 from acp_jax import _checks
+from acp_jax import collectives
 from acp_jax import compressor
 from acp_jax import lowrank
 from acp_jax import orthogonalize
@@ -198,7 +199,13 @@ def acp_sgd(
     ]
     # The one round: each bucket's factors and dense leaves together.
     reduced, dense = lowrank.psum_round(
-        s, factors, s.dense, axis_name, cfg.comm_dtype, row_sums=not p_step
+        s,
+        factors,
+        s.dense,
+        axis_name,
+        cfg.comm_dtype,
+        packed=collectives.network_sends_each_operand(),
+        row_sums=not p_step,
     )
     reduced = [f / n for f in reduced]
     dense = [x / n for x in dense]

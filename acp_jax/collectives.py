@@ -41,6 +41,13 @@ sends one bucket per round where the default backend is a CPU
 one by one. All-gathers (Sign-SGD's, Top-k's) are packed per bucket and
 dtype: XLA:CPU does not combine all-gathers, so they stay apart there.
 
+Across processes, XLA:CPU's collectives (gloo) send each operand of a tuple
+all-reduce as a message of its own, each with its ring's latency. A round
+of small arrays, a low-rank method's factors, is then bound by their number,
+not their bytes, and packing them copies little: ACP-SGD packs its round
+there (``network_sends_each_operand``). S-SGD's leaves stay apart, their
+bytes dwarfing the messages' latency and their copies dwarfing its step.
+
 Split over a second axis (``split_over``): in hierarchical data parallelism
 every device of a node holds the same gradients (their dense mean over the
 node's devices), so every buffer is identical on the L devices of a node,
@@ -243,6 +250,13 @@ def leaf_mean(block: jax.Array, index: int) -> jax.Array:
   if _ROW_AXIS.get() is None:
     return block.mean()
   return row_sum(block.sum()) / leaf_size(block, index)
+
+
+def network_sends_each_operand() -> bool:
+  """Whether an all-reduce of several arrays crosses the network as one
+  message per array: on XLA:CPU across processes (see the module's
+  docstring)."""
+  return jax.default_backend() == "cpu" and jax.process_count() > 1
 
 
 def all_reduce(x: jax.Array, axis_name: str) -> jax.Array:

@@ -2,6 +2,7 @@
 
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import pytest
@@ -83,9 +84,29 @@ def collective_inputs(text):
   ]
 
 
-@pytest.mark.parametrize("name", ["ssgd", "acp_sgd", "sign_sgd", "topk_sgd"])
+def across_processes(monkeypatch):
+  """Make the compressors trace as they do on XLA:CPU across processes,
+  where each array of an all-reduce is a network message of its own."""
+  monkeypatch.setattr(collectives, "network_sends_each_operand", lambda: True)
+
+
+@pytest.mark.parametrize(
+    "name, processes",
+    [
+        ("ssgd", 1),
+        ("ssgd", 2),  # its leaves stay apart: their bytes outweigh latency
+        ("acp_sgd", 1),
+        ("acp_sgd", 2),  # its small factors go packed, a message a bucket
+        ("sign_sgd", 1),
+        ("topk_sgd", 1),
+    ],
+)
 @pytest.mark.slow
-def test_each_collective_waits_only_for_its_own_bucket(name):
+def test_each_collective_waits_only_for_its_own_bucket(
+    name, processes, monkeypatch
+):
+  if processes > 1:
+    across_processes(monkeypatch)
   tx = COMPRESSORS[name].make(bucket_bytes=SMALL_BUCKETS)
   buckets = {frozenset(b) for b in tx.buckets(SMALL_RESNET)}
   assert len(buckets) > 3
@@ -98,7 +119,7 @@ def test_each_collective_waits_only_for_its_own_bucket(name):
     # The gradients are the first parameters, in leaf order; a bucket's
     # collectives also read its own leaves' state (residuals, factors).
     grads = [frozenset(i for i in x if i < num_leaves) for x in inputs]
-    if name in ("ssgd", "acp_sgd"):
+    if name == "ssgd" or (name == "acp_sgd" and processes == 1):
       # An all-reduce per leaf, each waiting for its own leaf only.
       assert sorted(grads, key=min) == [
           frozenset({i}) for i in range(num_leaves)
@@ -109,6 +130,25 @@ def test_each_collective_waits_only_for_its_own_bucket(name):
       assert any(g <= b for b in buckets)
       others = set().union(*(y for y, h in zip(inputs, grads) if h != g))
       assert not x & others
+
+
+def test_acp_sgd_packed_round_equals_its_arrays_sent_one_by_one(monkeypatch):
+  tx = acp_jax.acp_sgd(2, bucket_bytes=SMALL_BUCKETS)
+  params = helpers.MIXED
+  state = helpers.replicate(tx.init(params))
+  grads = [helpers.random_grads(seed, params) for seed in range(3)]
+
+  def steps():
+    step = helpers.per_device(tx.update)  # traced anew on every call
+    s, out = state, []
+    for g in grads:  # a P-step, a Q-step, a P-step
+      u, s = step(g, s)
+      out.append(u)
+    return helpers.to_numpy(out)
+
+  one_by_one = steps()
+  across_processes(monkeypatch)
+  chex.assert_trees_all_close(steps(), one_by_one, rtol=1e-6, atol=1e-7)
 
 
 @all_compressors
