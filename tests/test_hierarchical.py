@@ -34,7 +34,6 @@ PARAMS = {
     "w2": RNG.standard_normal((32, 5)).astype(np.float32) / 6,
 }
 # No all-reduce is merged with another, so each one's group says its axis.
-NO_COMBINER = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
 
 
 def mlp_loss(params, x, y):
@@ -204,7 +203,7 @@ def test_compiled_hierarchical_step_sends_the_accounting_by_axis(name):
   step = make_step(dp, tx)
   for phase, comm in dp.phase_states(state.comm).items():
     compiled = step.lower(params, state._replace(comm=comm), x, y).compile(
-        compiler_options=NO_COMBINER
+        compiler_options=helpers.ONE_BY_ONE
     )
     by_axis = bytes_by_axis(compiled.as_text(), dp.mesh)
     assert by_axis == {

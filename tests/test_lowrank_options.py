@@ -12,7 +12,6 @@ from tests import helpers
 from tests.conftest import NUM_DEVICES
 
 LOW_RANK = {"power_sgd": acp_jax.power_sgd, "acp_sgd": acp_jax.acp_sgd}
-NO_COMBINER = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
 # Compressed leaves only, so that every byte sent is a factor's.
 MATRICES = {
     "a": jnp.zeros((64, 32), jnp.float32),
@@ -121,7 +120,7 @@ def test_low_precision_factors_send_half_the_bytes_in_accounting_and_hlo(
   for phase, state in helpers.phase_states(tx16, MATRICES).items():
     assert 2 * half[phase].total == full[phase].total
     text = helpers.compiled_update(
-        tx16, MATRICES, state, compiler_options=NO_COMBINER
+        tx16, MATRICES, state, compiler_options=helpers.ONE_BY_ONE
     ).as_text()
     hlo_bytes = sum(
         s.bytes for s in acp_jax.hlo.collective_stats(text).values()

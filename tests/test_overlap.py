@@ -13,8 +13,6 @@ import acp_jax
 from tests import helpers
 from tests.conftest import NUM_DEVICES
 
-ONE_BY_ONE = helpers.ONE_BY_ONE
-
 # Compute cost is output bytes: %a 32, %b 64, %c 96, of 192 in all. %a feeds
 # the all-reduce and %b waits for it; %c feeds a second, unrelated one.
 MODULE = """
@@ -193,7 +191,7 @@ def step_report(name, phase=None, combine=False, bucket_bytes=math.inf):
   compiled = (
       jax.jit(train_step)
       .lower(params, state, x, y)
-      .compile(None if combine else ONE_BY_ONE)
+      .compile(None if combine else helpers.ONE_BY_ONE)
   )
   return acp_jax.hlo.overlap_potential(compiled.as_text())
 

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 import acp_jax
 from acp_jax import collectives
 from acp_jax import orthogonalize
+from tests import helpers
 from tests import test_hierarchical as th
 
 LOCAL = th.LOCAL
@@ -91,7 +92,7 @@ def test_compiled_sharded_step_sends_the_accounting_by_axis(name):
   assert len(phases) == {"power_sgd": 2, "acp_sgd": 3}.get(name, 1)
   for phase, comm in phases.items():
     compiled = step.lower(params, state._replace(comm=comm), x, y).compile(
-        compiler_options=th.NO_COMBINER
+        compiler_options=helpers.ONE_BY_ONE
     )
     assert th.bytes_by_axis(compiled.as_text(), dp.mesh) == {
         "local": volumes["local"][phase],

@@ -25,7 +25,6 @@ PARAMS = {
     "b1": np.zeros(32, np.float32),
     "w2": RNG.standard_normal((32, 5)).astype(np.float32) / 6,
 }
-NO_COMBINER = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
 WARMUP = 3
 LOW_RANK = {"power_sgd": acp_jax.power_sgd, "acp_sgd": acp_jax.acp_sgd}
 
@@ -149,7 +148,7 @@ def test_each_phase_compiles_its_own_collectives_and_no_conditional(name):
   for phase, comm in phases.items():
     text = (
         run.step.lower(run.params, run.state._replace(comm=comm), *run.batch(0))
-        .compile(compiler_options=NO_COMBINER)
+        .compile(compiler_options=helpers.ONE_BY_ONE)
         .as_text()
     )
     assert "conditional(" not in text
