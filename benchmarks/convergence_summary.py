@@ -9,13 +9,43 @@ import math
 import statistics
 from typing import Any
 
+# An S-SGD run whose final held-out loss is within this fraction of its
+# first evaluation's never left its starting plateau (momentum SGD on the
+# char-LM stays on the unigram plateau from some initializations): its seed
+# measures nothing of what compression costs, and is left out of its task.
+PLATEAU_FRACTION = 0.05
+
+
+def untrained_seeds(curves: list[dict[str, Any]]) -> set[tuple[str, int]]:
+  """``(task, seed)`` of every S-SGD run that did not train
+  (``PLATEAU_FRACTION``)."""
+  evals: dict[tuple[str, int], list[tuple[int, float]]] = {}
+  for c in curves:
+    if c["variant"] == "ssgd" and c.get("eval_loss") is not None:
+      evals.setdefault((c["task"], c["seed"]), []).append(
+          (c["step"], c["eval_loss"])
+      )
+  out = set()
+  for key, points in evals.items():
+    points.sort()
+    first, last = points[0][1], points[-1][1]
+    if len(points) > 1 and last > (1 - PLATEAU_FRACTION) * first:
+      out.add(key)
+  return out
+
 
 def summarize(
     finals: list[dict[str, Any]], curves: list[dict[str, Any]] | None = None
 ) -> list[dict[str, Any]]:
   """Per task and variant: the mean and spread over seeds, against S-SGD's
   mean (accuracy in points, loss in %, as the targets put them), and with
-  ``curves`` the steps-to-target ratio (``steps_to_target``)."""
+  ``curves`` the steps-to-target ratio (``steps_to_target``), the seeds of
+  an S-SGD run that did not train left out (``untrained_seeds``; their
+  count is ``seeds_left_out``)."""
+  untrained = untrained_seeds(curves) if curves is not None else set()
+  if untrained:
+    finals = [r for r in finals if (r["task"], r["seed"]) not in untrained]
+    curves = [c for c in curves if (c["task"], c["seed"]) not in untrained]
   groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
   for r in finals:
     groups.setdefault((r["task"], r["variant"]), []).append(r)
@@ -36,6 +66,7 @@ def summarize(
         )
     }
     row["seeds"] = len(runs)
+    row["seeds_left_out"] = sum(t == task for t, _ in untrained)
     for key in ("eval_loss", "eval_accuracy", "bytes_sent", "wall_seconds"):
       values = [r[key] for r in runs]
       row[key] = statistics.mean(values)
@@ -158,6 +189,7 @@ COLUMNS = {
     "rank": "rank",
     "warmup_steps": "dense steps",
     "seeds": "seeds",
+    "seeds_left_out": "seeds left out",
     "eval_accuracy": "held-out accuracy",
     "eval_accuracy_std": "± (std)",
     "eval_loss": "held-out loss",

@@ -195,6 +195,7 @@ def _convergence_section(finals, curves, out: pathlib.Path) -> list[str]:
           config_seq_len=config.data.seq_len,
           steps=finals[0]["steps"],
           warmup=warmup,
+          plateau_pct=100 * convergence_summary.PLATEAU_FRACTION,
           table=records.table(rows, convergence_summary.COLUMNS),
           later=template.and_list(map(str, later)),
           stall_table=(

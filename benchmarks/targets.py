@@ -193,7 +193,9 @@ def _accuracy(records: Records) -> list[Row]:
   more bytes per step than Power-SGD at the config's rank (so at that rank
   or twice it), against S-SGD: the best such variant, by the mean over
   seeds; and Power-SGD with a warm-up at its rank, where AdamW trains."""
-  summary = convergence_summary.summarize(records["convergence"])
+  summary = convergence_summary.summarize(
+      records["convergence"], records.get("convergence_curves")
+  )
   out = []
   for task, (where, stated, key, goal) in ACCURACY_TARGETS.items():
     rows = {r["variant"]: r for r in summary if r["task"] == task}

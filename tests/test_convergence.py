@@ -43,7 +43,13 @@ def test_the_compressed_moment_runs_only_with_adamw():
 
 def _curve(variant, points, seed=0, task="t"):
   return [
-      {"task": task, "variant": variant, "seed": seed, "step": s, "eval_loss": l}
+      {
+          "task": task,
+          "variant": variant,
+          "seed": seed,
+          "step": s,
+          "eval_loss": l,
+      }
       for s, l in points
   ]
 
@@ -74,7 +80,9 @@ def test_steps_to_target_takes_the_mean_over_seeds():
       + _curve("v", [(100, 1.0), (200, 0.9)], seed=1)
   )
   # Mean 1.1 at 100, 0.9 at 200: 1.0 is reached halfway.
-  assert convergence_summary.steps_to_target(curves, "t", "v") == pytest.approx(1.5)
+  assert convergence_summary.steps_to_target(curves, "t", "v") == pytest.approx(
+      1.5
+  )
 
 
 def test_summary_names_the_optimizer_and_the_ratio():
@@ -100,11 +108,52 @@ def test_summary_names_the_optimizer_and_the_ratio():
   curves = _curve("ssgd", [(100, 1.2), (200, 1.0)]) + _curve(
       "v", [(100, 1.0), (200, 0.9)]
   )
-  rows = {r["variant"]: r for r in convergence_summary.summarize(finals, curves)}
+  rows = {
+      r["variant"]: r for r in convergence_summary.summarize(finals, curves)
+  }
   assert rows["v"]["optimizer"] == "adamw"
   assert rows["v"]["steps_to_target_ratio"] == pytest.approx(0.5)
   assert rows["v"]["loss_vs_ssgd_pct"] == pytest.approx(-10.0)
   assert "steps_to_target_ratio" not in convergence_summary.summarize(finals)[0]
+
+
+def test_a_seed_whose_ssgd_run_stays_on_its_plateau_is_left_out():
+  def final(variant, seed, loss):
+    return {
+        "task": "t",
+        "variant": variant,
+        "seed": seed,
+        "eval_loss": loss,
+        "eval_accuracy": 0.5,
+        "bytes_sent": 1,
+        "wall_seconds": 1.0,
+    }
+
+  # Seed 1's S-SGD ends 1.5 % below its first evaluation: a plateau; the
+  # compressed run of that seed, which left it, would count as -30 %.
+  finals = [
+      final("ssgd", 0, 2.0),
+      final("v", 0, 2.1),
+      final("ssgd", 1, 3.35),
+      final("v", 1, 2.35),
+  ]
+  curves = (
+      _curve("ssgd", [(50, 3.3), (300, 2.0)], seed=0)
+      + _curve("v", [(50, 3.3), (300, 2.1)], seed=0)
+      + _curve("ssgd", [(50, 3.4), (300, 3.35)], seed=1)
+      + _curve("v", [(50, 3.4), (300, 2.35)], seed=1)
+  )
+  assert convergence_summary.untrained_seeds(curves) == {("t", 1)}
+  rows = {
+      r["variant"]: r for r in convergence_summary.summarize(finals, curves)
+  }
+  assert rows["v"]["seeds"] == 1 and rows["v"]["seeds_left_out"] == 1
+  assert rows["v"]["loss_vs_ssgd_pct"] == pytest.approx(5.0)
+  # Without curves nothing tells a plateau: every seed counts.
+  (row,) = [
+      r for r in convergence_summary.summarize(finals) if r["variant"] == "v"
+  ]
+  assert row["seeds"] == 2 and row["seeds_left_out"] == 0
 
 
 def test_plan_runs_the_variants_asked_for_in_their_order():
