@@ -39,7 +39,8 @@ def summarize(
 ) -> list[dict[str, Any]]:
   """Per task and variant: the mean and spread over seeds, against S-SGD's
   mean (accuracy in points, loss in %, as the targets put them), and with
-  ``curves`` the steps-to-target ratio (``steps_to_target``), the seeds of
+  ``curves`` the steps-to-target ratio (``steps_to_target``) and the
+  steps' cost of ending behind (``steps_cost``), the seeds of
   an S-SGD run that did not train left out (``untrained_seeds``; their
   count is ``seeds_left_out``)."""
   untrained = untrained_seeds(curves) if curves is not None else set()
@@ -87,6 +88,7 @@ def summarize(
       row["steps_to_target_ratio"] = steps_to_target(
           curves, row["task"], row["variant"]
       )
+      row["steps_cost"] = steps_cost(curves, row["task"], row["variant"])
   return rows
 
 
@@ -129,6 +131,21 @@ def steps_to_target(
   if needed is None:
     return None
   return needed / _first_step_at(ssgd, target)
+
+
+def steps_cost(
+    curves: list[dict[str, Any]], task: str, variant: str
+) -> float | None:
+  """The steps ``variant`` took to its final held-out loss over the steps
+  S-SGD needs to reach that loss (means over seeds): how many times the
+  steps compression costs, where it ends behind S-SGD; None where it ends
+  level or ahead, or S-SGD did not run."""
+  ssgd = _mean_curve(curves, task, "ssgd")
+  mine = _mean_curve(curves, task, variant)
+  if not ssgd or not mine or mine[-1][1] <= ssgd[-1][1]:
+    return None
+  step, loss = mine[-1]
+  return step / _first_step_at(ssgd, loss)
 
 
 def stall(
@@ -197,6 +214,7 @@ COLUMNS = {
     "accuracy_vs_ssgd_pts": "acc. vs S-SGD (pts)",
     "loss_vs_ssgd_pct": "loss vs S-SGD (%)",
     "steps_to_target_ratio": "steps to S-SGD's loss (x S-SGD's)",
+    "steps_cost": "steps to its loss (x S-SGD's to it)",
     "bytes_per_step": "bytes/step",
     "bytes_sent": "bytes sent",
     "wall_seconds": "seconds",

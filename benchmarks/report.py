@@ -39,6 +39,7 @@ RECORD_FILES = (
     "overhead",
     "convergence",
     "convergence_curves",
+    "convergence_direction",
     "cluster",
     "cluster_links",
     "projection",
@@ -149,7 +150,9 @@ def _stalls(curves, warmup: int) -> list[dict[str, Any]]:
           "variant": variant,
           **{
               f"K + {step - warmup}": loss
-              for step, loss in convergence_summary.stall(curves, variant, warmup).items()
+              for step, loss in convergence_summary.stall(
+                  curves, variant, warmup
+              ).items()
           },
       }
       for variant in ("acp_sgd_warm", "acp_sgd_warm_cold", "acp_sgd")
@@ -157,27 +160,58 @@ def _stalls(curves, warmup: int) -> list[dict[str, Any]]:
   ]
 
 
-def _gap_table(curves) -> str:
+def _gap_table(curves, task: str = "char_lm") -> str:
   variants = tuple(
       v
-      for v in ("power_sgd", "acp_sgd", "acp_sgd_2r", "power_sgd_warm",
-                "acp_sgd_warm", "acp_sgd_2r_warm")
-      if any(c["variant"] == v and c["task"] == "char_lm" for c in curves)
+      for v in (
+          "power_sgd",
+          "acp_sgd",
+          "acp_sgd_2r",
+          "power_sgd_warm",
+          "acp_sgd_warm",
+          "acp_sgd_2r_warm",
+      )
+      if any(c["variant"] == v and c["task"] == task for c in curves)
   )
-  rows = convergence_summary.gaps(curves, "char_lm", variants)
+  rows = convergence_summary.gaps(curves, task, variants)
   if not rows:
     return ""
   columns = {k: k for row in rows for k in row}
   return records.table(rows, columns)
 
 
-def _convergence_section(finals, curves, out: pathlib.Path) -> list[str]:
+# The direction measurements' columns (``benchmarks.direction``).
+_DIRECTION_COLUMNS = {
+    "variant": "variant",
+    "grad": "cosine: mean sent vs its true mean",
+    "adam": "cosine: Adam update vs S-SGD's",
+    "adam_shared": "the same, from S-SGD's moments",
+    "steps": "steps measured",
+}
+
+
+def _direction(rows) -> str:
+  """Why a low-rank method's AdamW run falls behind: how far its averaged
+  quantity and its update turn from S-SGD's, on real gradients."""
+  if not rows:
+    return ""
+  return fill(
+      "convergence_direction",
+      provenance=template.provenance(rows),
+      warmup=rows[0]["warmup_steps"],
+      table=records.table(rows, _DIRECTION_COLUMNS),
+  )
+
+
+def _convergence_section(
+    finals, curves, direction, out: pathlib.Path
+) -> list[str]:
   plots.convergence(curves, out / "convergence.png")
   rows = convergence_summary.summarize(finals, curves)
   warmup = max(r["warmup_steps"] for r in finals)
   stalls = _stalls(curves, warmup)
   later = sorted(
-      {int(k[len("K + "):]) for row in stalls for k in row if k[0] == "K"}
+      {int(k[len("K + ") :]) for row in stalls for k in row if k[0] == "K"}
       - {0}
   )
   char_lm = dict(convergence.TASKS["char_lm"][1])
@@ -202,7 +236,11 @@ def _convergence_section(finals, curves, out: pathlib.Path) -> list[str]:
               records.table(stalls, {k: k for k in stalls[0]}) if stalls else ""
           ),
           gap_table=_gap_table(curves),
+          long_gap_table=_gap_table(curves, "char_lm_long"),
+          long_steps=convergence.LONG_STEPS,
+          sgd_lr=dict(convergence.SGD)["optimizer.learning_rate"],
           reading=_convergence_reading(rows, curves, warmup),
+          direction=_direction(direction),
           minutes=sum(r["wall_seconds"] for r in finals) / 60,
           runs=len(finals),
       )
@@ -212,8 +250,14 @@ def _convergence_section(finals, curves, out: pathlib.Path) -> list[str]:
 def _convergence_reading(rows, curves, warmup: int) -> str:
   """What the char LM's runs say about the warm-up, in their own numbers."""
   by = {r["variant"]: r for r in rows if r["task"] == "char_lm"}
-  needed = ("acp_sgd_2r_warm", "power_sgd_warm", "acp_sgd_2r", "power_sgd",
-            "acp_sgd_warm", "acp_sgd_warm_cold")
+  needed = (
+      "acp_sgd_2r_warm",
+      "power_sgd_warm",
+      "acp_sgd_2r",
+      "power_sgd",
+      "acp_sgd_warm",
+      "acp_sgd_warm_cold",
+  )
   warm = convergence_summary.stall(curves, "acp_sgd_warm", warmup)
   cold = convergence_summary.stall(curves, "acp_sgd_warm_cold", warmup)
   after = sorted(set(warm) & set(cold))[1:2]
@@ -255,7 +299,7 @@ def _sections(found, out: pathlib.Path) -> list[str]:
       "comm": lambda rows: _comm_section(rows, out),
       "overhead": lambda rows: _overhead_section(rows, out),
       "convergence": lambda rows: _convergence_section(
-          rows, found["convergence_curves"], out
+          rows, found["convergence_curves"], found["convergence_direction"], out
       ),
       "cluster": lambda rows: report_cluster.cluster_section(
           rows, found["cluster_links"], out

@@ -73,6 +73,18 @@ def test_steps_to_target_is_none_where_the_target_is_not_reached():
   assert convergence_summary.steps_to_target(curves, "other", "stuck") is None
 
 
+def test_steps_cost_is_the_steps_over_ssgds_steps_to_the_same_loss():
+  curves = (
+      _curve("ssgd", [(50, 2.0), (100, 1.5), (200, 1.0)])
+      + _curve("behind", [(100, 1.8), (200, 1.5)])
+      + _curve("ahead", [(100, 1.5), (200, 0.9)])
+  )
+  # S-SGD is at 1.5 at step 100: "behind" took 200 steps to it.
+  assert convergence_summary.steps_cost(curves, "t", "behind") == 2.0
+  assert convergence_summary.steps_cost(curves, "t", "ahead") is None
+  assert convergence_summary.steps_cost(curves, "t", "ssgd") is None
+
+
 def test_steps_to_target_takes_the_mean_over_seeds():
   curves = (
       _curve("ssgd", [(100, 1.0)])
