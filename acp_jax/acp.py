@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import optax
 
 from acp_jax import _checks
+from acp_jax import buckets
 from acp_jax import collectives
 from acp_jax import compressor
 from acp_jax import lowrank
@@ -197,14 +198,18 @@ def acp_sgd(
         projection.residual(m, *rank_one_terms(f, b))
         for m, f, b in zip(s.matrices, factors, bases)
     ]
-    # The one round: each bucket's factors and dense leaves together.
+    # The one round: each bucket's factors and dense leaves together;
+    # packed, in one bucket, where each array would be a message of its own.
+    packed = collectives.network_sends_each_operand()
+    if packed:
+      s = s._replace(buckets=buckets.for_packed_rounds(s.buckets))
     reduced, dense = lowrank.psum_round(
         s,
         factors,
         s.dense,
         axis_name,
         cfg.comm_dtype,
-        packed=collectives.network_sends_each_operand(),
+        packed=packed,
         row_sums=not p_step,
     )
     reduced = [f / n for f in reduced]
@@ -256,6 +261,7 @@ def acp_sgd(
       phases=phases,
       bucket_bytes=cfg.bucket_bytes,
       leaf_order=cfg.leaf_order,
+      packed_rounds=collectives.network_sends_each_operand,
       cycle=(Phase.P.value, Phase.Q.value),
       warmup_steps=cfg.warmup_steps,
       to_phase=phase_lib.switch_to(Phase.P),

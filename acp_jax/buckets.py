@@ -121,10 +121,13 @@ def backward_order(loss, params: Any, *args, **kwargs) -> tuple[int, ...]:
   )
 
 
-def for_dependent_rounds(plan: BucketPlan) -> BucketPlan:
-  """The buckets of a method whose second round needs its first one's result:
-  ``plan`` itself, or all in one bucket on the CPU backend, whose all-reduce
-  combiner would chain the buckets' rounds (see the module's docstring)."""
+def for_packed_rounds(plan: BucketPlan) -> BucketPlan:
+  """The buckets of a method that packs each round into buffers: ``plan``
+  itself, or all in one bucket on the CPU backend. XLA:CPU runs collectives
+  one after another, so a bucket buys no overlap there and costs a message;
+  and where a second round needs the first one's result (Power-SGD), its
+  all-reduce combiner would chain the buckets' rounds (see
+  ``acp_jax.collectives``)."""
   if jax.default_backend() != "cpu" or len(plan) < 2:
     return plan
   return (tuple(i for bucket in plan for i in bucket),)

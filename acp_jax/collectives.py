@@ -36,7 +36,7 @@ buckets: 11 all-reduces in 11 rounds; 23 in 2 rounds with the combiner off;
 2 in 2 with one bucket per round). Since XLA:CPU runs collectives after one
 another anyway, buckets buy a dependent method nothing there, so Power-SGD
 sends one bucket per round where the default backend is a CPU
-(``buckets.for_dependent_rounds``). Compile with
+(``buckets.for_packed_rounds``). Compile with
 ``--xla_disable_hlo_passes=cpu-all-reduce-combiner`` to see the all-reduces
 one by one. All-gathers (Sign-SGD's, Top-k's) are packed per bucket and
 dtype: XLA:CPU does not combine all-gathers, so they stay apart there.
@@ -45,8 +45,9 @@ Across processes, XLA:CPU's collectives (gloo) send each operand of a tuple
 all-reduce as a message of its own, each with its ring's latency. A round
 of small arrays, a low-rank method's factors, is then bound by their number,
 not their bytes, and packing them copies little: ACP-SGD packs its round
-there (``network_sends_each_operand``). S-SGD's leaves stay apart, their
-bytes dwarfing the messages' latency and their copies dwarfing its step.
+there (``network_sends_each_operand``), in one bucket, as Power-SGD does on
+any CPU. S-SGD's leaves stay apart, their bytes dwarfing the messages'
+latency and their copies dwarfing its step.
 
 Split over a second axis (``split_over``): in hierarchical data parallelism
 every device of a node holds the same gradients (their dense mean over the

@@ -181,7 +181,7 @@ def compressed_adam(
       phases=phases,
       bucket_bytes=compressor.bucket_bytes,
       leaf_order=compressor.leaf_order,
-      dependent_rounds=compressor.dependent_rounds,
+      packed_rounds=compressor.packed_rounds,
       cycle=compressor.cycle,
       warmup_steps=compressor.warmup_steps,
       to_phase=to_phase if compressor.warmup_steps else None,

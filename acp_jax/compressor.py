@@ -62,8 +62,10 @@ class Compressor(optax.GradientTransformation):
       a bucket, unless a leaf alone is larger (see ``collectives``).
     leaf_order: the order in which the buckets take the leaves (see
       ``buckets.bucket_plan``), or None.
-    dependent_rounds: whether a bucket's second round needs its first one's
-      result (Power-SGD), which changes the buckets on a CPU.
+    packed_rounds: whether each round goes packed into buffers, which
+      puts every leaf in one bucket on a CPU (``buckets.for_packed_rounds``):
+      True (Power-SGD), or a function of nothing that says it at trace time
+      (ACP-SGD: ``collectives.network_sends_each_operand``).
     cycle: the names of the phases a compressing step runs through, in
       order (``("step",)``, or ACP-SGD's ``("p", "q")``).
     warmup_steps: how many dense steps (S-SGD, phase ``"dense"``) come
@@ -84,7 +86,7 @@ class Compressor(optax.GradientTransformation):
       phases: PhasesFn = _one_phase,
       bucket_bytes: float = buckets.DEFAULT_BUCKET_BYTES,
       leaf_order: tuple[int, ...] | None = None,
-      dependent_rounds: bool = False,
+      packed_rounds: bool | Callable[[], bool] = False,
       cycle: Sequence[str] = ("step",),
       warmup_steps: int = 0,
       to_phase: Callable[[Any, bool], Any] | None = None,
@@ -93,7 +95,7 @@ class Compressor(optax.GradientTransformation):
     self = super().__new__(cls, init, update)
     self.bucket_bytes = bucket_bytes
     self.leaf_order = leaf_order
-    self.dependent_rounds = dependent_rounds
+    self.packed_rounds = packed_rounds
     self._volume = volume
     self.axis_name = axis_name
     self.local_fields = tuple(local_fields)
@@ -180,8 +182,9 @@ class Compressor(optax.GradientTransformation):
     plan = buckets.leaf_plan(
         jax.tree.leaves(params), self.bucket_bytes, self.leaf_order
     )
-    if self.dependent_rounds:
-      return buckets.for_dependent_rounds(plan)
+    packed = self.packed_rounds
+    if packed() if callable(packed) else packed:
+      return buckets.for_packed_rounds(plan)
     return plan
 
 

@@ -72,7 +72,7 @@ def power_sgd(
   matrices, ``keep_dense``), into one all-reduce, then its Q factors into a
   second one. A bucket's second round needs its first one's result, so the
   two can neither be fused nor overlapped with backprop. On a CPU backend
-  all leaves share one bucket (``buckets.for_dependent_rounds``).
+  all leaves share one bucket (``buckets.for_packed_rounds``).
 
   With ``warmup_steps``, the first steps are S-SGD's and warm the factors on
   the mean gradient (``lowrank.dense_step``); the training loop switches the
@@ -164,7 +164,7 @@ def power_sgd(
       lowrank.check_dense_step(cfg, state.count)
       mean, error, q = lowrank.dense_step(cfg, s, state.q, axis_name)
       return mean, state._replace(error=error, q=q, count=count)
-    s = s._replace(buckets=buckets.for_dependent_rounds(s.buckets))
+    s = s._replace(buckets=buckets.for_packed_rounds(s.buckets))
     previous = lowrank.start_factors(cfg, s, state.q, state.count)
     # The warm-start Q, a mean of M^T P, carries the gradient's scale, so
     # M Q carries its square: in float16 that overflows (inf, then NaN) on a
@@ -235,7 +235,7 @@ def power_sgd(
       phases=phases,
       bucket_bytes=cfg.bucket_bytes,
       leaf_order=cfg.leaf_order,
-      dependent_rounds=True,
+      packed_rounds=True,
       warmup_steps=cfg.warmup_steps,
       to_phase=phase_lib.switch_to(Phase.P),
       made_by=("power_sgd", {**cfg._asdict(), "axis_name": axis_name}),

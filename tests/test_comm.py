@@ -96,7 +96,7 @@ def across_processes(monkeypatch):
         ("ssgd", 1),
         ("ssgd", 2),  # its leaves stay apart: their bytes outweigh latency
         ("acp_sgd", 1),
-        ("acp_sgd", 2),  # its small factors go packed, a message a bucket
+        ("acp_sgd", 2),  # its small factors go packed, in one bucket
         ("sign_sgd", 1),
         ("topk_sgd", 1),
     ],
@@ -109,7 +109,10 @@ def test_each_collective_waits_only_for_its_own_bucket(
     across_processes(monkeypatch)
   tx = COMPRESSORS[name].make(bucket_bytes=SMALL_BUCKETS)
   buckets = {frozenset(b) for b in tx.buckets(SMALL_RESNET)}
-  assert len(buckets) > 3
+  if name == "acp_sgd" and processes > 1:
+    assert len(buckets) == 1  # as Power-SGD's on a CPU
+  else:
+    assert len(buckets) > 3
   num_leaves = len(jax.tree.leaves(SMALL_RESNET))
   for state in helpers.phase_states(tx, SMALL_RESNET).values():
     text = helpers.compiled_update(
