@@ -17,6 +17,8 @@ from acp_jax import state_trees
 B1, B2, EPS = 0.9, 0.99, 1e-8
 # name -> compressed_adam's preconditioned.
 MOMENTUM = {"momentum": False, "momentum_preconditioned": True}
+# The factors' comm_dtype -> the variant name's suffix.
+COMM_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16"}
 # Below this fraction of its leaf's mean, a row's or column's second moment
 # counts as this fraction: the scaling stays finite on rows never used.
 FLOOR = 1e-6
@@ -92,15 +94,30 @@ class Variant:
   """A compressor as measured: its update on one device's gradients, with
   or without the scaling in Adam's geometry."""
 
-  def __init__(self, method: str, rank: int, geometry: str | None, warmup):
-    self.name = method + f"_r{rank}" + (f"_{geometry}" if geometry else "")
+  def __init__(
+      self,
+      method: str,
+      rank: int,
+      geometry: str | None,
+      warmup,
+      comm_dtype: str | None = None,
+  ):
+    self.name = (
+        method
+        + f"_r{rank}"
+        + (f"_{geometry}" if geometry else "")
+        + (f"_{COMM_DTYPE_NAMES[comm_dtype]}" if comm_dtype else "")
+    )
     self.geometry = None
     self.momentum = geometry in MOMENTUM
     if geometry and not self.momentum:
       make, self.scaled_residual = GEOMETRY_KINDS[geometry]
       self.geometry = make()
     self.tx = getattr(acp_jax, method)(
-        rank, warmup_steps=warmup, bucket_bytes=float("inf")
+        rank,
+        warmup_steps=warmup,
+        bucket_bytes=float("inf"),
+        comm_dtype=comm_dtype,
     )
     if self.momentum:
       self.tx = acp_jax.compressed_adam(

@@ -74,6 +74,8 @@ class Variant(NamedTuple):
   warm_factors: bool  # factors warmed on the mean gradient then
   # config.compressor.compress: what it averages (AdamW's moment, or not).
   compress: str = "gradient"
+  # The factors' comm_dtype; None: the gradients' (float32).
+  comm_dtype: str | None = None
 
 
 VARIANTS = {
@@ -88,6 +90,20 @@ VARIANTS = {
     "acp_sgd_2r_warm": Variant("acp_sgd", 2, WARMUP_STEPS, True),
     # The same warm-up without warming the factors: the stall it leaves.
     "acp_sgd_warm_cold": Variant("acp_sgd", 1, WARMUP_STEPS, False),
+    # Twice the rank in half the bytes per float: each sends what it sends
+    # at half that rank in float32 (Power-SGD at 2r, ACP-SGD at 4r: both
+    # Power-SGD rank r's bytes); error feedback keeps the rounding.
+    "power_sgd_2r_bf16_warm": Variant(
+        "power_sgd", 2, WARMUP_STEPS, True, comm_dtype="bfloat16"
+    ),
+    "acp_sgd_4r_bf16_warm": Variant(
+        "acp_sgd", 4, WARMUP_STEPS, True, comm_dtype="bfloat16"
+    ),
+    # Where rank 4r leaves matrices dense (the small CNN), ACP-SGD's
+    # bfloat16 factors at 2r: between its rank-r and 2r bytes in float32.
+    "acp_sgd_2r_bf16_warm": Variant(
+        "acp_sgd", 2, WARMUP_STEPS, True, comm_dtype="bfloat16"
+    ),
     # AdamW's first moment compressed, its second frozen after the warm-up
     # (acp_jax.compressed_adam), as it is or in Adam's geometry.
     "power_sgd_momentum": Variant(
@@ -110,9 +126,16 @@ MOMENTUM_VARIANTS = tuple(
 # are far from the targets and get one seed, the low-rank methods three.
 SEEDS = 3
 ONE_SEED = ("sign_sgd", "topk_sgd")
-_GRADIENT = tuple(v for v in VARIANTS if v not in MOMENTUM_VARIANTS)
+BF16_VARIANTS = tuple(v for v in VARIANTS if VARIANTS[v].comm_dtype)
+_GRADIENT = tuple(
+    v for v in VARIANTS if v not in MOMENTUM_VARIANTS + BF16_VARIANTS
+)
 TASK_VARIANTS = {
-    "char_lm": _GRADIENT + MOMENTUM_VARIANTS,
+    "char_lm": (
+        _GRADIENT
+        + MOMENTUM_VARIANTS
+        + ("power_sgd_2r_bf16_warm", "acp_sgd_4r_bf16_warm")
+    ),
     "char_lm_sgd": (
         "ssgd",
         "power_sgd_warm",
@@ -127,9 +150,16 @@ TASK_VARIANTS = {
         "power_sgd_precond",
         "acp_sgd_2r_momentum",
         "power_sgd_momentum",
+        "power_sgd_2r_bf16_warm",
+        "acp_sgd_4r_bf16_warm",
     ),
-    "mnist": tuple(
-        v for v in _GRADIENT if v not in ("power_sgd_warm", "acp_sgd_warm_cold")
+    "mnist": (
+        tuple(
+            v
+            for v in _GRADIENT
+            if v not in ("power_sgd_warm", "acp_sgd_warm_cold")
+        )
+        + ("acp_sgd_2r_bf16_warm",)
     ),
 }
 QUICK_VARIANTS = ("ssgd", "acp_sgd", "acp_sgd_warm")
@@ -182,6 +212,7 @@ def config(
     args.rank = v.rank_factor * cfg.compressor.power_sgd.rank
     args.warmup_steps = QUICK_WARMUP_STEPS if quick and v.warmup else v.warmup
     args.warmup_factors = v.warm_factors
+    args.comm_dtype = v.comm_dtype
   cfg.data.path = data_path
   cfg.log_every_steps = 10
   if quick:
@@ -214,6 +245,7 @@ def run(task: str, variant: str, data_path: str, quick: bool, seed: int):
       "compress": cfg.compressor.compress,
       "compressor": cfg.compressor.name,
       "rank": cfg.compressor[cfg.compressor.name].get("rank"),
+      "comm_dtype": cfg.compressor[cfg.compressor.name].get("comm_dtype"),
       "warmup_steps": (
           cfg.compressor[cfg.compressor.name].get("warmup_steps", 0)
       ),

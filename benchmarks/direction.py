@@ -16,7 +16,9 @@ dense phase, so that its factors start warm. Per measured step it reports
 - ``adam_shared``: the same from S-SGD's own moments, updated with the
   variant's mean for this one step (the effect of one step's error alone).
 
-Variants: Power-SGD and ACP-SGD at each rank, as they are, and compressed in
+Variants: Power-SGD and ACP-SGD at each rank, with the factors sent in each
+of ``--comm_dtypes`` (float32, or e.g. bfloat16: ``_bf16``), as they are, and
+compressed in
 Adam's geometry: each compressed n x m leaf M is scaled elementwise to
 ``M * W`` before compression and its mean divided by W after, W being the
 inverse square root of a running second moment (decay b2) of the
@@ -227,6 +229,7 @@ def measure(
     ranks=RANKS,
     methods=METHODS,
     geometries=GEOMETRIES,
+    comm_dtypes=(None,),
     num_devices: int = 8,
     seed: int = 0,
     tiny: bool = False,
@@ -245,10 +248,11 @@ def measure(
   ref = _Reference(exp)
   descent_state = ref.descent.init(params)
   variants = [
-      adam_geometry.Variant(m, r, g, warmup_steps)
+      adam_geometry.Variant(m, r, g, warmup_steps, d)
       for m in methods
       for r in ranks
       for g in geometries
+      for d in comm_dtypes
   ]
   runs = [_Run(v, params, num_devices) for v in variants]
   ref_adam = ref.adam.init(params)
@@ -307,6 +311,12 @@ def _parser() -> argparse.ArgumentParser:
       help="comma-separated: none (the compressor as it is), "
       + ", ".join((*adam_geometry.GEOMETRY_KINDS, *adam_geometry.MOMENTUM)),
   )
+  parser.add_argument(
+      "--comm_dtypes",
+      default="none",
+      help="comma-separated dtypes the factors are sent in: none (the"
+      " gradients', float32), " + ", ".join(adam_geometry.COMM_DTYPE_NAMES),
+  )
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument(
       "--num_devices", type=int, default=8, help="devices simulated"
@@ -328,6 +338,9 @@ def main(argv: list[str] | None = None) -> None:
       methods=tuple(args.methods.split(",")),
       geometries=tuple(
           None if g == "none" else g for g in args.geometries.split(",")
+      ),
+      comm_dtypes=tuple(
+          None if d == "none" else d for d in args.comm_dtypes.split(",")
       ),
       num_devices=args.num_devices,
       seed=args.seed,

@@ -170,6 +170,8 @@ def _gap_table(curves, task: str = "char_lm") -> str:
           "power_sgd_warm",
           "acp_sgd_warm",
           "acp_sgd_2r_warm",
+          "power_sgd_2r_bf16_warm",
+          "acp_sgd_4r_bf16_warm",
       )
       if any(c["variant"] == v and c["task"] == task for c in curves)
   )

@@ -4,8 +4,10 @@ import pytest
 
 from benchmarks import convergence
 from benchmarks import convergence_summary
+from benchmarks import targets
 from tests.conftest import NUM_DEVICES
 from train import config as config_lib
+from train import experiment
 
 
 @pytest.fixture
@@ -30,6 +32,18 @@ def test_every_planned_run_has_a_valid_config_naming_its_optimizer(text):
   short = convergence.config("char_lm", "ssgd", text, quick=False)
   for key in ("batch_size", "optimizer", "model", "schedule", "data"):
     assert long[key] == short[key], key
+
+
+def test_the_bfloat16_variants_send_power_sgd_rank_r_bytes(text):
+  def mean_bytes(variant):
+    e = experiment.build(convergence.config("char_lm", variant, text, False))
+    steps = e.bytes_per_step()
+    return sum(steps) / len(steps)
+
+  budget = mean_bytes("power_sgd_warm")
+  for variant in ("power_sgd_2r_bf16_warm", "acp_sgd_4r_bf16_warm"):
+    assert mean_bytes(variant) == budget, variant
+  assert mean_bytes("acp_sgd_2r_bf16_warm") < budget
 
 
 def test_the_compressed_moment_runs_only_with_adamw():
@@ -180,3 +194,47 @@ def test_plan_runs_the_variants_asked_for_in_their_order():
   assert len(runs) == 3 * convergence.SEEDS
   with pytest.raises(ValueError, match="unknown variant.*acp_sgd_3r"):
     convergence.plan(["char_lm"], False, ["acp_sgd_3r"])
+
+
+def test_the_adamw_targets_take_bfloat16_factors_at_power_sgd_rank_r_bytes():
+  def final(variant, compressor, rank, dtype, nbytes, loss):
+    return {
+        "task": "char_lm_long",
+        "variant": variant,
+        "optimizer": "adamw",
+        "compressor": compressor,
+        "rank": rank,
+        "comm_dtype": dtype,
+        "warmup_steps": 0 if compressor == "ssgd" else 60,
+        "bytes_per_step": nbytes,
+        "seed": 0,
+        "eval_loss": loss,
+        "eval_accuracy": 0.5,
+        "bytes_sent": 1,
+        "wall_seconds": 1.0,
+    }
+
+  finals = [
+      final("ssgd", "ssgd", None, None, 1000, 1.0),
+      final("power_sgd_warm", "power_sgd", 4, None, 100, 1.07),
+      final("power_sgd_2r_bf16_warm", "power_sgd", 8, "bfloat16", 100, 1.02),
+      final("acp_sgd_2r_warm", "acp_sgd", 8, None, 100, 1.08),
+      final("acp_sgd_4r_bf16_warm", "acp_sgd", 16, "bfloat16", 100, 1.025),
+      # More bytes than Power-SGD rank 4's: no candidate for either line.
+      final("acp_sgd_big", "acp_sgd", 32, None, 400, 1.0),
+      final("power_sgd_big", "power_sgd", 16, None, 400, 1.0),
+  ]
+  lines = {
+      what.split(": ", 1)[1].split(",")[0]: (measured, met)
+      for what, measured, met in targets._accuracy({"convergence": finals})
+  }
+  acp, acp_met = lines["ACP-SGD with warm-up"]
+  assert acp.startswith("acp_sgd_4r_bf16_warm: +2.50 %") and acp_met
+  power, power_met = lines["Power-SGD with warm-up"]
+  assert power.startswith("power_sgd_2r_bf16_warm: +2.00 %") and power_met
+  # Without the bfloat16 variants both targets read the float32 ones.
+  plain = [f for f in finals if not f["comm_dtype"]]
+  assert [
+      (measured.split(":")[0], met)
+      for _, measured, met in targets._accuracy({"convergence": plain})
+  ] == [("acp_sgd_2r_warm", False), ("power_sgd_warm", False)]

@@ -19,7 +19,7 @@ def text(tmp_path):
   return str(path)
 
 
-def _two_steps(text, method, geometries):
+def _two_steps(text, method, geometries, comm_dtypes=(None,)):
   """Rows by variant of a tiny model measured for 2 steps after 1 dense
   one, at rank 64 (every leaf sent dense) and rank 1."""
   with warnings.catch_warnings():
@@ -31,6 +31,7 @@ def _two_steps(text, method, geometries):
         ranks=(64, 1),
         methods=(method,),
         geometries=geometries,
+        comm_dtypes=comm_dtypes,
         tiny=True,
     )
   return {r["variant"]: r for r in rows}
@@ -41,13 +42,24 @@ def test_cosines_measure_the_compression(text):
   # At a rank as large as every matrix every leaf is sent dense: that
   # variant is S-SGD, so its mean and its Adam update must be S-SGD's. At
   # rank 1 the direction turns.
-  by_name = _two_steps(text, "power_sgd", (None, "factored"))
+  by_name = _two_steps(
+      text, "power_sgd", (None, "factored"), (None, "bfloat16")
+  )
   assert set(by_name) == {
       "power_sgd_r64",
       "power_sgd_r64_factored",
       "power_sgd_r1",
       "power_sgd_r1_factored",
+      "power_sgd_r64_bf16",
+      "power_sgd_r64_factored_bf16",
+      "power_sgd_r1_bf16",
+      "power_sgd_r1_factored_bf16",
   }
+  # The factors' rounding turns the direction a little, not the rank.
+  fp32, bf16 = by_name["power_sgd_r1"], by_name["power_sgd_r1_bf16"]
+  assert any(bf16[k] != fp32[k] for k in direction.METRICS)
+  for key in direction.METRICS:
+    assert bf16[key] == pytest.approx(fp32[key], abs=0.02), key
   for name, row in by_name.items():
     assert row["steps"] == 2
     for key in direction.METRICS:
