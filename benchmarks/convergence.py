@@ -126,16 +126,12 @@ MOMENTUM_VARIANTS = tuple(
 # are far from the targets and get one seed, the low-rank methods three.
 SEEDS = 3
 ONE_SEED = ("sign_sgd", "topk_sgd")
-BF16_VARIANTS = tuple(v for v in VARIANTS if VARIANTS[v].comm_dtype)
-_GRADIENT = tuple(
-    v for v in VARIANTS if v not in MOMENTUM_VARIANTS + BF16_VARIANTS
-)
+_BF16 = tuple(v for v in VARIANTS if VARIANTS[v].comm_dtype)
+_GRADIENT = tuple(v for v in VARIANTS if v not in MOMENTUM_VARIANTS + _BF16)
+# The bfloat16 variants at Power-SGD rank r's bytes.
+_AT_POWER_SGD_BYTES = ("power_sgd_2r_bf16_warm", "acp_sgd_4r_bf16_warm")
 TASK_VARIANTS = {
-    "char_lm": (
-        _GRADIENT
-        + MOMENTUM_VARIANTS
-        + ("power_sgd_2r_bf16_warm", "acp_sgd_4r_bf16_warm")
-    ),
+    "char_lm": _GRADIENT + MOMENTUM_VARIANTS + _AT_POWER_SGD_BYTES,
     "char_lm_sgd": (
         "ssgd",
         "power_sgd_warm",
@@ -150,8 +146,7 @@ TASK_VARIANTS = {
         "power_sgd_precond",
         "acp_sgd_2r_momentum",
         "power_sgd_momentum",
-        "power_sgd_2r_bf16_warm",
-        "acp_sgd_4r_bf16_warm",
+        *_AT_POWER_SGD_BYTES,
     ),
     "mnist": (
         tuple(
