@@ -203,8 +203,8 @@ def power_sgd(
             cfg,
             s,
             [
-                projection.residual(m, p, qt)
-                for m, p, qt in zip(s.matrices, ps, qts)
+                projection.residual(m, p, qt, product=a)
+                for m, p, qt, a in zip(s.matrices, ps, qts, approx)
             ],
         ),
         q=lowrank.merge(s, [qt.T for qt in qts], masked, reshape=False),

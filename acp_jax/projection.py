@@ -86,20 +86,42 @@ def project_terms_transposed(mat: Matrix, b: jax.Array) -> jax.Array:
   return collectives.row_sum(sum(project_transposed(x, b) for x in mat.terms()))
 
 
-def residual(mat: Matrix, u: jax.Array, vt: jax.Array) -> jax.Array:
+# From this rank, a residual whose product U V^T is written anyway (Power-SGD's
+# update) reads it back rather than recomputing its r rank-one terms, which at
+# rank 32 cost more per element than the read. On XLA:CPU, residual and
+# product alone (minimum of 25 runs): 3072 x 768 in 2.1 ms against 4.6 at
+# rank 32, 1.3 against 1.9 at rank 16, 1.5 against 1.7 at rank 4, where
+# 30522 x 768 is 10 % slower. BERT-Base's whole Power-SGD step at rank 32:
+# 644 ms against 763 (medians of 9, interleaved). ACP-SGD's residual takes the
+# local factor, not the all-reduced one its update takes, so it has no such
+# product; writing one for it gained under 6 % there, within the noise.
+_REUSE_PRODUCT_MIN_RANK = 16
+
+
+def residual(
+    mat: Matrix,
+    u: jax.Array,
+    vt: jax.Array,
+    product: jax.Array | None = None,
+) -> jax.Array:
   """E' = G + E - U V^T in the leaf's shape, for n x r ``u`` and r x m
   ``vt``: one pass that reads G and E and writes E'.
 
   The product is spelled as its r rank-one terms so that XLA fuses it with
   the sum, instead of writing U V^T to an n x m temporary for a second pass
-  to subtract (on a CPU, 0.5 times the time on 3072 x 768 at rank 32). E' is
-  formed with a leading axis of one, the block shape in which
+  to subtract. Where the step writes U V^T anyway, pass it as ``product``
+  (n x m): from rank ``_REUSE_PRODUCT_MIN_RANK`` the pass reads it instead.
+  E' is formed with a leading axis of one, the block shape in which
   ``DataParallel`` holds a device's residual, which lets XLA write it in
   place of E; formed in the leaf's shape and reshaped, it costs a copy of
   the whole matrix.
   """
-  rank_one = [u[:, k, None] * vt[None, k, :] for k in range(u.shape[1])]
-  approx = sum(rank_one[1:], rank_one[0]).reshape((1,) + mat.grad.shape)
+  if product is not None and u.shape[1] >= _REUSE_PRODUCT_MIN_RANK:
+    approx = product
+  else:
+    rank_one = [u[:, k, None] * vt[None, k, :] for k in range(u.shape[1])]
+    approx = sum(rank_one[1:], rank_one[0])
+  approx = approx.reshape((1,) + mat.grad.shape)
   total = mat.grad[None]
   if mat.error is not None:
     total = total + mat.error[None]

@@ -30,10 +30,15 @@ def test_topk_at_density_one_is_the_mean():
   assert_exact_mean_every_step(acp_jax.topk_sgd(1.0), helpers.MIXED, 3)
 
 
-@pytest.mark.parametrize("shape", [(6, 10), (10, 6), (2, 3, 8)])
-def test_power_sgd_at_full_rank_is_the_mean(shape):
+@pytest.mark.parametrize(
+    "shape, rank",
+    # From rank 16 the residual reads back the update instead of recomputing
+    # the product (``projection.residual``).
+    [((6, 10), 10), ((10, 6), 10), ((2, 3, 8), 10), ((16, 40), 16)],
+)
+def test_power_sgd_at_full_rank_is_the_mean(shape, rank):
   params = {"w": jnp.zeros(shape)}
-  tx = acp_jax.power_sgd(10, min_compression_rate=0)
+  tx = acp_jax.power_sgd(rank, min_compression_rate=0)
   assert_exact_mean_every_step(tx, params, 5)
 
 

@@ -92,10 +92,10 @@ def test_acp_sgd_on_a_zero_gradient_keeps_finite_orthonormal_factors():
   assert defect(orthogonalize.orthogonalize(state.p["w"])) < 1e-5
 
 
-def step_text(name, phase, shape, devices=1, nonfinite="propagate"):
-  """The compiled text of one step of ``name`` at rank 32 under
+def step_text(name, phase, shape, devices=1, nonfinite="propagate", rank=32):
+  """The compiled text of one step of ``name`` at ``rank`` under
   ``DataParallel``, on one leaf of ``shape``."""
-  tx = getattr(acp_jax, name)(rank=32)
+  tx = getattr(acp_jax, name)(rank=rank)
   mesh = jax.make_mesh(
       (devices,),
       ("data",),
@@ -114,30 +114,33 @@ def step_text(name, phase, shape, devices=1, nonfinite="propagate"):
 
 
 def step_passes(
-    name, phase, shape=(3072, 768), devices=1, nonfinite="propagate"
+    name, phase, shape=(3072, 768), devices=1, nonfinite="propagate", rank=32
 ):
   """``hlo.buffer_passes`` over the leaf's n x m matrix in one compiled
   step (see ``step_text``)."""
-  text = step_text(name, phase, shape, devices, nonfinite)
+  text = step_text(name, phase, shape, devices, nonfinite, rank)
   return hlo.buffer_passes(text, int(np.prod(shape)))
 
 
 @pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 @pytest.mark.parametrize(
-    "name, phase, most",
+    "name, phase, rank, most",
     [
         # Reads of G and E by the projection (2), E' = G + E - F B^T in one
         # fusion (3), the update (1).
-        ("acp_sgd", "p", 6),
-        ("acp_sgd", "q", 6),
+        ("acp_sgd", "p", 32, 6),
+        ("acp_sgd", "q", 32, 6),
         # Two projections read G and E each.
-        ("power_sgd", "step", 8),
+        ("power_sgd", "step", 8, 8),
+        # At rank 32, E' = G + E - P Q^T reads back the update P Q^T rather
+        # than recompute it: one pass more, r multiply-adds per element less.
+        ("power_sgd", "step", 32, 9),
     ],
 )
 def test_error_feedback_makes_the_fewest_passes_over_the_matrix(
-    name, phase, most
+    name, phase, rank, most
 ):
-  passes = step_passes(name, phase)
+  passes = step_passes(name, phase, rank=rank)
   assert sum(p.reads + p.writes for p in passes) == most, passes
   # No n x m temporary is written and read back, nor E' copied.
   assert [p.writes for p in passes].count(1) == 2, passes
@@ -145,7 +148,7 @@ def test_error_feedback_makes_the_fewest_passes_over_the_matrix(
   # Keeping the residual through a non-finite step (DataParallel's default)
   # selects between E and E', and XLA:CPU then copies E once: two passes
   # more, no other.
-  kept = step_passes(name, phase, nonfinite="keep")
+  kept = step_passes(name, phase, nonfinite="keep", rank=rank)
   assert sum(p.reads + p.writes for p in kept) == most + 2, kept
   assert [p.op for p in kept].count("copy") == 1, kept
 
@@ -163,22 +166,25 @@ def fused_body(text, result):
 
 @pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 @pytest.mark.parametrize(
-    "name, phase", [("acp_sgd", "p"), ("acp_sgd", "q"), ("power_sgd", "step")]
+    "name, phase, rank",
+    # Power-SGD at a rank whose residual still recomputes the product.
+    [("acp_sgd", "p", 32), ("acp_sgd", "q", 32), ("power_sgd", "step", 8)],
 )
 def test_the_residual_fusion_reads_its_factors_in_their_own_layout(
-    name, phase
+    name, phase, rank
 ):
   # E' = G + E - sum_k u_k v_k^T, one loop over the n x m block, along its
   # rows. A relayout of the r x m factor inside it reads that factor with a
   # stride of r along the loop: five times the loop's time. (The n x r one
   # may be read in any layout: its element is the same along a row.)
   n, m = 3072, 768
-  body = fused_body(step_text(name, phase, (n, m)), f"f32[1,{n},{m}]")
-  assert f"f32[32,{m}]" in body, body
+  text = step_text(name, phase, (n, m), rank=rank)
+  body = fused_body(text, f"f32[1,{n},{m}]")
+  assert f"f32[{rank},{m}]" in body, body
   relayouts = re.findall(
       r"= (f32\[[0-9,]+\])\{[0-9,]*\} (?:copy|transpose)\(", body
   )
-  assert set(relayouts) <= {f"f32[{n},32]"}, body
+  assert set(relayouts) <= {f"f32[{n},{rank}]"}, body
 
 
 def test_buffer_passes_reads_operands_and_results_of_the_size():
