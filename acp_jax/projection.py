@@ -90,11 +90,12 @@ def project_terms_transposed(mat: Matrix, b: jax.Array) -> jax.Array:
 # update) reads it back rather than recomputing its r rank-one terms, which at
 # rank 32 cost more per element than the read. On XLA:CPU, residual and
 # product alone (minimum of 25 runs): 3072 x 768 in 2.1 ms against 4.6 at
-# rank 32, 1.3 against 1.9 at rank 16, 1.5 against 1.7 at rank 4, where
-# 30522 x 768 is 10 % slower. BERT-Base's whole Power-SGD step at rank 32:
-# 644 ms against 763 (medians of 9, interleaved). ACP-SGD's residual takes the
-# local factor, not the all-reduced one its update takes, so it has no such
-# product; writing one for it gained under 6 % there, within the noise.
+# rank 32 and 1.3 against 1.9 at rank 16; at ranks 8 and 4, 0.88 to 1.2
+# times, 30522 x 768 10 % slower at rank 4. BERT-Base's whole Power-SGD step
+# at rank 32: 644 ms against 763 (medians of 9, interleaved). ACP-SGD's
+# residual takes the local factor, not the all-reduced one its update takes,
+# so it has no such product; writing one for it gained under 6 % there,
+# within the noise.
 _REUSE_PRODUCT_MIN_RANK = 16
 
 
