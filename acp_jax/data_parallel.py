@@ -364,14 +364,14 @@ class DataParallel:
     """``compress``, and whether the mean is finite (a replicated bool)."""
     specs = self.comm_specs(comm_state)
 
-    def body(grads, old):
+    def body(grads, blocks):
       # Each device sees [1, ...] blocks of the stacked arrays.
       grads = jax.tree.map(lambda x: x[0], grads)
       if self.local_axis is not None:
         # A node's devices then hand the compressor the same gradient, so
         # their residuals stay identical: one copy per node.
         grads = lax.pmean(grads, self.local_axis)
-      old = self._map_local(lambda x: x[0], old)
+      old = self._map_local(lambda x: x[0], blocks)
       with (
           collectives.split_over(self.local_axis),
           collectives.receiving() as received,
@@ -385,9 +385,15 @@ class DataParallel:
       finite = _all_finite(
           [x for x in received if jnp.issubdtype(x.dtype, jnp.inexact)]
       )
+      state = self._map_local(lambda x: x[None], state)
       if self.nonfinite != "propagate":
-        state = phase_lib.where(finite, state, old)
-      return mean, self._map_local(lambda x: x[None], state), finite
+        # Selected against the donated blocks themselves, in their shape,
+        # the select fuses into the pass that writes E' in place. Against
+        # E reshaped to the matrix, XLA:CPU writes E' to a temporary and
+        # copies it back on a one-device mesh (BERT-Base: a 418 MB
+        # temporary, ACP-SGD's update 681 ms against 546).
+        state = phase_lib.where(finite, state, blocks)
+      return mean, state, finite
 
     return jax.shard_map(
         body,
