@@ -220,7 +220,9 @@ class DataParallel:
 
   def _comm_init(self, params: Any) -> Callable[[], Any]:
     """``init_comm(params)``'s program, jitted with its out shardings."""
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
+    )
     specs = self.comm_specs(jax.eval_shape(self.compressor.init, shapes))
     n = self.num_nodes
 
@@ -337,7 +339,9 @@ class DataParallel:
           "at_step takes the state of DataParallel.chain(tx) or an"
           f" nnx.Optimizer built on it, got {type(opt_state).__name__}"
       )
-    return opt_state._replace(comm=self.compressor.at_step(opt_state.comm, step))
+    return opt_state._replace(
+        comm=self.compressor.at_step(opt_state.comm, step)
+    )
 
   # -- the exchange -----------------------------------------------------------
 
@@ -403,7 +407,9 @@ class DataParallel:
         check_vma=False,
     )(local_grads, comm_state)
 
-  def chain(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  def chain(
+      self, tx: optax.GradientTransformation
+  ) -> optax.GradientTransformation:
     """``tx`` fed with the compressed mean of the devices' gradients.
 
     The returned transformation's ``update`` takes the ``LocalGrads`` of
