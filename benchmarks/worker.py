@@ -373,7 +373,27 @@ def _one_device(dp):
   return local, to_local
 
 
-def _part_programs(dp, local, inner, loss_fn) -> dict:
+def _compress_fn(dp, params):
+  """``dp.compress`` jitted with its state donated and the shardings of its
+  results given: without them XLA pairs the donated residual with the
+  first output of its size, the mean, and copies the residual first (see
+  ``tests/test_lowrank_arithmetic.py``)."""
+  import jax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  comm = dp.abstract_comm(params)
+  return jax.jit(
+      dp.compress,
+      donate_argnums=(1,),
+      out_shardings=(
+          NamedSharding(dp.mesh, P()),
+          jax.tree.map(lambda x: x.sharding, comm),
+      ),
+  )
+
+
+def _part_programs(dp, local, inner, loss_fn, params) -> dict:
   """Each part of ``parts``'s step as its own jitted program, and the fused
   step on ``dp``'s devices (``step``) and on ``local``'s (``step_local``)."""
   import jax
@@ -386,8 +406,8 @@ def _part_programs(dp, local, inner, loss_fn) -> dict:
 
   return {
       "forward_backward": jax.jit(dp.value_and_grad(loss_fn)),
-      "compress": jax.jit(dp.compress, donate_argnums=(1,)),
-      "compress_local": jax.jit(local.compress, donate_argnums=(1,)),
+      "compress": _compress_fn(dp, params),
+      "compress_local": _compress_fn(local, params),
       "optimizer": optimizer,
       "step": _step_fn(dp, dp.chain(inner), loss_fn),
       "step_local": _step_fn(local, local.chain(inner), loss_fn),
@@ -413,7 +433,8 @@ def _parts(args) -> dict:
 
   experiment, dp, inner, params, batch, loss_fn = _data_parallel(args, "flat")
   local, to_local = _one_device(dp)
-  run, timed = _part_programs(dp, local, inner, loss_fn), _lockstep(dp.mesh)
+  run = _part_programs(dp, local, inner, loss_fn, params)
+  timed = _lockstep(dp.mesh)
   state = dp.chain(inner).init(params)
   comm, inner_state, part_params = dp.init_comm(params), state.inner, params
   comm_local = local.init_comm(params)

@@ -6,6 +6,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import acp_jax
@@ -92,9 +93,18 @@ def test_acp_sgd_on_a_zero_gradient_keeps_finite_orthonormal_factors():
   assert defect(orthogonalize.orthogonalize(state.p["w"])) < 1e-5
 
 
-def step_text(name, phase, shape, devices=1, nonfinite="propagate", rank=32):
+def step_text(
+    name,
+    phase,
+    shape,
+    devices=1,
+    nonfinite="propagate",
+    rank=32,
+    out_shardings=False,
+):
   """The compiled text of one step of ``name`` at ``rank`` under
-  ``DataParallel``, on one leaf of ``shape``."""
+  ``DataParallel``, on one leaf of ``shape``, its state donated; with
+  ``out_shardings``, jitted with the shardings of its results."""
   tx = getattr(acp_jax, name)(rank=rank)
   mesh = jax.make_mesh(
       (devices,),
@@ -105,20 +115,25 @@ def step_text(name, phase, shape, devices=1, nonfinite="propagate", rank=32):
   dp = acp_jax.DataParallel(tx, mesh, nonfinite=nonfinite)
   params = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
   comm = dp.phase_states(dp.abstract_comm(params))[phase]
+  jit_kwargs = {}
+  if out_shardings:
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    jit_kwargs["out_shardings"] = (
+        replicated,
+        jax.tree.map(lambda x: x.sharding, comm),
+    )
   return (
-      jax.jit(dp.compress, donate_argnums=(1,))
+      jax.jit(dp.compress, donate_argnums=(1,), **jit_kwargs)
       .lower(dp.abstract_local_grads(params), comm)
       .compile()
       .as_text()
   )
 
 
-def step_passes(
-    name, phase, shape=(3072, 768), devices=1, nonfinite="propagate", rank=32
-):
+def step_passes(name, phase, shape=(3072, 768), **kwargs):
   """``hlo.buffer_passes`` over the leaf's n x m matrix in one compiled
-  step (see ``step_text``)."""
-  text = step_text(name, phase, shape, devices, nonfinite, rank)
+  step (``step_text``'s keyword arguments)."""
+  text = step_text(name, phase, shape, **kwargs)
   return hlo.buffer_passes(text, int(np.prod(shape)))
 
 
@@ -151,6 +166,54 @@ def test_error_feedback_makes_the_fewest_passes_over_the_matrix(
   kept = step_passes(name, phase, nonfinite="keep", rank=rank)
   assert sum(p.reads + p.writes for p in kept) == most, kept
   assert "copy" not in [p.op for p in kept], kept
+  # On several devices, jitted with its results' shardings, the donated
+  # residual is E's own buffer again: the same passes.
+  spread = step_passes(
+      name, phase, nonfinite="keep", rank=rank, devices=2, out_shardings=True
+  )
+  assert sum(p.reads + p.writes for p in spread) == most, spread
+  assert "copy" not in [p.op for p in spread], spread
+
+
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+@pytest.mark.parametrize("name", ["acp_sgd", "power_sgd"])
+def test_a_user_step_donating_params_and_state_copies_no_residual(name):
+  # Without out_shardings, XLA pairs each donated buffer with the first
+  # unpaired output of its size: donated together, params and state pair
+  # with their own updates. The state donated alone, its residual pairs
+  # with the new params, and is copied before it is read.
+  shape = (3072, 768)
+  mesh = jax.make_mesh(
+      (2,),
+      ("data",),
+      devices=jax.devices()[:2],
+      axis_types=(jax.sharding.AxisType.Auto,),
+  )
+  dp = acp_jax.DataParallel(getattr(acp_jax, name)(rank=32), mesh)
+  tx = dp.chain(optax.sgd(0.1))
+  params = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
+  state = jax.eval_shape(tx.init, params)
+  batch = jax.ShapeDtypeStruct((2, 8, shape[0]), jnp.float32)
+
+  def loss(p, x):
+    return jnp.mean((x @ p["w"]) ** 2)
+
+  def step(p, s, x):
+    updates, s = tx.update(dp.value_and_grad(loss)(p, x)[1], s, p)
+    return optax.apply_updates(p, updates), s
+
+  def copies(donate):
+    text = (
+        jax.jit(step, donate_argnums=donate)
+        .lower(params, state, batch)
+        .compile()
+        .as_text()
+    )
+    passes = hlo.buffer_passes(text, int(np.prod(shape)))
+    return [p.op for p in passes].count("copy")
+
+  assert copies((0, 1)) == 0
+  assert copies((1,)) == 1
 
 
 def fused_body(text, result):
