@@ -348,6 +348,11 @@ class DataParallel:
   def compress(self, local_grads: Any, comm_state: Any) -> tuple[Any, Any]:
     """The compressed mean of the devices' gradients, and the new state.
 
+    Jitted with ``comm_state`` donated, give ``jit`` the results' shardings
+    (``out_shardings``): without them XLA pairs the donated residuals with
+    the first outputs of their size, the mean's, and copies them first. A
+    step that donates the params with the state pairs them rightly.
+
     Args:
       local_grads: each device's gradient, stacked on a leading axis sharded
         over the device axes (``value_and_grad``'s ``LocalGrads.stacked``).
