@@ -250,6 +250,13 @@ class DataParallel:
     """Shapes and shardings of ``init_comm(params)``, allocating nothing."""
     return jax.eval_shape(self._comm_init(params))
 
+  def compress_shardings(self, params: Any) -> tuple[Any, Any]:
+    """The shardings of ``compress``'s results for ``params``: the mean's,
+    replicated, and the state's; for ``jax.jit(dp.compress,
+    donate_argnums=(1,), out_shardings=dp.compress_shardings(params))``."""
+    comm = self.abstract_comm(params)
+    return self._sharding(P()), jax.tree.map(lambda x: x.sharding, comm)
+
   def abstract_local_grads(self, params: Any) -> Any:
     """Shapes and shardings of the stacked local gradients of ``params``."""
     sharding = self._sharding(self.device_spec)
@@ -349,9 +356,10 @@ class DataParallel:
     """The compressed mean of the devices' gradients, and the new state.
 
     Jitted with ``comm_state`` donated, give ``jit`` the results' shardings
-    (``out_shardings``): without them XLA pairs the donated residuals with
-    the first outputs of their size, the mean's, and copies them first. A
-    step that donates the params with the state pairs them rightly.
+    (``out_shardings=compress_shardings(params)``): without them XLA pairs
+    the donated residuals with the first outputs of their size, the mean's,
+    and copies them first. A step that donates the params with the state
+    pairs them rightly.
 
     Args:
       local_grads: each device's gradient, stacked on a leading axis sharded

@@ -376,20 +376,13 @@ def _one_device(dp):
 def _compress_fn(dp, params):
   """``dp.compress`` jitted with its state donated and the shardings of its
   results given: without them XLA pairs the donated residual with the
-  first output of its size, the mean, and copies the residual first (see
-  ``tests/test_lowrank_arithmetic.py``)."""
+  first output of its size, the mean, and copies the residual first."""
   import jax
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
 
-  comm = dp.abstract_comm(params)
   return jax.jit(
       dp.compress,
       donate_argnums=(1,),
-      out_shardings=(
-          NamedSharding(dp.mesh, P()),
-          jax.tree.map(lambda x: x.sharding, comm),
-      ),
+      out_shardings=dp.compress_shardings(params),
   )
 
 

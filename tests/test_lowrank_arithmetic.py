@@ -117,11 +117,7 @@ def step_text(
   comm = dp.phase_states(dp.abstract_comm(params))[phase]
   jit_kwargs = {}
   if out_shardings:
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    jit_kwargs["out_shardings"] = (
-        replicated,
-        jax.tree.map(lambda x: x.sharding, comm),
-    )
+    jit_kwargs["out_shardings"] = dp.compress_shardings(params)
   return (
       jax.jit(dp.compress, donate_argnums=(1,), **jit_kwargs)
       .lower(dp.abstract_local_grads(params), comm)
