@@ -39,6 +39,9 @@ from benchmarks import cluster_nodes
 from benchmarks import costmodel
 from benchmarks import launch
 from benchmarks import links
+from benchmarks import records
+from benchmarks import targets
+from benchmarks import worker as worker_parts
 from benchmarks import workloads
 
 BANDWIDTHS = launch.BANDWIDTHS
@@ -48,13 +51,26 @@ TORCH = ("ssgd", "power_sgd")
 # default they run on the fastest link only, where the paper finds them
 # losing to S-SGD.
 FASTEST_LINK_ONLY = ("sign_sgd", "topk_sgd")
+# A dense method's step is a whole model's all-reduce: bert_base_2l's 86 MB
+# take about 7 s at 100 Mb/s and 70 s at 10 Mb/s between 2 workers. Below
+# 1 Gb/s it runs this many steps, and below DENSE_MIN_MBIT none.
+DENSE = ("ssgd",)
+DENSE_SLOW_STEPS = 4
+DENSE_MIN_MBIT = 100
+# Untimed steps before the timed ones: the first compile each phase's
+# program, and in the first dozen or so the allocator still faults in fresh
+# pages for whole steps (measured: bursts of 60-85 thousand minor faults,
+# 3-5x the step's median time, in both phases and in the compute-only step).
+WARMUP = 10
 PSUM_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)
 # The pass over memory before each busy all-reduce of the calibration: about
 # as long as a part of the cluster workload's step.
 BUSY_MB = 40
 
 
-def _torch_args(model: str, compressor: str, steps: int) -> list[str]:
+def _torch_args(
+    model: str, compressor: str, steps: int, warmup: int
+) -> list[str]:
   m = workloads.CLUSTER_MODELS[model]
   size = m["size"]
   return [
@@ -63,6 +79,7 @@ def _torch_args(model: str, compressor: str, steps: int) -> list[str]:
       f"--compressor={compressor}",
       f"--rank={m['rank']}",
       f"--steps={steps}",
+      f"--warmup={warmup}",
       f"--layers={size['num_layers']}",
       f"--hidden={size['hidden']}",
       f"--heads={size['heads']}",
@@ -73,13 +90,24 @@ def _torch_args(model: str, compressor: str, steps: int) -> list[str]:
   ]
 
 
+def psum_sizes(rate_mbit: float | None) -> tuple[int, ...]:
+  """The sizes of ``PSUM_SIZES`` that a link of ``rate_mbit`` (None:
+  unshaped) moves in about a second at most: the calibration's 16 MiB take
+  13 s at 10 Mb/s, and it times each size a dozen times."""
+  if rate_mbit is None:
+    return PSUM_SIZES
+  return tuple(s for s in PSUM_SIZES if s * 8 <= rate_mbit * 1e6) or (
+      PSUM_SIZES[:3]
+  )
+
+
 def calibrate(
-    network: links.Network, timeout: float
+    network: links.Network, timeout: float, sizes=PSUM_SIZES
 ) -> tuple[costmodel.Link, costmodel.Link, list[dict[str, Any]]]:
   """Fits alpha and beta to all-reduce times on ``network``, on idle
   workers and on busy ones; returns both links and a record per size of
-  ``PSUM_SIZES``: the slowest worker's seconds, idle and busy, and the
-  fitted links.
+  ``sizes``: the slowest worker's seconds, idle and busy, and the fitted
+  links.
 
   *Busy* is the all-reduce's share of a program that first makes a pass
   over ``BUSY_MB`` of memory, every worker at once, as a train step's
@@ -87,22 +115,21 @@ def calibrate(
   hop then waits for its receiver to be scheduled: the latency the idle
   calibration does not see.
   """
-  sizes = ",".join(str(s) for s in PSUM_SIZES)
   results = launch.on_network(
       network,
       lambda i: launch.jax_cmd(
           "psum",
-          f"--sizes={sizes}",
+          f"--sizes={','.join(map(str, sizes))}",
           f"--busy_mb={BUSY_MB}",
           *launch.distributed(network, i),
       ),
       timeout,
   )
   p = len(network.names)
-  fitted, rows = [], [{"size_bytes": s} for s in PSUM_SIZES]
+  fitted, rows = [], [{"size_bytes": s} for s in sizes]
   for key in ("psum_seconds", "busy_psum_seconds"):
-    seconds = [max(r[key][str(s)] for r in results) for s in PSUM_SIZES]
-    link = costmodel.fit_all_reduce(PSUM_SIZES, seconds, p)
+    seconds = [max(r[key][str(s)] for r in results) for s in sizes]
+    link = costmodel.fit_all_reduce(sizes, seconds, p)
     fitted.append(link)
     prefix = "busy_" if key.startswith("busy") else ""
     for row, t in zip(rows, seconds):
@@ -125,52 +152,94 @@ def predict(step_local: float, phases, workers: int, link) -> float:
   )
 
 
-def _jax_run(network, model, name, steps, timeout, idle, busy):
-  """One compressor's ``parts`` run on ``network``, as a record."""
-  results = launch.on_network(
+def _jax_run(network, model, name, steps, warmup, timeout, breakdown):
+  """A run of compressor ``name`` on ``network`` (with ``breakdown``, and
+  one more round that takes its step apart): each worker's result."""
+  return launch.on_network(
       network,
       lambda i: launch.jax_cmd(
           "parts",
           f"--workload={model}",
           f"--compressor={name}",
           f"--steps={steps}",
+          f"--warmup={warmup}",
+          *(["--breakdown"] if breakdown else []),
           *launch.distributed(network, i),
       ),
       timeout,
   )
-  workers = len(network.names)
+
+
+def _slowest(seconds: list[dict[str, float]], key: str) -> float:
+  """``key`` of every worker's ``seconds`` on the slowest worker: a
+  synchronous step waits for it."""
+  return max(s[key] for s in seconds)
+
+
+def _phase_seconds(workers) -> list[float]:
+  """One round's fused step, its median per phase on the slowest worker;
+  ``workers``: each worker's round."""
+  phases = sorted({t["phase"] for t in workers[0]["trace"]})
+  return [
+      max(
+          statistics.median(t["step_s"] for t in w["trace"] if t["phase"] == ph)
+          for w in workers
+      )
+      for ph in phases
+  ]
+
+
+def _jax_record(results, model, idle, busy) -> dict[str, Any]:
+  """One compressor's record from each worker's result (its rounds, and
+  its breakdown where it ran): medians over the rounds, with their
+  spreads."""
+  workers = len(results)
   batch = workloads.CLUSTER_MODELS[model]["batch_size"] * workers
-  # A synchronous step waits for its slowest worker.
-  seconds = {
-      k: max(r["seconds"][k] for r in results) for k in results[0]["seconds"]
-  }
+  rounds = [list(ws) for ws in zip(*(w["rounds"] for w in results))]
+  seconds = lambda key: [_slowest([w["seconds"] for w in r], key) for r in rounds]
+  steps, local = seconds("step"), statistics.median(seconds("step_local"))
+  step = statistics.median(steps)
   phases = results[0]["traffic"]
-  step, local = seconds["step"], seconds["step_local"]
   predicted = predict(local, phases, workers, idle)
-  return {
+  record = {
       "system": "acp_jax",
-      "compressor": name,
-      "examples_per_sec": batch / step,
+      "repeats": len(rounds),
+      **records.repeated("examples_per_sec", [batch / s for s in steps]),
       "compute_only_examples_per_sec": batch / local,
       "predicted_examples_per_sec": batch / predicted,
-      "step_s": step,
+      **records.repeated("step_s", steps),
+      "step_local_s": local,
+      **{
+          f"phase{k}_step_s": statistics.median(ph)
+          for k, ph in enumerate(zip(*map(_phase_seconds, rounds)))
+      },
+      # Pages faulted in a fused step, the median on each worker, then the
+      # largest: whether the allocator still maps memory afresh.
+      "step_minflt": max(
+          statistics.median(t["minflt"] for r in w["rounds"] for t in r["trace"])
+          for w in results
+      ),
       "predicted_step_s": predicted,
       "predicted_busy_step_s": predict(local, phases, workers, busy),
       "error_pct": 100 * (predicted - step) / step,
-      **{f"{k}_s": v for k, v in seconds.items() if k != "step"},
+      "dispatch_s": statistics.median(seconds("dispatch")),
       "bytes_per_step": statistics.mean(
           t["all_reduce"] + t["all_gather"] / workers for t in phases
       ),
-      "params_identical": len({r["params_sha256"] for r in results}) == 1,
+      "params_identical": len({w["params_sha256"] for w in results}) == 1,
   }
+  if "breakdown" in results[0]:
+    parts = [w["breakdown"] for w in results]
+    record.update({f"{k}_s": _slowest(parts, k) for k in worker_parts.BREAKDOWN})
+  return record
 
 
-def _torch_run(network, model, name, steps, timeout):
+def _torch_run(network, model, name, steps, warmup, timeout):
   workers = len(network.names)
-  results = launch.on_network(
+  return launch.on_network(
       network,
       lambda i: [sys.executable]
-      + _torch_args(model, name, steps)
+      + _torch_args(model, name, warmup + steps, warmup)
       + [
           f"--master_addr={network.address(0)}",
           "--master_port=29500",
@@ -182,12 +251,83 @@ def _torch_run(network, model, name, steps, timeout):
       ],
       timeout,
   )
+
+
+def _torch_record(reps) -> dict[str, Any]:
   return {
       "system": "torch",
-      "compressor": name,
-      "examples_per_sec": results[0]["examples_per_sec"],
-      "params_identical": len({r["params_sha256"] for r in results}) == 1,
+      "repeats": len(reps),
+      **records.repeated("examples_per_sec", [r[0]["examples_per_sec"] for r in reps]),
+      "params_identical": all(
+          len({w["params_sha256"] for w in r}) == 1 for r in reps
+      ),
   }
+
+
+def runs_on(bandwidth: str, name: str) -> int | None:
+  """Steps a dense method takes on ``bandwidth``: each is a whole model's
+  all-reduce, so on slow links it runs fewer (``DENSE_SLOW_STEPS``), and
+  below ``DENSE_MIN_MBIT`` none (None); the others run every step asked."""
+  rate = BANDWIDTHS[bandwidth]
+  if name not in DENSE or rate is None or rate >= 1000:
+    return 0
+  return None if rate < DENSE_MIN_MBIT else DENSE_SLOW_STEPS
+
+
+def _methods(compressors, torch, bandwidth, last, fastest_link_only):
+  """(system, compressor) of every run on ``bandwidth``."""
+  jax = [
+      ("acp_jax", c)
+      for c in compressors
+      if (last or c not in fastest_link_only) and runs_on(bandwidth, c) is not None
+  ]
+  return jax + [
+      ("torch", c) for c in torch if runs_on(bandwidth, c) is not None
+  ]
+
+
+def run_steps(system: str, name: str, bandwidth: str, steps: int, warmup: int):
+  """(timed, untimed) steps of a run of ``name`` on ``bandwidth``: fewer
+  for a dense method on a slow link (``runs_on``), and at least the three
+  untimed steps the PyTorch peer needs."""
+  slow = runs_on(bandwidth, name)
+  timed, untimed = (slow, 0) if slow else (steps, warmup)
+  return timed, max(untimed, 3) if system == "torch" else untimed
+
+
+def _measure_link(
+    network,
+    model,
+    methods,
+    bandwidth,
+    steps,
+    warmup,
+    repeats,
+    breakdown,
+    timeout,
+    failures,
+):
+  """Every run of ``methods`` on one link, in ``repeats`` rounds: a run of
+  each method per round, so that a slow stretch of the machine falls on
+  all of them alike. A run is its own processes: a worker holding two
+  compressors' programs and states at once takes 4.3 GB here, too much for
+  4 workers. The last round also takes the JAX steps apart, if
+  ``breakdown``. Returns each method's results, a list per round."""
+  results = {m: [] for m in methods}
+  p = len(network.names)
+  for rep in range(repeats):
+    for system, name in methods:
+      n, w = run_steps(system, name, bandwidth, steps, warmup)
+      if system == "acp_jax":
+        last = breakdown and rep == repeats - 1
+        run = lambda: _jax_run(network, model, name, n, w, timeout, last)
+      else:
+        run = lambda: _torch_run(network, model, name, n, w, timeout)
+      what = f"{p} workers {bandwidth} {system} {name} round {rep + 1}"
+      out = launch.attempt(failures, what, run)
+      if out is not None:
+        results[system, name].append(out)
+  return results
 
 
 def measure(
@@ -196,14 +336,22 @@ def measure(
     bandwidths: list[str],
     steps: int,
     timeout: float,
-    with_torch: bool,
+    torch=TORCH,
     compressors=workloads.COMPRESSORS,
     fastest_link_only=FASTEST_LINK_ONLY,
+    repeats: int = 3,
+    warmup: int = WARMUP,
+    breakdown_links=(targets.SLOW_LINK,),
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
   """Cluster records (one per worker count, bandwidth, system and
   compressor), link calibration records (one per worker count, bandwidth
   and psum size) and the runs that failed, each with its reason. The
   ``fastest_link_only`` compressors run on the last bandwidth only.
+
+  On each link every method runs ``repeats`` times, interleaved
+  (``_measure_link``); a record holds the median over its runs and their
+  spread. On ``breakdown_links`` the JAX methods' last round also takes
+  their steps apart.
 
   The workers share one persistent compilation cache, made here and
   removed after: each program compiles once per worker count, not once
@@ -213,8 +361,9 @@ def measure(
   with tempfile.TemporaryDirectory() as cache, launch.compilation_cache(cache):
     for p in workers:
       for bandwidth in bandwidths:
-        with links.switched(p, BANDWIDTHS[bandwidth]) as network:
-          idle, busy, rows = calibrate(network, timeout)
+        rate = BANDWIDTHS[bandwidth]
+        with links.switched(p, rate) as network:
+          idle, busy, rows = calibrate(network, timeout, psum_sizes(rate))
           print(
               f"{p} workers, {bandwidth}: alpha {idle.alpha * 1e6:.0f} us"
               f" idle, {busy.alpha * 1e6:.0f} us busy; beta"
@@ -224,29 +373,50 @@ def measure(
           )
           base = {"bandwidth": bandwidth, "workers": p, "model": model}
           calibration.extend({**base, **row} for row in rows)
-          last = bandwidth == bandwidths[-1]
-          for name in compressors:
-            if name in fastest_link_only and not last:
+          methods = _methods(
+              compressors,
+              torch,
+              bandwidth,
+              bandwidth == bandwidths[-1],
+              fastest_link_only,
+          )
+          results = _measure_link(
+              network,
+              model,
+              methods,
+              bandwidth,
+              steps,
+              warmup,
+              repeats,
+              bandwidth in breakdown_links,
+              timeout,
+              failures,
+          )
+          for (system, name), reps in results.items():
+            if not reps:
               continue
-            run = launch.attempt(
-                failures,
-                f"{p} workers {bandwidth} acp_jax {name}",
-                lambda: _jax_run(
-                    network, model, name, steps, timeout, idle, busy
-                ),
-            )
-            if run is not None:
-              runs.append({**base, **run})
-              _show(runs[-1])
-          for name in TORCH if with_torch else ():
-            run = launch.attempt(
-                failures,
-                f"{p} workers {bandwidth} torch {name}",
-                lambda: _torch_run(network, model, name, steps, timeout),
-            )
-            if run is not None:
-              runs.append({**base, **run})
-              _show(runs[-1])
+            if system == "torch":
+              record = _torch_record(reps)
+            else:
+              # Each worker's result, its rounds gathered.
+              record = _jax_record(
+                  [
+                      {**ws[-1], "rounds": [w["rounds"][0] for w in ws]}
+                      for ws in zip(*reps)
+                  ],
+                  model,
+                  idle,
+                  busy,
+              )
+            n, w = run_steps(system, name, bandwidth, steps, warmup)
+            runs.append({
+                **base,
+                "compressor": name,
+                "timed_steps": n,
+                "warmup_steps": w,
+                **record,
+            })
+            _show(runs[-1])
   return runs, calibration, failures
 
 
@@ -266,9 +436,12 @@ COLUMNS = {
     "system": "system",
     "compressor": "compressor",
     "examples_per_sec": "examples/s",
+    "examples_per_sec_min": "min",
+    "examples_per_sec_max": "max",
     "predicted_examples_per_sec": "model",
     "compute_only_examples_per_sec": "compute only",
     "error_pct": "model error, %",
+    "step_minflt": "faults",
     "params_identical": "same params",
 }
 
@@ -292,11 +465,29 @@ def add_arguments(parser) -> None:
   parser.add_argument(
       "--bandwidths",
       type=cli.names(tuple(BANDWIDTHS), "bandwidth"),
-      default="1gbit,10gbit,unshaped",
-      help="comma-separated, of 1gbit, 10gbit, unshaped",
+      default="10mbit,100mbit,1gbit,10gbit,unshaped",
+      help=f"comma-separated, of {', '.join(BANDWIDTHS)}",
   )
   parser.add_argument(
-      "--steps", type=cli.int_at_least(4), help="train steps per run"
+      "--steps",
+      type=cli.int_at_least(4),
+      help="timed train steps per run (default 30; --quick 4)",
+  )
+  parser.add_argument(
+      "--warmup",
+      type=cli.int_at_least(0),
+      help=f"untimed steps before them (default {WARMUP}; --quick 0)",
+  )
+  parser.add_argument(
+      "--repeats",
+      type=cli.int_at_least(1),
+      help="runs of each method per link, interleaved (default 3; --quick 1)",
+  )
+  parser.add_argument(
+      "--breakdown_links",
+      type=cli.names(tuple(BANDWIDTHS), "bandwidth"),
+      default=targets.SLOW_LINK,
+      help="links on which one more run takes each step apart",
   )
   parser.add_argument(
       "--compressors",
@@ -308,6 +499,12 @@ def add_arguments(parser) -> None:
   )
   parser.add_argument(
       "--no_torch", action="store_true", help="skip the PyTorch peer"
+  )
+  parser.add_argument(
+      "--torch_compressors",
+      type=cli.names(TORCH, "PyTorch method"),
+      default=",".join(TORCH),
+      help="the PyTorch peer's methods: ssgd (DDP), power_sgd (its hook)",
   )
   parser.add_argument(
       "--hierarchical",
@@ -332,7 +529,7 @@ def main(args) -> None:
     raise SystemExit(
         f"--workers: --hierarchical takes one count, got {args.workers}"
     )
-  steps = args.steps or (6 if args.quick else 10)
+  steps = args.steps or (4 if args.quick else 30)
   # A SIGTERM unwinds like an error, so the links come down.
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
   if args.hierarchical:
@@ -356,10 +553,15 @@ def main(args) -> None:
       args.bandwidths,
       steps,
       args.timeout,
-      torch,
+      args.torch_compressors if torch else (),
       args.compressors or workloads.COMPRESSORS,
       # Asked for by name, they run on every link.
       () if args.compressors else FASTEST_LINK_ONLY,
+      repeats=args.repeats or (1 if args.quick else 3),
+      warmup=args.warmup if args.warmup is not None else (
+          0 if args.quick else WARMUP
+      ),
+      breakdown_links=args.breakdown_links,
   )
   outputs = {"cluster": runs, "cluster_links": calibration}
   cli.finish(args, meta, outputs, runs, COLUMNS, failures)

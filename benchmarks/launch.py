@@ -18,7 +18,13 @@ from typing import Any
 from benchmarks import links
 
 # The link rates of a run, in Mbit/s (None: unshaped).
-BANDWIDTHS = {"1gbit": 1000.0, "10gbit": 10000.0, "unshaped": None}
+BANDWIDTHS = {
+    "10mbit": 10.0,
+    "100mbit": 100.0,
+    "1gbit": 1000.0,
+    "10gbit": 10000.0,
+    "unshaped": None,
+}
 COORDINATOR_PORT = 8476
 
 

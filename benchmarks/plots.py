@@ -25,10 +25,12 @@ COLORS = {
 }
 
 def link_label(bandwidth: str) -> str:
-  """``1gbit`` as ``1 Gb/s``; a name of another kind (``unshaped``) as it
-  is."""
-  match = re.fullmatch(r"(\d+)gbit", bandwidth)
-  return f"{match[1]} Gb/s" if match else bandwidth
+  """``1gbit`` as ``1 Gb/s``, ``100mbit`` as ``100 Mb/s``; a name of
+  another kind (``unshaped``) as it is."""
+  match = re.fullmatch(r"(\d+)([gm])bit", bandwidth)
+  if not match:
+    return bandwidth
+  return f"{match[1]} {match[2].upper()}b/s"
 
 
 def model_names(rows):

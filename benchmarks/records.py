@@ -12,6 +12,7 @@ import os
 import pathlib
 import platform
 import shlex
+import statistics
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -132,3 +133,24 @@ def table(rows: list[dict[str, Any]], columns: dict[str, str]) -> str:
   return "\n".join(
       [line(header), line(["-" * w for w in widths])] + [line(c) for c in cells]
   )
+
+
+def repeated(key: str, values: list[float]) -> dict[str, Any]:
+  """Flat record fields of a figure measured once per run: ``key`` the
+  median, ``key_min`` and ``key_max`` the spread, ``key_run1``... each
+  run's, in the order they ran."""
+  return {
+      key: statistics.median(values),
+      f"{key}_min": min(values),
+      f"{key}_max": max(values),
+      **{f"{key}_run{i}": v for i, v in enumerate(values, 1)},
+  }
+
+
+def runs(record: dict[str, Any], key: str) -> list[float]:
+  """Each run's ``key`` of a record made by ``repeated``; [] if none."""
+  values, i = [], 1
+  while f"{key}_run{i}" in record:
+    values.append(record[f"{key}_run{i}"])
+    i += 1
+  return values

@@ -15,6 +15,7 @@ from typing import Any
 
 from acp_jax import buckets
 from benchmarks import comm
+from benchmarks import consistency
 from benchmarks import convergence
 from benchmarks import convergence_summary
 from benchmarks import overhead
@@ -328,6 +329,12 @@ def write(results_dir: os.PathLike) -> str:
     raise SystemExit(
         f"no results in {out}: run python -m benchmarks comm, overhead and"
         " convergence first"
+    )
+  broken = consistency.check(found)
+  if broken:
+    raise SystemExit(
+        f"the records in {out} do not make one report:\n- "
+        + "\n- ".join(broken)
     )
   blocks = [fill("head")]
   if any(r.get("quick") for rows in found.values() for r in rows):

@@ -9,6 +9,7 @@ from the constants of the code that the prose names.
 import fractions
 import pathlib
 import re
+import statistics
 from typing import Any
 
 from benchmarks import cluster
@@ -27,6 +28,8 @@ _STEP_PARTS_COLUMNS = {
     "bandwidth": "link",
     "compressor": "compressor",
     "step": "step",
+    "phase0": "step, phase 1",
+    "phase1": "step, phase 2",
     "compute": "compute only",
     "forward_backward": "forward+backward",
     "compression": "arithmetic",
@@ -36,6 +39,16 @@ _STEP_PARTS_COLUMNS = {
     "comm": "model comm",
     "error_pct": "model error, %",
     "comm_busy": "model comm, busy link",
+}
+# A part that the measurement cannot take apart from the others: the
+# compressor on the cluster took less than its arithmetic alone.
+NOT_APART = "not apart"
+_RATIO_COLUMNS = {
+    "workers": "workers",
+    "bandwidth": "link",
+    "compute_ms": "compute, ms",
+    "link_ms": "S-SGD's all-reduce, ms",
+    "ratio": "compute / link",
 }
 _LINKS_COLUMNS = {
     "workers": "workers",
@@ -88,23 +101,59 @@ def _binary_size(size: int) -> str:
 
 
 def _step_parts(r: dict[str, Any]) -> dict[str, Any]:
-  """A JAX cluster record's step taken apart, in milliseconds."""
-  ms = {k: 1e3 * r[k] for k in r if k.endswith("_s")}
+  """A JAX cluster record's step taken apart, in milliseconds. The
+  collectives are the compressor on the cluster less its arithmetic alone,
+  two programs timed apart: where that comes out negative, the collectives
+  were too short to measure apart from the arithmetic, and say so."""
+  ms = {k: 1e3 * v for k, v in r.items() if k.endswith("_s")}
+  collectives = ms["compress_s"] - ms["compress_local_s"]
   return {
       "workers": r["workers"],
       "bandwidth": r["bandwidth"],
       "compressor": r["compressor"],
       "step": ms["step_s"],
+      "phase0": ms.get("phase0_step_s"),
+      "phase1": ms.get("phase1_step_s"),
       "compute": ms["step_local_s"],
       "forward_backward": ms["forward_backward_s"],
       "compression": ms["compress_local_s"],
-      "collectives": ms["compress_s"] - ms["compress_local_s"],
+      "collectives": collectives if collectives >= 0 else NOT_APART,
       "optimizer": ms["optimizer_s"],
       "dispatch": ms["dispatch_s"],
       "comm": ms["predicted_step_s"] - ms["step_local_s"],
       "comm_busy": ms["predicted_busy_step_s"] - ms["step_local_s"],
       "error_pct": r["error_pct"],
   }
+
+
+def _taken_apart(mine) -> list[dict[str, Any]]:
+  """The JAX records whose run also took the step apart."""
+  return [r for r in mine if "compress_local_s" in r]
+
+
+def _compute_to_link(mine, calibration) -> list[dict[str, Any]]:
+  """Per worker count and link: S-SGD's compute-only step against its
+  all-reduce on the link as calibrated, and their ratio. The compute does
+  not depend on the link: its median over the links S-SGD ran on."""
+  out = []
+  for workers, group in targets.by_workers(mine).items():
+    dense = [r for r in group if r["compressor"] == "ssgd"]
+    if not dense:
+      continue
+    compute = statistics.median(r["step_local_s"] for r in dense)
+    for row in _links([c for c in calibration if c["workers"] == workers]):
+      link = costmodel.Link(row["alpha_us"] * 1e-6, 1e-6 / row["mb_per_s"])
+      seconds = costmodel.all_reduce_seconds(
+          dense[0]["bytes_per_step"], workers, link
+      )
+      out.append({
+          "workers": workers,
+          "bandwidth": row["bandwidth"],
+          "compute_ms": 1e3 * compute,
+          "link_ms": 1e3 * seconds,
+          "ratio": compute / seconds,
+      })
+  return out
 
 
 def _cluster_reading(mine) -> str:
@@ -114,6 +163,10 @@ def _cluster_reading(mine) -> str:
     if r["compressor"] != "acp_sgd" or r["bandwidth"] != targets.SLOW_LINK:
       continue
     parts = _step_parts(r)
+    if parts["collectives"] == NOT_APART:
+      parts["collectives"] = "too short to take apart from the arithmetic"
+    else:
+      parts["collectives"] = f"{parts['collectives']:.0f} ms"
     text.append(
         fill(
             "cluster_reading",
@@ -220,6 +273,14 @@ def cluster_section(rows, calibration, out: pathlib.Path) -> list[str]:
       workload=_workload(workloads.CLUSTER_MODELS[rows[0]["model"]]),
       psum_from=_binary_size(min(cluster.PSUM_SIZES)),
       psum_to=_binary_size(max(cluster.PSUM_SIZES)),
+      repeats=max(r.get("repeats", 1) for r in rows),
+      steps=max(r.get("timed_steps", 0) for r in mine),
+      warmup=max(r.get("warmup_steps", 0) for r in mine),
+      dense_steps=cluster.DENSE_SLOW_STEPS,
+      dense_min=plots.link_label(f"{cluster.DENSE_MIN_MBIT}mbit"),
+      ratio_table=records.table(
+          _compute_to_link(mine, calibration), _RATIO_COLUMNS
+      ),
       within_idle=_within(mine, "predicted_step_s"),
       within_busy=_within(mine, "predicted_busy_step_s"),
   )
@@ -227,9 +288,10 @@ def cluster_section(rows, calibration, out: pathlib.Path) -> list[str]:
       "cluster_parts",
       busy_mb=cluster.BUSY_MB,
       parts_table=records.table(
-          [_step_parts(r) for r in mine], _STEP_PARTS_COLUMNS
+          [_step_parts(r) for r in _taken_apart(mine)], _STEP_PARTS_COLUMNS
       ),
-      reading=_cluster_reading(mine),
+      not_apart=NOT_APART,
+      reading=_cluster_reading(_taken_apart(mine)),
       links_table=records.table(_links(calibration), _LINKS_COLUMNS),
   )
   return [head, *_per_workers(groups), tail]
@@ -303,7 +365,7 @@ def _sharded_reading(rows) -> str:
   return fill(
       "hierarchical_sharded",
       ratios=template.and_list(
-          f"{r:.2f}x on {plots.link_label(b)}"
+          f"{r} on {plots.link_label(b)}"
           for b, r in ratios.items()
           if r is not None
       )

@@ -7,11 +7,13 @@ no threshold). A target whose records are missing is reported as not run.
 """
 
 from collections.abc import Callable
-from typing import Any
+import statistics
+from typing import Any, NamedTuple
 
 from benchmarks import convergence_summary
 from benchmarks import plots
 from benchmarks import project
+from benchmarks import records as records_lib
 
 Row = tuple[str, str, bool | None]
 Records = dict[str, list[dict[str, Any]]]
@@ -31,12 +33,13 @@ VS_TORCH = {
 # S-SGD's one-device update over a plain psum of each leaf, at most.
 SSGD_VS_PSUM = 1.2
 SLOW_LINK = "1gbit"
-# ACP-SGD's examples/s against these, at 1 Gb/s: (label, system, compressor,
-# goal).
+# ACP-SGD's examples/s over these, at least: (label, system, compressor,
+# goal by link, "*" for every link). On this CPU, 10 and 100 Mb/s stand for
+# the paper's 1 and 10 Gb/s (the report's compute-to-link ratios).
 CLUSTER_SPEEDUPS = (
-    ("S-SGD", "acp_jax", "ssgd", 2.0),
-    ("Power-SGD", "acp_jax", "power_sgd", 1.3),
-    ("PyTorch DDP + PowerSGD hook", "torch", "power_sgd", 1.3),
+    ("S-SGD", "acp_jax", "ssgd", {"100mbit": 3.0}),
+    ("Power-SGD", "acp_jax", "power_sgd", {"10mbit": 1.3, "*": 1.0}),
+    ("PyTorch DDP + PowerSGD hook", "torch", "power_sgd", {"*": 1.3}),
 )
 MODEL_ERROR = 0.15  # largest relative error of the cost model
 # ACP-SGD with warm-up against S-SGD, at the end of the convergence runs:
@@ -57,24 +60,45 @@ SHARDED_VS_HIERARCHICAL = 0.9
 ACP_UPSTREAM_OVERLAP = {"resnet50": 0.55, "bert_base": 0.25}
 
 
+class Ratio(NamedTuple):
+  """A ratio of repeated figures: the median of the runs' ratios, each run
+  of one method over the run of the other in the same round, and their
+  range."""
+
+  median: float
+  low: float
+  high: float
+
+  def __str__(self) -> str:
+    if self.low == self.high:
+      return f"{self.median:.2f}x"
+    return f"{self.median:.2f}x ({self.low:.2f}-{self.high:.2f})"
+
+
 def ratio(
     rows,
     num: tuple[str, str],
     den: tuple[str, str],
     bandwidth,
     key: tuple[str, str] = ("system", "compressor"),
-):
+) -> Ratio | None:
   """examples/s of ``num`` over ``den`` on a link, in rows of one worker
   count, each named by its fields ``key``: (system, compressor), or for the
-  hierarchical cluster's rows (compressor, mode)."""
-  speed = {
-      tuple(r[k] for k in key): r["examples_per_sec"]
-      for r in rows
-      if r["bandwidth"] == bandwidth
+  hierarchical cluster's rows (compressor, mode). Runs pair by round where
+  both ran as often; otherwise each record's median stands for its runs."""
+  found = {
+      tuple(r[k] for k in key): r for r in rows if r["bandwidth"] == bandwidth
   }
-  if num in speed and den in speed:
-    return speed[num] / speed[den]
-  return None
+  if num not in found or den not in found:
+    return None
+  a, b = (
+      records_lib.runs(r, "examples_per_sec") or [r["examples_per_sec"]]
+      for r in (found[num], found[den])
+  )
+  if len(a) != len(b):
+    a, b = [found[num]["examples_per_sec"]], [found[den]["examples_per_sec"]]
+  each = [x / y for x, y in zip(a, b)]
+  return Ratio(statistics.median(each), min(each), max(each))
 
 
 def by_workers(rows) -> dict[int, list[dict[str, Any]]]:
@@ -260,34 +284,53 @@ def _cluster(records: Records) -> list[Row]:
   return out
 
 
+def goal_on(goals: dict[str, float], bandwidth: str) -> float | None:
+  """A speedup's goal on ``bandwidth``: its own, or the every-link one."""
+  return goals.get(bandwidth, goals.get("*"))
+
+
 def _cluster_at(workers: int, rows) -> list[Row]:
   at = f"{workers} workers"
-  slow = plots.link_label(SLOW_LINK)
   out = []
-  for label, system, compressor, goal in CLUSTER_SPEEDUPS:
-    r = ratio(rows, ("acp_jax", "acp_sgd"), (system, compressor), SLOW_LINK)
-    out.append((
-        f"{at}, {slow}: ACP-SGD >= {goal} x {label} examples/s",
-        "not measured" if r is None else f"{r:.2f}x",
-        None if r is None else r >= goal,
-    ))
-  acp = [
-      r
-      for r in rows
-      if (r["system"], r["compressor"], r["bandwidth"])
-      == ("acp_jax", "acp_sgd", SLOW_LINK)
-  ]
-  for r in acp:
-    cost = r["step_s"] / r["step_local_s"] - 1
-    out.append((
-        f"{at}, {slow}: ACP-SGD's step within {NEAR_LIMIT:.0%} of its"
-        " compute-only step",
-        f"{1e3 * r['step_s']:.0f} ms against {1e3 * r['step_local_s']:.0f}"
-        f" ms: +{cost:.1%}; the compressor's own arithmetic is"
-        f" {1e3 * r['compress_local_s']:.0f} ms of the compute",
-        cost <= NEAR_LIMIT,
-    ))
   bandwidths = list(dict.fromkeys(r["bandwidth"] for r in rows))
+  for b in bandwidths:
+    link = plots.link_label(b)
+    for label, system, compressor, goals in CLUSTER_SPEEDUPS:
+      goal = goal_on(goals, b)
+      if goal is None:
+        continue
+      r = ratio(rows, ("acp_jax", "acp_sgd"), (system, compressor), b)
+      out.append((
+          f"{at}, {link}: ACP-SGD >= {goal} x {label} examples/s",
+          "not measured" if r is None else str(r),
+          None if r is None else r.median >= goal,
+      ))
+    for r in rows:
+      if (r["system"], r["compressor"], r["bandwidth"]) != (
+          "acp_jax",
+          "acp_sgd",
+          b,
+      ):
+        continue
+      limit = r["predicted_step_s"]
+      cost = r["step_s"] / limit - 1
+      out.append((
+          f"{at}, {link}: ACP-SGD's step within {NEAR_LIMIT:.0%} of its"
+          " no-overlap limit (compute-only step + modelled collectives)",
+          f"{1e3 * r['step_s']:.0f} ms"
+          f" ({1e3 * r['step_s_min']:.0f}-{1e3 * r['step_s_max']:.0f})"
+          f" against {1e3 * limit:.0f} ms: {cost:+.1%}",
+          cost <= NEAR_LIMIT,
+      ))
+      if b == SLOW_LINK:
+        cost = r["step_s"] / r["step_local_s"] - 1
+        out.append((
+            f"{at}, {link}: ACP-SGD's step within {NEAR_LIMIT:.0%} of its"
+            " compute-only step",
+            f"{1e3 * r['step_s']:.0f} ms against"
+            f" {1e3 * r['step_local_s']:.0f} ms: {cost:+.1%}",
+            cost <= NEAR_LIMIT,
+        ))
   fast = bandwidths[-1]
   versus_ssgd = {
       c: ratio(rows, ("acp_jax", c), ("acp_jax", "ssgd"), fast)
@@ -297,16 +340,18 @@ def _cluster_at(workers: int, rows) -> list[Row]:
       f"{at}: (a) Sign-SGD, Top-k and Power-SGD lose to S-SGD on the"
       f" fastest link ({fast})",
       "; ".join(
-          f"{plots.LABELS[c]} " + ("not run" if r is None else f"{r:.2f}x S-SGD")
+          f"{plots.LABELS[c]} " + ("not run" if r is None else f"{r} S-SGD")
           for c, r in versus_ssgd.items()
       ),
-      all(r is not None and r < 1 for r in versus_ssgd.values()),
+      all(r is not None and r.median < 1 for r in versus_ssgd.values()),
   ))
   wins = [
       b
       for b in bandwidths
       if all(
-          ratio(rows, ("acp_jax", "acp_sgd"), (r["system"], r["compressor"]), b)
+          ratio(
+              rows, ("acp_jax", "acp_sgd"), (r["system"], r["compressor"]), b
+          ).median
           >= 1
           for r in rows
           if r["bandwidth"] == b
@@ -320,7 +365,7 @@ def _cluster_at(workers: int, rows) -> list[Row]:
   return out
 
 
-def sharded_ratio(rows, bandwidth) -> float | None:
+def sharded_ratio(rows, bandwidth) -> Ratio | None:
   """Sharded ACP-SGD's examples/s over hierarchical ACP-SGD's on a link, in
   the hierarchical cluster's rows."""
   return ratio(
@@ -342,8 +387,8 @@ def _sharded(records: Records) -> list[Row]:
       f"{first['nodes']} nodes x {first['devices_per_node']} devices,"
       f" {plots.link_label(SLOW_LINK)}: sharded ACP-SGD >="
       f" {SHARDED_VS_HIERARCHICAL} x hierarchical ACP-SGD examples/s",
-      "not measured" if r is None else f"{r:.2f}x",
-      None if r is None else r >= SHARDED_VS_HIERARCHICAL,
+      "not measured" if r is None else str(r),
+      None if r is None else r.median >= SHARDED_VS_HIERARCHICAL,
   )]
 
 

@@ -3,6 +3,7 @@ N of them, one per network namespace, and reads the ``RESULT`` line each
 prints.
 
   python -m benchmarks.worker parts --workload W --compressor C --steps S \
+      [--warmup W] [--breakdown] \
       --coordinator_address A --num_processes N --process_id I
   python -m benchmarks.worker psum --sizes 4096,1048576 --repeats 5 \
       [--busy_mb MB] --coordinator_address A --num_processes N --process_id I
@@ -10,9 +11,9 @@ prints.
       --devices D [--layout L] [--link eth0] [--params_out F.npz] \
       --coordinator_address A --num_processes N --process_id I
 
-``parts`` times a data-parallel step, its parts, and the same step on each
-process's device alone (the compute-only step the cost model starts from),
-all in lockstep. ``psum`` times all-reduces of float32 buffers of the given
+``parts`` times a data-parallel step, the same step on each process's
+device alone (the compute-only step the cost model starts from) and, with
+``--breakdown``, the step's parts, all in lockstep. ``psum`` times all-reduces of float32 buffers of the given
 byte sizes, on idle processes and right after a pass over memory, for
 calibrating the cost model on the links. ``nodes`` trains on ``D`` devices
 per process, each process a node of a (processes x D) mesh, in one of
@@ -33,6 +34,7 @@ and ``nodes`` the workload's data-parallel step (``_data_parallel``).
 import argparse
 import json
 import pathlib
+import resource
 import statistics
 import time
 
@@ -65,6 +67,19 @@ def _parser() -> argparse.ArgumentParser:
   parts.add_argument("--workload", required=True)
   parts.add_argument("--compressor", required=True)
   parts.add_argument("--steps", type=int, required=True)
+  parts.add_argument(
+      "--warmup",
+      type=int,
+      default=0,
+      help="untimed steps at the start of each round (the first round: at"
+      " least two of each phase, which compile)",
+  )
+  parts.add_argument(
+      "--breakdown",
+      action=argparse.BooleanOptionalAction,
+      default=False,
+      help="then one more round that also times the step's parts",
+  )
   psum = sub.add_parser("psum", parents=[common])
   psum.add_argument("--sizes", required=True, help="comma-separated bytes")
   psum.add_argument("--repeats", type=int, default=5)
@@ -304,18 +319,12 @@ def _nodes(args) -> dict:
   return result
 
 
-# What ``parts`` times, each a median over the steps: the step's parts in
-# order, the compressor's arithmetic alone, the fused step, the time its
-# call takes to return, and the fused step on this process's device alone.
-TIMES = (
-    "forward_backward",
-    "compress",
-    "optimizer",
-    "compress_local",
-    "step",
-    "dispatch",
-    "step_local",
-)
+# What ``parts`` times with ``--breakdown``, each a median over the steps:
+# the step's parts in order, and the compressor's arithmetic alone.
+BREAKDOWN = ("forward_backward", "compress", "optimizer", "compress_local")
+# ... and always: the fused step, the time its call takes to return, and the
+# fused step on this process's device alone.
+TIMES = BREAKDOWN + ("step", "dispatch", "step_local")
 
 
 def _lockstep(mesh):
@@ -348,6 +357,16 @@ def _lockstep(mesh):
     return out, returned - start, time.perf_counter() - start
 
   return timed
+
+
+# What ``parts`` records of each fused step besides its seconds: this
+# process's CPU seconds in user and kernel mode, and the pages it faulted.
+USAGE = ("utime", "stime", "minflt")
+
+
+def _usage() -> dict[str, float]:
+  r = resource.getrusage(resource.RUSAGE_SELF)
+  return {"utime": r.ru_utime, "stime": r.ru_stime, "minflt": r.ru_minflt}
 
 
 def _one_device(dp):
@@ -407,67 +426,132 @@ def _part_programs(dp, local, inner, loss_fn, params) -> dict:
   }
 
 
-def _parts(args) -> dict:
-  """Times a step and each of its parts, every process at once.
+class _Timed:
+  """One compressor's step on the cluster, timed a round at a time.
 
-  Each part is its own jitted program, run on the output of the one before,
-  in lockstep (``_lockstep``). The compressor's arithmetic alone
-  (``compress_local``) runs the same compressor on this process's device
-  alone (``_one_device``). The whole step runs fused, as a user's loop runs
-  it; ``dispatch`` is the time its call takes to return, before the host
-  waits for the result. ``step_local`` is that fused step on this process's
-  device alone: the compute-only step, taken in lockstep with the other
-  processes, so that the cores are shared as in the cluster step.
+  Each round runs ``warmup`` untimed steps and then ``steps`` timed ones,
+  every process at once (``_lockstep``). The whole step runs fused, as a
+  user's loop runs it; ``dispatch`` is the time its call takes to return,
+  before the host waits for the result. ``step_local`` is that fused step
+  on this process's device alone: the compute-only step, taken in lockstep
+  with the other processes, so that the cores are shared as in the cluster
+  step. With ``breakdown`` a round also times the step's parts, each its
+  own jitted program run on the output of the one before; the compressor's
+  arithmetic alone (``compress_local``) runs the same compressor on this
+  process's device alone (``_one_device``). The state carries over from
+  round to round, as training goes on.
   """
-  import jax
-  from jax.sharding import PartitionSpec as P
 
-  from train import metrics as metrics_lib
+  def __init__(self, args):
+    from jax.sharding import PartitionSpec as P
 
-  experiment, dp, inner, params, batch, loss_fn = _data_parallel(args, "flat")
-  local, to_local = _one_device(dp)
-  run = _part_programs(dp, local, inner, loss_fn, params)
-  timed = _lockstep(dp.mesh)
-  state = dp.chain(inner).init(params)
-  comm, inner_state, part_params = dp.init_comm(params), state.inner, params
-  comm_local = local.init_comm(params)
-  local_batch = to_local(batch, local.device_spec)
-  local_params = to_local(params, P())
-  local_state = local.chain(inner).init(local_params)
-  times = {k: [] for k in TIMES}
-  cycle = len(experiment.compressor.cycle)
-  for i in range(2 * cycle + args.steps):  # the first cycles compile
-    t = {}
+    experiment, dp, inner, params, self.batch, loss_fn = _data_parallel(
+        args, "flat"
+    )
+    self.dp, self.cycle = dp, len(experiment.compressor.cycle)
+    local, self.to_local = _one_device(dp)
+    self.local = local
+    self.run = _part_programs(dp, local, inner, loss_fn, params)
+    self.timed = _lockstep(dp.mesh)
+    self.params, self.state = params, dp.chain(inner).init(params)
+    self.local_batch = self.to_local(self.batch, local.device_spec)
+    self.local_params = self.to_local(params, P())
+    self.local_state = local.chain(inner).init(self.local_params)
+    # The breakdown's own chain of state: parts in order, as one step.
+    self.carry = {
+        "params": params,
+        "inner": self.state.inner,
+        "comm": dp.init_comm(params),
+        "comm_local": local.init_comm(params),
+    }
+    self.steps_run = 0
+
+  def _parts(self, t: dict[str, float]) -> None:
+    """One step taken apart, each part timed into ``t``."""
+    import jax
+
+    run, carry, timed = self.run, self.carry, self.timed
     (_, grads), _, t["forward_backward"] = timed(
-        run["forward_backward"], part_params, batch
+        run["forward_backward"], carry["params"], self.batch
     )
     # The copy to the lone device is asynchronous: finished before the
     # clock starts, it is not counted as the compressor's arithmetic.
     local_grads = jax.block_until_ready(
-        to_local(grads.stacked, local.device_spec)
+        self.to_local(grads.stacked, self.local.device_spec)
     )
-    (_, comm_local), _, t["compress_local"] = timed(
-        run["compress_local"], local_grads, comm_local
+    (_, carry["comm_local"]), _, t["compress_local"] = timed(
+        run["compress_local"], local_grads, carry["comm_local"]
     )
-    (mean, comm), _, t["compress"] = timed(run["compress"], grads.stacked, comm)
-    (part_params, inner_state), _, t["optimizer"] = timed(
-        run["optimizer"], mean, inner_state, part_params
+    (mean, carry["comm"]), _, t["compress"] = timed(
+        run["compress"], grads.stacked, carry["comm"]
     )
-    (params, state, loss), t["dispatch"], t["step"] = timed(
-        run["step"], params, state, batch
+    (carry["params"], carry["inner"]), _, t["optimizer"] = timed(
+        run["optimizer"], mean, carry["inner"], carry["params"]
     )
-    (local_params, local_state, _), _, t["step_local"] = timed(
-        run["step_local"], local_params, local_state, local_batch
-    )
-    if i >= 2 * cycle:
+
+  def round(self, warmup: int, steps: int, breakdown: bool) -> dict:
+    """A round's median seconds of each of ``TIMES`` it timed, and a trace
+    of each timed step: its phase, seconds and ``USAGE``."""
+    times, trace = {}, []
+    # The first round compiles each phase's programs in its first cycles.
+    if not self.steps_run:
+      warmup = max(warmup, 2 * self.cycle)
+    for i in range(warmup + steps):
+      t = {}
+      if breakdown:
+        self._parts(t)
+      phase = self.steps_run % self.cycle
+      before = _usage()
+      (self.params, self.state, self.loss), t["dispatch"], t["step"] = (
+          self.timed(self.run["step"], self.params, self.state, self.batch)
+      )
+      after = _usage()
+      (self.local_params, self.local_state, _), _, t["step_local"] = (
+          self.timed(
+              self.run["step_local"],
+              self.local_params,
+              self.local_state,
+              self.local_batch,
+          )
+      )
+      self.steps_run += 1
+      if i < warmup:
+        continue
       for key, value in t.items():
-        times[key].append(value)
-  return {
-      "seconds": {k: statistics.median(v) for k, v in times.items()},
-      "traffic": step_traffic(run["step"], dp, params, state, batch),
-      "loss": float(loss),
-      "params_sha256": metrics_lib.params_digest(params),
-  }
+        times.setdefault(key, []).append(value)
+      trace.append(
+          {
+              "phase": phase,
+              "step_s": t["step"],
+              "step_local_s": t["step_local"],
+              **{k: after[k] - before[k] for k in USAGE},
+          }
+      )
+    return {
+        "seconds": {k: statistics.median(v) for k, v in times.items()},
+        "trace": trace,
+    }
+
+  def summary(self) -> dict:
+    from train import metrics as metrics_lib
+
+    return {
+        "traffic": step_traffic(
+            self.run["step"], self.dp, self.params, self.state, self.batch
+        ),
+        "loss": float(self.loss),
+        "params_sha256": metrics_lib.params_digest(self.params),
+    }
+
+
+def _parts(args) -> dict:
+  """Times the step of ``--compressor`` (``_Timed``): a round, and with
+  ``--breakdown`` one more that also takes the step apart."""
+  method = _Timed(args)
+  out = {"rounds": [method.round(args.warmup, args.steps, False)]}
+  if args.breakdown:
+    out["breakdown"] = method.round(args.warmup, args.steps, True)["seconds"]
+  return {**out, **method.summary()}
 
 
 def _psum(args) -> dict:

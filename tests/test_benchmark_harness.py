@@ -9,6 +9,7 @@ import pytest
 
 import benchmarks
 from benchmarks import __main__ as cli_main
+from benchmarks import consistency
 from benchmarks import records
 from benchmarks import report
 
@@ -118,3 +119,69 @@ def test_the_overlap_target_takes_each_models_lowest_phase():
   assert targets.check({"overlap": rows})[0][2] is False
   # A model without records cannot meet its goal.
   assert targets.check({"overlap": rows[:2]})[0][2] is False
+
+
+def _row(**fields):
+  return {
+      "machine": "Some CPU (2 cores), jax 0.10.2, 8 cpu devices",
+      "date": "2026-12-03 04:00 UTC",
+      "command": "python -m benchmarks cluster",
+      **fields,
+  }
+
+
+def test_a_report_of_one_machine_and_one_cluster_run_is_consistent():
+  found = {
+      "comm": [_row()],
+      # Another device count is the same machine.
+      "cluster": [
+          _row(machine="Some CPU (2 cores), jax 0.10.2, 1 cpu devices")
+      ],
+      "cluster_links": [_row()],
+      "gpu": [_row(machine="A GPU host (16 cores), jax 0.10.2, 1 gpu devices")],
+  }
+  assert consistency.check(found) == []
+
+
+def test_sections_of_another_machine_are_refused():
+  other = _row(machine="Other CPU (2 cores), jax 0.10.2, 1 cpu devices")
+  (broken,) = consistency.check({"comm": [_row()], "projection": [other]})
+  assert "several machines" in broken
+  assert "Other CPU (2 cores), jax 0.10.2 (projection)" in broken
+
+
+def test_cluster_ratios_of_several_runs_are_refused():
+  found = {
+      "cluster": [_row(), _row(date="2026-12-01 00:12 UTC")],
+      "cluster_links": [_row()],
+  }
+  (broken,) = consistency.check(found)
+  assert "mix 2 runs" in broken and "python -m benchmarks cluster" in broken
+  # The links' calibration belongs to the run of the ratios too.
+  found = {"cluster": [_row()], "cluster_links": [_row(command="other")]}
+  assert consistency.check(found)
+
+
+def test_a_projection_of_other_update_times_is_stale():
+  overhead = [_row(model="resnet50", compressor="acp_sgd", update_ms=44.0)]
+  projected = _row(
+      kind="projection",
+      model="resnet50",
+      compressor="acp_sgd",
+      update_s=0.044,
+      update_source="overhead.json",
+  )
+  found = {"overhead": overhead, "projection": [projected]}
+  assert consistency.check(found) == []
+  found["projection"] = [{**projected, "update_s": 0.093}]
+  (broken,) = consistency.check(found)
+  assert "resnet50 acp_sgd" in broken and "benchmarks project" in broken
+
+
+def test_the_report_refuses_records_that_do_not_make_one(committed):
+  path = committed / "cluster.json"
+  rows = json.loads(path.read_text())
+  rows[0]["date"] = "1999-01-01 00:00 UTC"
+  path.write_text(json.dumps(rows))
+  with pytest.raises(SystemExit, match="do not make one report"):
+    report.write(committed)
