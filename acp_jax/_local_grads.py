@@ -20,6 +20,24 @@ from jax.sharding import PartitionSpec as P
 from acp_jax import _specs
 
 
+# How to use local gradients, for every error that meets them.
+_FIX = (
+    "add them with +, scale them with * or /, and read the arrays from"
+    " .stacked (each leaf num_devices x the param's shape). Only"
+    " DataParallel.chain(tx) takes them, and a transform placed before"
+    " dp.chain goes inside it, after the compressor, e.g."
+    " dp.chain(optax.chain(optax.clip_by_global_norm(1.0), opt))"
+)
+
+
+class LocalGradsError(TypeError, AttributeError):
+  """``LocalGrads`` used as an array; the message says how to use them.
+
+  Also an ``AttributeError``, so that a probe such as
+  ``getattr(x, "shape", None)`` finds no such attribute, as before.
+  """
+
+
 def flax_nnx():
   """``flax.nnx`` if the caller has imported it (we never import flax)."""
   return sys.modules.get("flax.nnx")
@@ -33,9 +51,12 @@ class LocalGrads:
   by their stacked norm, weight decay, a plain optimizer) acts on the wrong
   object. So they carry a guard, a zero-size PRNG key, and JAX refuses every
   arithmetic operation on a key while tracing, with an error whose dtype,
-  ``key<...>``, says where such a transform goes: inside ``chain``, after
-  the compressor, e.g. ``dp.chain(optax.chain(optax.clip_by_global_norm(1.0),
-  opt))``. A transform that combines them with another tree (a moment, the
+  ``key<...>``, says how to use them and where such a transform goes:
+  inside ``chain``, after the compressor, e.g.
+  ``dp.chain(optax.chain(optax.clip_by_global_norm(1.0), opt))``. An
+  array's method or property on the ``LocalGrads`` themselves (``.mean``,
+  ``.shape``), or ``np.asarray``, raises ``LocalGradsError`` saying the
+  same. A transform that combines them with another tree (a moment, the
   params) fails on the differing structure, naming ``LocalGrads``.
 
   Add up micro-batches' local gradients with ``+`` (or ``sum``) and scale
@@ -80,6 +101,23 @@ class LocalGrads:
       return NotImplemented
     return self._map(lambda g: g / scale)
 
+  def __getattr__(self, name: str) -> Any:
+    # Only for names that the instance lacks: an array's method or property
+    # (.mean, .shape, .astype) is misuse; anything else is a plain typo.
+    if not name.startswith("_") and hasattr(jax.Array, name):
+      raise LocalGradsError(
+          f"acp_jax.LocalGrads has no .{name}, being each device's"
+          f" gradients, not an array: {_FIX}"
+      )
+    raise AttributeError(f"'LocalGrads' object has no attribute {name!r}")
+
+  def __array__(self, *args, **kwargs):
+    del args, kwargs
+    raise LocalGradsError(
+        "acp_jax.LocalGrads cannot become a numpy array, being each"
+        f" device's gradients, not one array: {_FIX}"
+    )
+
   def __repr__(self) -> str:
     return f"LocalGrads(stacked={self.stacked!r})"
 
@@ -111,13 +149,7 @@ _GUARD = jex_random.define_prng_impl(
     random_bits=_never,
     fold_in=_never,
     name="acp_jax.LocalGrads.guard",
-    tag=(
-        "acp_jax.LocalGrads: each device's gradients, stacked (add up"
-        " micro-batches' with +). Only DataParallel.chain(tx) takes them;"
-        " any transform goes inside it, after the compressor, e.g. clipping"
-        " the mean gradient with"
-        " dp.chain(optax.chain(optax.clip_by_global_norm(1.0), opt))"
-    ),
+    tag=f"acp_jax.LocalGrads, each device's gradients, not an array: {_FIX}",
 )
 
 

@@ -2,11 +2,13 @@
 
 ``save`` writes the state through orbax with a record in the checkpoint's
 own metadata: a checksum of every array (computed on the devices, so it
-works across processes), the compressor's factory and arguments, and a
-digest of the record itself. ``restore`` refuses a checkpoint of another
-state or compressor, naming saved and now, before any array is read, and
-raises ``DamagedError`` (naming the path and the array) if a file cannot be
-read or an array or the record no longer matches its checksum.
+works across processes), the compressor's factory and arguments (a state
+that holds a compressor's state is not saved without them), the types of
+the state's containers, and a digest of the record itself. ``restore``
+refuses a checkpoint of another state, optimizer or compressor, naming
+saved and now, before any array is read, and raises ``DamagedError``
+(naming the path and the array) if a file cannot be read or an array or
+the record no longer matches its checksum.
 
 The low-rank compressors record their phase in the shape of a small array
 (``acp_jax.phase``), so a restore into a freshly initialized state, which
@@ -33,10 +35,34 @@ from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from acp_jax import _local_grads
 from acp_jax import phase as phase_lib
+from acp_jax.acp import AcpSgdState
+from acp_jax.compressed_adam import CompressedAdamState
+from acp_jax.data_parallel import DataParallelState
+from acp_jax.powersgd import PowerSgdState
+from acp_jax.sign import SignSgdState
+from acp_jax.topk import TopkSgdState
 
 # The key of this module's record in an orbax checkpoint's custom metadata.
 _RECORD = "acp_jax"
+
+# What orbax appends to a checkpoint's path while its save is under way.
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"
+
+# The states that only their compressor, arguments included, can continue.
+_COMPRESSOR_STATES = (
+    AcpSgdState,
+    CompressedAdamState,
+    DataParallelState,
+    PowerSgdState,
+    SignSgdState,
+    TopkSgdState,
+)
+
+# ``save``'s compressor when none is passed: distinct from None, which saves
+# a compressor's state without its record on purpose.
+_MISSING = object()
 
 
 class DamagedError(Exception):
@@ -127,6 +153,66 @@ def layout(tree: Any) -> dict[str, list]:
   }
 
 
+def _structure(tree: Any) -> dict[str, str]:
+  """``{path: "type of n"}`` of each container in ``tree`` (a tuple, a dict,
+  an optimizer's state): what tells an ``optax.adam`` state from an
+  ``optax.adamw`` one, whose arrays are the same."""
+  nodes = {}
+
+  def visit(path, node):
+    treedef = jax.tree.structure(node)
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # an array
+      return
+    children = jax.tree_util.tree_flatten_with_path(
+        node, is_leaf=lambda x: x is not node
+    )[0]
+    nodes[jax.tree_util.keystr(path)] = (
+        f"{type(node).__name__} of {len(children)}"
+    )
+    for key, child in children:
+      visit(path + key, child)
+
+  visit((), tree)
+  return nodes
+
+
+def _compressor_paths(tree: Any) -> list[str]:
+  """The paths in ``tree`` of the compressors' states: what only the same
+  compressor, with the same arguments, can continue."""
+  found = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, _COMPRESSOR_STATES)
+  )[0]
+  return [
+      jax.tree_util.keystr(path)
+      + (".comm" if isinstance(x, DataParallelState) else "")
+      for path, x in found
+      if isinstance(x, _COMPRESSOR_STATES)
+  ]
+
+
+def _holds_optimizer_state(tree: Any) -> bool:
+  """Whether ``tree`` holds an NNX optimizer's state, which ``nnx.state``
+  keeps without its types, a compressor's as any other."""
+  nnx = _local_grads.flax_nnx()
+  if nnx is None:
+    return False
+  return any(
+      isinstance(x, nnx.OptState)
+      for x in jax.tree.leaves(
+          tree, is_leaf=lambda x: isinstance(x, nnx.OptState)
+      )
+  )
+
+
+def _is_fresh(path: Any, fresh: tuple[str, ...]) -> bool:
+  """Whether the array at ``path`` lies under one of the paths ``fresh``."""
+  name = jax.tree_util.keystr(path)
+  return any(
+      name == p or (name.startswith(p) and name[len(p)] in ".[")
+      for p in fresh
+  )
+
+
 def _digest(record: dict[str, Any]) -> str:
   text = json.dumps(record, sort_keys=True, separators=(",", ":"))
   return hashlib.sha256(text.encode()).hexdigest()
@@ -213,7 +299,8 @@ def compressor_record(compressor: Any) -> dict[str, Any]:
   if made_by is None:
     raise TypeError(
         "compressor must be made by an acp_jax factory (e.g."
-        f" DataParallel.compressor), got {type(compressor).__name__}"
+        f" DataParallel.compressor), got {type(compressor).__name__}; save"
+        " a custom compressor's state unchecked with compressor=None"
     )
   name, args = made_by
   return {"name": name, "args": _plain(args)}
@@ -292,10 +379,14 @@ def _shapes(
     directory: Any,
     saved: dict[str, tuple[str, tuple[int, ...]]],
     live: dict[str, tuple[Any, Any]],
-) -> dict[str, tuple[int, ...]]:
-  """The shape to restore of each live array: its own, or a phase marker's
-  saved one. Raises ``ValueError`` naming missing and extra arrays, or the
-  first that differs in shape or dtype, saved and now."""
+    fresh: tuple[str, ...] = (),
+    compressors: tuple[str, ...] = (),
+) -> dict[str, tuple[str, tuple[int, ...]]]:
+  """The dtype and shape to restore of each live array: its own, or a phase
+  marker's or a ``fresh`` array's saved one. Raises ``ValueError`` naming
+  missing and extra arrays, or the first that differs in shape or dtype,
+  saved and now (and, for a compressor's state at ``compressors`` saved on
+  another number of devices, the call that restores the rest)."""
   missing = sorted(set(live) - set(saved))
   extra = sorted(set(saved) - set(live))
   if missing or extra:
@@ -308,21 +399,37 @@ def _shapes(
   for name, (path, x) in live.items():
     dtype, shape = saved[name]
     now = (str(x.dtype), tuple(x.shape))
-    if _is_phase(path, *now) and _is_phase(path, dtype, shape):
-      shapes[name] = shape
-    elif (dtype, shape) != now:
-      raise ValueError(
-          f"{jax.tree_util.keystr(path)}: saved {dtype}{list(shape)} in"
-          f" {directory}, now {now[0]}{list(now[1])}; the checkpoint comes"
-          " from another model, optimizer or compressor setting or device"
-          " count"
-      )
+    if (dtype, shape) == now or _is_fresh(path, fresh):
+      shapes[name] = (dtype, shape)
+    elif _is_phase(path, *now) and _is_phase(path, dtype, shape):
+      shapes[name] = (dtype, shape)
     else:
-      shapes[name] = shape
+      shown = (
+          f"{jax.tree_util.keystr(path)}: saved {dtype}{list(shape)} in"
+          f" {directory}, now {now[0]}{list(now[1])}"
+      )
+      under = [p for p in compressors if _is_fresh(path, (p,))]
+      if under and dtype == now[0] and shape[1:] == now[1][1:]:
+        raise ValueError(
+            f"{shown}: the compressor's state was saved on {shape[0]}"
+            f" devices and this run has {now[1][0]}. Restore the rest and"
+            " start the compressor's state afresh, as like holds it:"
+            f" restore(directory, like, compressor=..., fresh=[{under[0]!r}])"
+        )
+      raise ValueError(
+          f"{shown}; the checkpoint comes from another model, optimizer or"
+          " compressor setting or device count"
+      )
   return shapes
 
 
-def target(directory: str, like: Any, *, saved: Any = None) -> Any:
+def target(
+    directory: str,
+    like: Any,
+    *,
+    saved: Any = None,
+    fresh: tuple[str, ...] = (),
+) -> Any:
   """The abstract restore target for the checkpoint at ``directory``.
 
   Args:
@@ -335,6 +442,9 @@ def target(directory: str, like: Any, *, saved: Any = None) -> Any:
     saved: the ``layout`` of the saved state, from a verified record: then
       a difference from ``like`` is a ``ValueError``, and orbax's metadata
       differing from it a ``DamagedError``.
+    fresh: paths in ``like`` (``jax.tree_util.keystr``'s, e.g.
+      ``"[1].comm"``) whose arrays are read as saved, whatever their shape,
+      replicated on ``like``'s mesh (``restore`` replaces them by ``like``'s).
 
   Returns:
     ``like`` with ``jax.ShapeDtypeStruct`` leaves.
@@ -345,15 +455,33 @@ def target(directory: str, like: Any, *, saved: Any = None) -> Any:
     DamagedError: if its metadata cannot be read (or differs from
       ``saved``).
   """
+  if isinstance(fresh, str):
+    raise TypeError(
+        f"fresh must be a list of paths, got the string {fresh!r}: pass"
+        f" fresh=[{fresh!r}]"
+    )
+  fresh = tuple(fresh)
   live = _by_name(like)
+  compressors = tuple(_compressor_paths(like))
+  for p in fresh:
+    if not any(_is_fresh(path, (p,)) for path, _ in live.values()):
+      raise ValueError(
+          f"fresh={list(fresh)!r}: no array of like lies under {p!r}; the"
+          " compressors' states of like are at"
+          f" {list(compressors) or 'none of its paths'}"
+      )
   if saved is not None:
     _shapes(
         directory,
         {name: (dtype, tuple(shape)) for name, (dtype, shape) in saved.items()},
         live,
+        fresh,
+        compressors,
     )
   try:
-    shapes = _shapes(directory, _saved_arrays(directory), live)
+    shapes = _shapes(
+        directory, _saved_arrays(directory), live, fresh, compressors
+    )
   except ValueError as e:
     if saved is None:
       raise
@@ -369,13 +497,16 @@ def target(directory: str, like: Any, *, saved: Any = None) -> Any:
   }
   fallback = NamedSharding(meshes.pop(), P()) if len(meshes) == 1 else None
   leaves = []
-  for name, (_, x) in live.items():
+  for name, (path, x) in live.items():
     sharding = getattr(x, "sharding", None)
     if not isinstance(sharding, NamedSharding) and fallback is not None:
       sharding = fallback
-    leaves.append(
-        jax.ShapeDtypeStruct(shapes[name], x.dtype, sharding=sharding)
-    )
+    dtype, shape = shapes[name]
+    dtype = x.dtype if dtype == str(x.dtype) else jnp.dtype(dtype)
+    if _is_fresh(path, fresh) and isinstance(sharding, NamedSharding):
+      # Read only to be verified; its saved shape may not divide the mesh.
+      sharding = NamedSharding(sharding.mesh, P())
+    leaves.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
   return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
 
@@ -391,17 +522,49 @@ def read(directory: Any, restore: Any) -> Any:
     ) from None
 
 
-def save(directory: str, state: Any, *, compressor: Any = None) -> None:
+def save(
+    directory: str, state: Any, *, compressor: Any = _MISSING
+) -> None:
   """Writes ``state`` to ``directory`` (a new path), atomically, with a
-  checksum of every array and, given ``compressor`` (e.g.
-  ``DataParallel.compressor``), its factory and arguments.
+  checksum of every array, the types of its containers and the compressor's
+  factory and arguments.
 
   Orbax writes to a temporary directory and renames it when complete, so an
   interrupted save leaves no checkpoint rather than a partial one.
+
+  Args:
+    directory: where the checkpoint goes; it must not exist.
+    state: a pytree of arrays (e.g. ``(params, tx.init(params))`` or
+      ``nnx.state((model, optimizer))``).
+    compressor: the compressor the state is for (e.g.
+      ``DataParallel.compressor``), recorded so that ``restore`` refuses
+      another one. Required when ``state`` holds a compressor's state (or an
+      NNX optimizer's, which may be one); None saves it unchecked.
+
+  Raises:
+    ValueError: if ``state`` holds a compressor's state and ``compressor`` is
+      not given.
   """
+  if compressor is _MISSING:
+    paths = _compressor_paths(state)
+    if paths:
+      holds = f"a compressor's state at {paths[0]}"
+    elif _holds_optimizer_state(state):
+      holds = "an nnx.Optimizer's state, which may be a compressor's"
+    else:
+      holds = None
+    if holds is not None:
+      raise ValueError(
+          "compressor= is missing: pass the compressor the state is for,"
+          " save(directory, state, compressor=dp.compressor), so that"
+          " restore refuses any other (or compressor=None to save it"
+          f" unchecked); the state holds {holds}"
+      )
+    compressor = None
   record = {
       "checksums": checksums(state),
       "layout": layout(state),
+      "structure": _structure(state),
       "compressor": (
           None if compressor is None else compressor_record(compressor)
       ),
@@ -415,7 +578,34 @@ def save(directory: str, state: Any, *, compressor: Any = None) -> None:
     checkpointer.wait_until_finished()
 
 
+def _no_checkpoint(directory: str) -> str | None:
+  """Why ``directory`` holds no completed checkpoint, with the fix, or None
+  if it holds one."""
+  path = os.path.abspath(directory)
+  parent, name = os.path.split(path)
+  partial = sorted(
+      f
+      for f in (os.listdir(parent) if os.path.isdir(parent) else ())
+      if f.startswith(name + _TMP_SUFFIX)
+  )
+  if partial:
+    return (
+        f"no checkpoint at {directory}: its save did not complete (orbax left"
+        f" {partial[0]} beside it, which is never restored); restore the"
+        " checkpoint saved before it, or save this one again"
+    )
+  if not os.path.exists(path):
+    return (
+        f"no checkpoint at {directory}: the path does not exist; pass the"
+        " directory that acp_jax.checkpoint.save wrote"
+    )
+  return None
+
+
 def _record(directory: str) -> dict[str, Any]:
+  missing = _no_checkpoint(directory)
+  if missing is not None:
+    raise FileNotFoundError(missing)
   try:
     metadata = ocp.StandardCheckpointer().metadata(os.path.abspath(directory))
     custom = metadata.custom_metadata or {}
@@ -423,11 +613,17 @@ def _record(directory: str) -> dict[str, Any]:
     raise DamagedError(
         directory, f"its metadata cannot be read: {describe_read_error(e)}"
     ) from None
+  if metadata.item_metadata is None:
+    raise FileNotFoundError(
+        f"no checkpoint at {directory}: the directory holds no orbax"
+        " checkpoint (a save interrupted before it completed, or another"
+        " directory); pass the directory that acp_jax.checkpoint.save wrote"
+    )
   if _RECORD not in custom:
     raise ValueError(
-        f"{directory} was not written by acp_jax.checkpoint.save (it holds no"
-        " checksums); restore it with orbax itself, through"
-        " acp_jax.checkpoint.target"
+        f"{directory} was written by orbax, not by acp_jax.checkpoint.save"
+        " (it holds no checksums): restore it with orbax, its target from"
+        " acp_jax.checkpoint.target(directory, like)"
     )
   return unsealed(custom[_RECORD], directory)
 
@@ -445,9 +641,10 @@ def _check_compressor(directory: str, saved: Any, compressor: Any) -> None:
     return
   if now is None:
     raise ValueError(
-        f"the checkpoint at {directory} was saved with compressor"
-        f" {_show(saved)}: pass compressor= to restore, so that it is"
-        " restored into the same compressor"
+        "compressor= is missing: pass compressor= to restore, e.g."
+        " restore(directory, like, compressor=dp.compressor), so that the"
+        f" state goes into the compressor it was saved with; the checkpoint"
+        f" at {directory} was saved with {_show(saved)}"
     )
   if saved is None:
     raise ValueError(
@@ -462,20 +659,54 @@ def _check_compressor(directory: str, saved: Any, compressor: Any) -> None:
   )
 
 
-def restore(directory: str, like: Any, *, compressor: Any = None) -> Any:
+def _check_structure(directory: str, saved: Any, like: Any) -> None:
+  """Raises ``ValueError`` naming the containers of ``like`` that differ
+  from ``saved`` (a ``_structure`` kept with the checkpoint)."""
+  if saved is None:  # saved before the record held it
+    return
+  differ = differences(saved, _structure(like))
+  if differ:
+    raise ValueError(
+        f"the checkpoint at {directory} holds a state of another structure,"
+        " an optimizer's or compressor's state of other parts (e.g. optax.adam"
+        " saved, optax.adamw now): build like with the optimizer it was saved"
+        " with;"
+        f" {'; '.join(differ[:3])}{'; ...' if len(differ) > 3 else ''}"
+    )
+
+
+def restore(
+    directory: str,
+    like: Any,
+    *,
+    compressor: Any = None,
+    fresh: tuple[str, ...] = (),
+) -> Any:
   """The state saved at ``directory``, laid out like ``like``, verified.
 
   ``like`` is typically a freshly initialized state (``tx.init(params)``,
   ``nnx.state(optimizer)``); a Q-phase ACP-SGD checkpoint comes back in
   phase Q. See ``target`` for the checks of shapes and dtypes.
 
+  Onto another number of devices, the params and the optimizer's state are
+  restored and the compressor's starts afresh (its residuals are one per
+  device)::
+
+    state = checkpoint.restore(
+        path, (params, tx.init(params)), compressor=dp.compressor,
+        fresh=["[1].comm"],
+    )
+
   Args:
     directory: a checkpoint written by ``save``.
     like: the live state.
     compressor: the compressor the state is for, when ``save`` was given
       one: another factory, or the same with any other argument, is refused.
+    fresh: paths in ``like`` (``jax.tree_util.keystr``'s) whose arrays are
+      returned as ``like`` holds them: read and verified, but not restored.
 
   Raises:
+    FileNotFoundError: if ``directory`` holds no completed checkpoint.
     ValueError: if the checkpoint holds another state or was saved with
       another compressor (saved and now named); nothing is read from it.
     DamagedError: if a file cannot be read, or an array or the record
@@ -484,11 +715,18 @@ def restore(directory: str, like: Any, *, compressor: Any = None) -> Any:
   directory = str(directory)
   record = _record(directory)
   _check_compressor(directory, record["compressor"], compressor)
-  abstract = target(directory, like, saved=record["layout"])
+  abstract = target(directory, like, saved=record["layout"], fresh=fresh)
+  _check_structure(directory, record.get("structure"), like)
   with ocp.StandardCheckpointer() as checkpointer:
     state = read(
         directory,
         lambda: checkpointer.restore(os.path.abspath(directory), abstract),
     )
   verify(state, record["checksums"], directory)
-  return state
+  if not fresh:
+    return state
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x, now: now if _is_fresh(path, tuple(fresh)) else x,
+      state,
+      like,
+  )

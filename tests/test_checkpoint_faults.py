@@ -653,3 +653,109 @@ def test_plain_orbax_into_a_fresh_init_fails_not_another_phase(
     restored = checkpointer.restore(path, acp_checkpoint.target(path, fresh))
   assert restored.comm.next_phase is acp_jax.Phase.Q
   assert acp_checkpoint.checksums(restored) == acp_checkpoint.checksums(state)
+
+
+@pytest.mark.parametrize("change", SAME_SHAPES)
+def test_public_save_records_the_compressor_unless_told_not_to(
+    change, tmp_path
+):
+  """Without compressor=, a state of any of these compressors is not saved,
+  so no checkpoint can be restored into another of the same shapes."""
+  saved, now, _ = SAME_SHAPES[change]
+  _, state = _public_state(saved())
+  with pytest.raises(
+      ValueError,
+      match=r"^compressor= is missing: .*compressor=dp\.compressor\).* at"
+      r" \[1\]\.comm$",
+  ):
+    acp_checkpoint.save(tmp_path / "c", (state.inner, state))
+  assert not (tmp_path / "c").exists()
+  # Told, with compressor=None: saved unchecked, restored into another
+  # compressor of the same state type.
+  acp_checkpoint.save(tmp_path / "c", state, compressor=None)
+  _, like = _public_state(now(), seed=1)
+  if type(like.comm) is type(state.comm) and change != "warm-up into none":
+    restored = acp_checkpoint.restore(tmp_path / "c", like)
+    assert acp_checkpoint.checksums(restored) == acp_checkpoint.checksums(state)
+
+
+def test_public_restore_of_no_checkpoint_says_what_happened(tmp_path):
+  dp, state = _public_state(acp_jax.topk_sgd(0.1))
+  acp_checkpoint.save(tmp_path / "done", state, compressor=dp.compressor)
+  # What a save killed before orbax's rename leaves: its temporary directory.
+  os.rename(tmp_path / "done", tmp_path / "cut.orbax-checkpoint-tmp-1700000")
+  (tmp_path / "empty").mkdir()
+  cases = {
+      "cut": "its save did not complete (orbax left"
+      " cut.orbax-checkpoint-tmp-1700000 beside it, which is never restored);"
+      " restore the checkpoint saved before it",
+      "nowhere": "the path does not exist; pass the directory that"
+      " acp_jax.checkpoint.save wrote",
+      "empty": "the directory holds no orbax checkpoint",
+  }
+  for name, reason in cases.items():
+    with pytest.raises(FileNotFoundError) as error:
+      acp_checkpoint.restore(tmp_path / name, state, compressor=dp.compressor)
+    message = str(error.value)
+    assert message.startswith(f"no checkpoint at {tmp_path / name}: {reason}")
+    assert "orbax itself" not in message
+
+
+def test_public_restore_into_another_optimizer_names_its_structure(tmp_path):
+  """optax.adam saved, optax.adamw now: the same arrays in other parts."""
+  params = {"w": jnp.ones((4, 3))}
+  acp_checkpoint.save(tmp_path / "c", (params, optax.adam(0.1).init(params)))
+  like = (params, optax.adamw(0.1).init(params))
+  assert acp_checkpoint.layout(like) == acp_checkpoint.layout(
+      (params, optax.adam(0.1).init(params))
+  )
+  with pytest.raises(ValueError) as error:
+    acp_checkpoint.restore(tmp_path / "c", like)
+  message = str(error.value)
+  assert "holds a state of another structure" in message
+  assert "build like with the optimizer it was saved with" in message
+  assert "[1]='tuple of 2', now 'tuple of 3'" in message
+  assert "damaged" not in message.lower()
+
+
+def test_public_restore_onto_fewer_devices_starts_the_compressor_afresh(
+    tmp_path,
+):
+  """Residuals of 8 devices into a run on 4: the params and the momentum as
+  saved, the compressor's state as the fresh init holds it."""
+  dp, state = _public_state(acp_jax.topk_sgd(0.1))
+  params = {"w": jnp.full((64, 256), 2.0)}
+  tx = optax.sgd(0.1, momentum=0.9)
+  trace = jax.tree.map(lambda p: p * 3.0, params)
+  inner = (optax.TraceState(trace=trace), optax.EmptyState())
+  state = dp.chain(tx).init(params)._replace(comm=state.comm, inner=inner)
+  saved = (params, state)
+  acp_checkpoint.save(tmp_path / "c", saved, compressor=dp.compressor)
+  mesh4 = jax.make_mesh(
+      (4,), (helpers.AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
+      devices=jax.devices()[:4],
+  )
+  dp4 = acp_jax.DataParallel(acp_jax.topk_sgd(0.1), mesh4)
+  fresh_params = {"w": jnp.zeros((64, 256))}
+  like = (fresh_params, dp4.chain(tx).init(fresh_params))
+  with pytest.raises(ValueError) as error:
+    acp_checkpoint.restore(tmp_path / "c", like, compressor=dp4.compressor)
+  first = str(error.value).splitlines()[0]
+  assert "saved float32[8, 64, 256]" in first
+  assert "now float32[4, 64, 256]" in first
+  assert "saved on 8 devices and this run has 4" in first
+  assert "fresh=['[1].comm']" in first
+  restored = acp_checkpoint.restore(
+      tmp_path / "c", like, compressor=dp4.compressor, fresh=["[1].comm"]
+  )
+  sums = acp_checkpoint.checksums
+  assert sums(restored[0]) == sums(params)
+  assert sums(restored[1].inner) == sums(inner)
+  assert restored[1].comm.error["w"].shape == (4, 64, 256)
+  assert sums(restored[1].comm) == sums(like[1].comm)
+  with pytest.raises(
+      ValueError, match=r"no array of like lies under '\[1\]\.com'"
+  ):
+    acp_checkpoint.restore(
+        tmp_path / "c", like, compressor=dp4.compressor, fresh=["[1].com"]
+    )

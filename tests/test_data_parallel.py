@@ -135,10 +135,14 @@ def test_orbax_round_trip_in_q_phase_resumes_bitwise(tmp_path):
     losses.append(float(nnx_step(dp, model, optimizer, *batch())))
     if step == 2:  # three steps taken: the next one is a Q-step
       assert optimizer.opt_state.comm.next_phase is acp_jax.Phase.Q
-      checkpoint.save(tmp_path / "ckpt", nnx.state((model, optimizer)))
+      checkpoint.save(
+          tmp_path / "ckpt",
+          nnx.state((model, optimizer)),
+          compressor=dp.compressor,
+      )
   model, optimizer = make_nnx(dp, batch_norm=True)  # a fresh init: phase P
   restored = checkpoint.restore(
-      tmp_path / "ckpt", nnx.state((model, optimizer))
+      tmp_path / "ckpt", nnx.state((model, optimizer)), compressor=dp.compressor
   )
   nnx.update((model, optimizer), restored)
   assert optimizer.opt_state.comm.next_phase is acp_jax.Phase.Q
@@ -175,7 +179,9 @@ def test_restore_refuses_a_checkpoint_of_another_compressor(
     tmp_path, saved, now, message
 ):
   params = {"w": jnp.ones((16, 64))}
-  checkpoint.save(tmp_path / "c", dp_of(saved()).chain(optax.sgd(0.1)).init(params))
+  # Saved unchecked (compressor=None): the shapes alone tell them apart.
+  state = dp_of(saved()).chain(optax.sgd(0.1)).init(params)
+  checkpoint.save(tmp_path / "c", state, compressor=None)
   like = dp_of(now()).chain(optax.sgd(0.1)).init(params)
   with pytest.raises(ValueError, match=message):
     checkpoint.restore(tmp_path / "c", like)

@@ -184,6 +184,37 @@ def test_local_gradients_add_up_and_scale():
     jax.tree.map(jnp.add, g, g)
 
 
+def test_local_gradients_used_as_arrays_say_how_to_use_them():
+  """Every first line names +, / and .stacked; a transform before dp.chain
+  is told where it goes."""
+  from acp_jax._local_grads import LocalGradsError
+
+  dp = dp_of()
+  params, x = tanh_problem()
+  _, g = jax.jit(dp.value_and_grad(tanh_loss))(params, x)
+  clip = optax.chain(optax.clip_by_global_norm(1.0), dp.chain(optax.sgd(0.1)))
+  misuses = {
+      "g.mean(0)": (LocalGradsError, lambda: g.mean(0)),
+      "np.asarray(g)": (LocalGradsError, lambda: np.asarray(g)),
+      "tree.map(jnp.add)": (TypeError, lambda: jax.tree.map(jnp.add, g, g)),
+      "tree.map(.mean(0)) in jit": (
+          TypeError,
+          lambda: jax.jit(lambda g: jax.tree.map(lambda a: a.mean(0), g))(g),
+      ),
+      "clip before dp.chain": (
+          TypeError,
+          lambda: jax.jit(clip.update)(g, clip.init(params), params),
+      ),
+  }
+  for name, (error, misuse) in misuses.items():
+    with pytest.raises(error) as e:
+      misuse()
+    first = str(e.value).splitlines()[0]
+    for words in ("add them with +", "* or /", ".stacked", "before dp.chain"):
+      assert words in first, (name, words, first)
+  assert getattr(g, "shape", None) is None  # a probe, not misuse
+
+
 # -- which axis is the batch -------------------------------------------------
 
 T = 16  # time steps: the leading axis of a time-major batch

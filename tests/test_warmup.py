@@ -194,11 +194,17 @@ def test_resume_inside_and_just_after_the_warmup_is_bitwise(name, stop, tmp_path
   straight = Run(make()).run(STEPS)[-1]
   first = Run(make())
   first.run(stop)
-  checkpoint.save(tmp_path / "ckpt", {"params": first.params, "opt": first.state})
+  checkpoint.save(
+      tmp_path / "ckpt",
+      {"params": first.params, "opt": first.state},
+      compressor=first.dp.compressor,
+  )
   resumed = Run(make())
   like = {"params": resumed.params, "opt": resumed.state}
   restored = checkpoint.restore(
-      tmp_path / "ckpt", checkpoint.target(tmp_path / "ckpt", like)
+      tmp_path / "ckpt",
+      checkpoint.target(tmp_path / "ckpt", like),
+      compressor=resumed.dp.compressor,
   )
   resumed.params, resumed.state = restored["params"], restored["opt"]
   resumed.done = stop
