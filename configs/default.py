@@ -70,6 +70,10 @@ def get_config() -> ml_collections.ConfigDict:
   # run before anything of it is saved (the last checkpoint stays good), or
   # "skip" it, keeping the state as it was (as loss scalers do).
   config.nonfinite = "stop"
+  # With "skip": a run that skipped more than this share of its steps
+  # (resumed parts included) saves its checkpoint, prints its summary and
+  # exits non-zero, since what it trained is not what was asked.
+  config.max_skipped_fraction = 0.1
   # A step whose training loss (the global mean) exceeds this many times
   # the lowest loss of the steps before it has diverged: it is stopped or
   # skipped as nonfinite says, though every number is finite. 0: no guard.

@@ -86,7 +86,7 @@ def test_resuming_another_run_is_refused_naming_saved_and_now(
 
 @pytest.mark.slow
 def test_skip_mode_keeps_the_state_finite(tmp_path):
-  config = small_config(steps=6, nonfinite="skip")
+  config = small_config(steps=6, nonfinite="skip", max_skipped_fraction=1.0)
   config.optimizer.learning_rate = 1e30
   summary = train.train_and_evaluate(config, str(tmp_path))
   with open(os.path.join(tmp_path, "metrics.jsonl")) as f:

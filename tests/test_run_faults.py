@@ -102,7 +102,12 @@ def test_a_non_finite_batch_norm_statistic_stops_the_run(
 def test_skip_mode_keeps_batch_norm_statistics_finite(tmp_path, monkeypatch):
   init_state = _huge_first_kernel(train.init_state)
   monkeypatch.setattr(train, "init_state", init_state)
-  config = small_config(steps=2, nonfinite="skip", checkpoint_every_steps=2)
+  config = small_config(
+      steps=2,
+      nonfinite="skip",
+      checkpoint_every_steps=2,
+      max_skipped_fraction=1.0,
+  )
   train.train_and_evaluate(config, str(tmp_path))
   with open(tmp_path / "metrics.jsonl") as f:
     lines = [l for l in map(json.loads, f) if "loss" in l]

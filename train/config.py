@@ -37,6 +37,7 @@ KEYS = frozenset(
         "keep_checkpoints",
         "batch_norm",
         "nonfinite",
+        "max_skipped_fraction",
         "divergence_factor",
         "augment",
         "data_workers",
@@ -135,6 +136,9 @@ def _check_numbers(config: ml_collections.ConfigDict) -> None:
     _check_optimizer_numbers(
         f"config.optimizer.{name}", config.optimizer.get(name, {})
     )
+  checks.number(
+      "config.max_skipped_fraction", config.max_skipped_fraction, 0.0, 1.0
+  )
   factor = config.get("divergence_factor")
   if factor:  # 0 and None turn the guard off
     checks.number("config.divergence_factor", factor, 1.0, low_open=True)

@@ -196,6 +196,8 @@ def format_summary(summary: dict[str, Any]) -> str:
       ("devices", summary["num_devices"]),
       ("steps", summary["step"]),
   ]
+  if "skipped_steps" in summary:
+    rows.append(("skipped steps", summary["skipped_steps"]))
   for key in ("loss", "accuracy", "eval_loss", "eval_accuracy"):
     if key in summary:
       rows.append((key, f"{summary[key]:.4f}"))

@@ -103,7 +103,7 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
   loader = _loader(experiment)
   # The pieces of the loop (train/loop.py), each holding its own state.
   train_fn, eval_fn = compile_steps(experiment)
-  checkpoints, state, start, loss_min = _resume(experiment, workdir, loader)
+  checkpoints, state, start, loss_start = _resume(experiment, workdir, loader)
   evaluation = loop.Evaluation(
       config, functools.partial(evaluate, experiment, eval_fn)
   )
@@ -136,9 +136,9 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
           opt_state=experiment.dp.at_step(state.opt_state, index)
       )
       state, metrics = train_fn(
-          state, put_batch(experiment, batch), loss_min=loss_min
+          state, put_batch(experiment, batch), loss_start=loss_start
       )
-      loss_min = metrics["loss_min"]
+      loss_start = metrics["loss_start"]
       if wait:
         jax.block_until_ready(state)
         timer.completed(step)
@@ -150,7 +150,11 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
       if stop:
         raise runtime.Interrupted(stops.signal_name, step)
     steps.flush()
-  return _summary(experiment, state, steps.latest, evaluation, timer)
+  summary = _summary(experiment, state, steps.latest, evaluation, timer)
+  if config.nonfinite == "skip":
+    summary["skipped_steps"] = steps.policy.skipped
+    steps.policy.check_skipped(summary)
+  return summary
 
 
 def _loader(experiment: Experiment) -> data_lib.Loader:
@@ -168,7 +172,8 @@ def _loader(experiment: Experiment) -> data_lib.Loader:
 
 def _resume(experiment: Experiment, workdir: str, loader):
   """The checkpoints of ``workdir`` and what they restore: the state, its
-  step and the divergence guard's running minimum, kept on the devices."""
+  step and the divergence guard's reference, the loss at the start of
+  training, kept on the devices."""
   state = init_state(experiment)
   checkpoints = loop.Checkpoints(
       experiment, workdir, run_identity(experiment, state), loader
@@ -176,11 +181,11 @@ def _resume(experiment: Experiment, workdir: str, loader):
   state, start = checkpoints.restore(
       state, functools.partial(is_finite, experiment)
   )
-  loss_min = jax.device_put(
-      np.float32(checkpoints.loss_min),
+  loss_start = jax.device_put(
+      np.float32(checkpoints.loss_start),
       NamedSharding(experiment.mesh, REPLICATED),
   )
-  return checkpoints, state, start, loss_min
+  return checkpoints, state, start, loss_start
 
 
 def _between_steps(
@@ -194,7 +199,7 @@ def _between_steps(
     if evaluation.due(step):
       log.evaluation(step, evaluation(state))
     if checkpoints.due(step) or stop:
-      checkpoints.save(step, state, steps.latest)
+      checkpoints.save(step, state, steps.latest, steps.policy.skipped)
     timer.pause()
 
 
