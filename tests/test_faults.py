@@ -20,6 +20,7 @@ from tests.test_train import small_config
 from train import checkpoint
 from train import experiment as experiment_lib
 from train import metrics as metrics_lib
+from train import runtime
 from train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,7 +162,9 @@ def _wait_for_step(workdir, step, procs, timeout=300):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize(
+    "signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
+)
 def test_a_signal_saves_and_the_rerun_resumes_bitwise(signum, tmp_path):
   workdir = str(tmp_path / "run")
   proc = _launch(workdir)
@@ -181,6 +184,28 @@ def test_a_signal_saves_and_the_rerun_resumes_bitwise(signum, tmp_path):
   reference = str(tmp_path / "reference")
   helpers.finish([_launch(reference, steps=end)], 300)
   assert losses(workdir) == losses(reference)
+
+
+def test_sighup_asks_to_save_and_stop_as_sigterm_does():
+  """A closed terminal sends SIGHUP: noted, the run saves at the next step
+  boundary and says so, as with SIGTERM (the whole path, in a subprocess,
+  is in the test above)."""
+  def before(*_):
+    pass
+
+  previous = signal.signal(signal.SIGHUP, before)
+  try:
+    with runtime.StopRequests() as stops:
+      assert not stops.should_stop(1)
+      os.kill(os.getpid(), signal.SIGHUP)
+      assert stops.should_stop(2)
+      assert stops.signal_name == "SIGHUP"
+    # The handler before is back once the run is over.
+    assert signal.getsignal(signal.SIGHUP) is before
+  finally:
+    signal.signal(signal.SIGHUP, previous)
+  message = str(runtime.Interrupted("SIGHUP", 2))
+  assert message.startswith("stopped by SIGHUP at step 2; a checkpoint")
 
 
 def _multi(workdir, address, i, *extra, steps=400):

@@ -24,7 +24,7 @@ from train import plots
 from train import runtime
 from train import train
 
-# Exit status after SIGTERM or SIGINT, once the checkpoint is saved: a
+# Exit status after SIGTERM, SIGINT or SIGHUP, once the checkpoint is saved: a
 # temporary failure (sysexits' EX_TEMPFAIL), retrying resumes.
 EXIT_INTERRUPTED = 75
 

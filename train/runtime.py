@@ -111,13 +111,14 @@ class Interrupted(Exception):
 
 
 class StopRequests:
-  """SIGTERM and SIGINT ask training to save and stop at a step boundary.
+  """SIGTERM, SIGINT and SIGHUP (a closed terminal) ask training to save
+  and stop at a step boundary.
 
   In one process, a handler notes the signal and ``should_stop`` reports it
   at the next step. Across processes, all must stop at the same step: JAX's
   preemption service, which ``jax.distributed`` starts and which catches
   SIGTERM itself, agrees on that step (``reached_preemption_sync_point``);
-  SIGINT is turned into a SIGTERM to reach it.
+  SIGINT and SIGHUP are turned into a SIGTERM to reach it.
   """
 
   def __init__(self):
@@ -125,9 +126,11 @@ class StopRequests:
     self._previous = {}
 
   def __enter__(self):
-    if jax.process_count() == 1:
+    single = jax.process_count() == 1
+    if single:
       self._catch(signal.SIGTERM, self._note)
-    self._catch(signal.SIGINT, self._note if jax.process_count() == 1 else self._forward)
+    for signum in (signal.SIGINT, signal.SIGHUP):
+      self._catch(signum, self._note if single else self._forward)
     return self
 
   def __exit__(self, *exc):
