@@ -4,6 +4,7 @@ two runs on one workdir, processes that disagree, a state gone non-finite."""
 import json
 import os
 import re
+import shutil
 import socket
 import time
 
@@ -33,6 +34,33 @@ def test_a_metrics_symlink_out_of_the_workdir_is_refused(tmp_path):
   with pytest.raises(ValueError, match=f"symlink to {outside}, outside"):
     train.train_and_evaluate(small_config(steps=2), str(workdir))
   assert outside.read_bytes() == lines
+
+
+@pytest.mark.slow
+def test_another_runs_checkpoints_copied_in_are_refused_naming_the_fix(
+    tmp_path,
+):
+  """Workdir a logged steps 1-2 of seed 0; the checkpoints of a seed-1 run
+  are copied over its own. Resuming a with seed 1 would log steps 3-4 of
+  seed 1 after steps 1-2 of seed 0: refused, naming both runs."""
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  train.train_and_evaluate(small_config(steps=2), a)
+  train.train_and_evaluate(small_config(steps=2, seed=1), b)
+  with open(os.path.join(a, "metrics.jsonl")) as f:
+    (run_a,) = {json.loads(line)["run"] for line in f}
+  shutil.rmtree(os.path.join(a, "checkpoints"))
+  shutil.copytree(os.path.join(b, "checkpoints"), os.path.join(a, "checkpoints"))
+  with pytest.raises(ValueError) as error:
+    train.train_and_evaluate(small_config(steps=4, seed=1), a)
+  message = str(error.value)
+  assert f"holds steps 1-2 of run {run_a}, but the checkpoint of step 2" in message
+  assert "come from another run" in message
+  assert "Move the checkpoints" in message
+  # Its own workdir resumes, under the same run id.
+  train.train_and_evaluate(small_config(steps=3, seed=1), b)
+  with open(os.path.join(b, "metrics.jsonl")) as f:
+    runs = [json.loads(line)["run"] for line in f]
+  assert len(set(runs)) == 1 and runs[0] != run_a
 
 
 @pytest.mark.parametrize(

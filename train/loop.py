@@ -17,6 +17,7 @@ import tqdm
 
 from train import checkpoint
 from train import metrics as metrics_lib
+from train import runtime
 
 # The metrics checked before anything is saved, in the order they arise;
 # then ``state_nonfinite``, which covers every floating array of the state.
@@ -72,13 +73,14 @@ class TrainLog:
   terminal: a train line every ``log_every_steps`` and at the end, each
   held-out evaluation."""
 
-  def __init__(self, experiment, workdir: str, start: int):
+  def __init__(self, experiment, workdir: str, start: int, run_id: str):
     self._experiment = experiment
     config = experiment.config
     self._every, self._last = config.log_every_steps, config.num_train_steps
     self._bytes = experiment.bytes_per_phase()
+    self._run_id = run_id
     self._log = metrics_lib.Logs(
-        metrics_lib.MetricsLog(workdir, start),
+        metrics_lib.MetricsLog(workdir, start, run_id),
         metrics_lib.TensorBoardLog(workdir, start),
     )
     # disable=None: a bar on a terminal only, none in redirected logs.
@@ -105,6 +107,7 @@ class TrainLog:
       self._log.write(
           {
               "step": step,
+              "run": self._run_id,
               **{k: v for k, v in metrics.items() if k not in GUARD},
               "learning_rate": float(experiment.schedule(step - 1)),
               "bytes_sent": self._bytes[phase],
@@ -119,6 +122,7 @@ class TrainLog:
     self._log.write(
         {
             "step": step,
+            "run": self._run_id,
             **metrics,
             # So that held-out curves can be drawn against bytes.
             "bytes_sent_total": self._experiment.bytes_through(step),
@@ -169,11 +173,15 @@ class Checkpoints:
     self.last_good = None
     self.loss_start = np.inf
     self.skipped = 0  # steps skipped before the restored checkpoint
+    # Which run this is: drawn at a fresh start, kept in every record, so
+    # that the log of a resumed run can be told from another run's.
+    self.run_id = None
 
   def restore(self, state, is_finite: Callable[[Any], bool]):
     """``(state, step)``: the latest checkpoint's, else ``state`` and 0."""
     restored = self._ckpt.restore_latest(like=state)
     if not restored:
+      self.run_id = runtime.new_run_id()
       return state, 0
     state, record = restored
     step = record["step"]
@@ -183,6 +191,7 @@ class Checkpoints:
     if record.get("loss_start") is not None:
       self.loss_start = record["loss_start"]
     self.skipped = record.get("skipped", 0)
+    self.run_id = record.get("run_id")
     return state, step
 
   def due(self, step: int) -> bool:
@@ -205,6 +214,7 @@ class Checkpoints:
                 float(loss_start) if np.isfinite(loss_start) else None
             ),
             "skipped": skipped,
+            "run_id": self.run_id,
         },
     )
     self.last_good = step  # its metrics, state check included, just read

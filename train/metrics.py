@@ -91,9 +91,12 @@ class MetricsLog:
 
   The file must lie inside ``workdir``: a symlink out of it (left by a
   copied or shared workdir) would have this run rewrite another run's log.
+  A run resumed at ``resume_step`` keeps the lines up to it, which must all
+  carry its ``run_id``: lines of another run mean that the checkpoints were
+  copied in from elsewhere, and the log would splice two runs.
   """
 
-  def __init__(self, workdir: str, resume_step: int):
+  def __init__(self, workdir: str, resume_step: int, run_id: str | None = None):
     self._path = os.path.join(workdir, "metrics.jsonl")
     self._active = jax.process_index() == 0
     if not self._active:
@@ -112,6 +115,7 @@ class MetricsLog:
       records = [
           r for r in read_records(self._path) if r["step"] <= resume_step
       ]
+      _check_one_run(self._path, records, resume_step, run_id)
       with open(self._path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
 
@@ -119,6 +123,24 @@ class MetricsLog:
     if self._active:
       with open(self._path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def _check_one_run(path, records, resume_step: int, run_id) -> None:
+  """Raises unless every record kept for a resume was logged by ``run_id``."""
+  if not resume_step or run_id is None:
+    return
+  others = sorted({str(r.get("run")) for r in records} - {run_id})
+  if others:
+    steps = [r["step"] for r in records if r.get("run") != run_id]
+    raise ValueError(
+        f"{path} holds steps {min(steps)}-{max(steps)} of run"
+        f" {', '.join(others)}, but the checkpoint of step {resume_step} was"
+        f" saved by run {run_id}: the checkpoints in"
+        f" {os.path.dirname(path)}/checkpoints come from another run, and"
+        " resuming would splice the two runs' logs. Move the checkpoints"
+        " (or metrics.jsonl and tensorboard/) away, or resume in the"
+        " workdir they came from."
+    )
 
 
 class TensorBoardLog:

@@ -98,6 +98,15 @@ def _join_cluster(
   )
 
 
+def new_run_id() -> str:
+  """A random id for a run that starts from scratch, the same in every
+  process: 16 hex digits."""
+  words = np.random.default_rng().integers(0, 2**31, size=2, dtype=np.int32)
+  if jax.process_count() > 1:
+    words = np.asarray(multihost_utils.broadcast_one_to_all(words))
+  return "".join(f"{int(w):08x}" for w in words)
+
+
 class Interrupted(Exception):
   """Training stopped on a signal after saving a checkpoint at ``step``."""
 

@@ -113,7 +113,9 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
   wait = jax.default_backend() == "cpu"
   with contextlib.ExitStack() as stack:
     stack.callback(checkpoints.close)
-    log = stack.enter_context(loop.TrainLog(experiment, workdir, start))
+    log = stack.enter_context(
+        loop.TrainLog(experiment, workdir, start, checkpoints.run_id)
+    )
     steps = loop.StepRecorder(
         timer, loop.FailurePolicy(config, checkpoints), log
     )
