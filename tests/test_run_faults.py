@@ -63,6 +63,21 @@ def test_another_runs_checkpoints_copied_in_are_refused_naming_the_fix(
   assert len(set(runs)) == 1 and runs[0] != run_a
 
 
+def test_resuming_a_float32_run_under_jax_enable_x64_is_refused(tmp_path):
+  """JAX_ENABLE_X64=1 would run the schedule in float64: the resumed run
+  would not continue bit for bit. Refused, naming the variable."""
+  train.train_and_evaluate(small_config(steps=1), str(tmp_path))
+  jax.config.update("jax_enable_x64", True)
+  try:
+    with pytest.raises(ValueError) as error:
+      train.train_and_evaluate(small_config(steps=2), str(tmp_path))
+  finally:
+    jax.config.update("jax_enable_x64", False)
+  message = str(error.value)
+  assert "was saved with JAX_ENABLE_X64=False, this run has True" in message
+  assert "Resume with the same settings" in message
+
+
 @pytest.mark.parametrize(
     "line, message",
     [

@@ -73,6 +73,9 @@ def run_identity(experiment: Experiment, state: TrainState) -> dict[str, Any]:
       "seed": config.seed,
       "devices": experiment.num_devices,
       "processes": jax.process_count(),
+      # Under it the schedule and other host-side numbers run in float64:
+      # a float32 run resumed with it would not continue bit for bit.
+      "JAX_ENABLE_X64": bool(jax.config.jax_enable_x64),
       "params": {
           jax.tree_util.keystr(path): list(x.shape)
           for path, x in jax.tree_util.tree_leaves_with_path(state.params)
