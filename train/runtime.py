@@ -89,13 +89,46 @@ def _join_cluster(
       file=sys.stderr,
       flush=True,
   )
-  jax.distributed.initialize(
-      coordinator_address=coordinator_address,
-      num_processes=num_processes,
-      process_id=process_id,
-      initialization_timeout=timeout_s,
-      heartbeat_timeout_seconds=timeout_s,
+  # JAX's own timeout aborts the process with "another task died" where
+  # none did: this watchdog ends it first, with a line that says what
+  # happened; JAX's is set past it.
+  watchdog = threading.Timer(
+      timeout_s,
+      _not_joined,
+      (coordinator_address, num_processes, process_id, timeout_s),
   )
+  watchdog.daemon = True
+  watchdog.start()
+  try:
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=timeout_s + JOIN_GRACE_S,
+        heartbeat_timeout_seconds=timeout_s,
+    )
+  finally:
+    watchdog.cancel()
+
+
+# Seconds JAX's own join timeout runs past the trainer's watchdog.
+JOIN_GRACE_S = 30
+# Exit status of a process whose peers did not all join.
+EXIT_NOT_JOINED = 69  # sysexits' EX_UNAVAILABLE
+
+
+def _not_joined(coordinator_address, num_processes, process_id, timeout_s):
+  print(
+      f"process {process_id} of {num_processes}: the other processes did not"
+      f" all join the coordinator at {coordinator_address or '(detected)'}"
+      f" within {timeout_s} s (--distributed_timeout_s), so no step ran."
+      " Start every process with the same --coordinator_address and"
+      " --num_processes, each with its own --process_id; a rerun resumes"
+      " from the latest checkpoint in the workdir, if there is one.",
+      file=sys.stderr,
+      flush=True,
+  )
+  os._exit(EXIT_NOT_JOINED)  # the main thread is blocked inside JAX
 
 
 def new_run_id() -> str:
