@@ -33,11 +33,16 @@ from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 
+import acp_jax
 from acp_jax import checkpoint as acp_checkpoint
 from train import checks
 
+# The layout of a checkpoint and its record, raised when either changes:
+# a checkpoint of another format is refused as version skew, naming the
+# version that wrote it. 1: records before the format was recorded.
+FORMAT = 2
 # Keys the Checkpointer adds to each record.
-_RESERVED = ("run", "checksums", "layout")
+_RESERVED = ("run", "checksums", "layout", "format", "written_by")
 # Damaged checkpoints set aside and kept for inspection, the newest first.
 KEEP_DAMAGED = 3
 
@@ -107,6 +112,8 @@ class Checkpointer:
         {
             **record,
             "run": self._run,
+            "format": FORMAT,
+            "written_by": written_by(),
             "checksums": acp_checkpoint.checksums(state),
             "layout": acp_checkpoint.layout(state),
         }
@@ -203,26 +210,30 @@ class Checkpointer:
     ends in a barrier that a process whose read failed would never reach.
     ``_agree`` is where the processes meet instead.
     """
-    record, error = None, None
+    raw, record, error = None, None, None
     try:
-      record = acp_checkpoint.unsealed(
-          ocp.JsonCheckpointHandler().restore(
-              path / "record", args=ocp.args.JsonRestore()
-          ),
-          path,
+      raw = ocp.JsonCheckpointHandler().restore(
+          path / "record", args=ocp.args.JsonRestore()
       )
-      if missing := [k for k in _RESERVED if k not in record]:
-        error = f"its record lacks {missing}"
-    except acp_checkpoint.DamagedError as e:
-      error = e.reason
     except Exception as e:  # pylint: disable=broad-except
       error = (
           "its record cannot be read:"
           f" {acp_checkpoint.describe_read_error(e)}"
       )
+    # Another version's record is refused as such, before its seal or keys
+    # would call it damaged (the record is one file: every process reads
+    # the same).
+    _check_format(path, raw)
+    if error is None:
+      try:
+        record = acp_checkpoint.unsealed(raw, path)
+        if missing := [k for k in _RESERVED if k not in record]:
+          error = f"its record lacks {missing}"
+      except acp_checkpoint.DamagedError as e:
+        error = e.reason
     _agree(path, error)
     # The record is as saved: what differs now is this run's doing.
-    self._check_run(path, record["run"])
+    self._check_run(path, record["run"], record["written_by"])
     directory = path / "state"
     try:
       abstract = acp_checkpoint.target(
@@ -248,14 +259,21 @@ class Checkpointer:
     acp_checkpoint.verify(state, record["checksums"], path)
     return state, record
 
-  def _check_run(self, path: epath.Path, saved: dict[str, Any]) -> None:
+  def _check_run(
+      self, path: epath.Path, saved: dict[str, Any], by: str
+  ) -> None:
     if differ := acp_checkpoint.differences(
         saved, self._run, now_is="this run has"
     ):
+      skew = (
+          f" It was written by {by}, and this is {written_by()}."
+          if by != written_by()
+          else ""
+      )
       raise ValueError(
           f"checkpoint {path} was saved with "
           + "; ".join(differ)
-          + ". Resume with the same settings, or use another workdir."
+          + f". Resume with the same settings, or use another workdir.{skew}"
       )
 
   def _delete(self, step: int) -> None:
@@ -308,6 +326,28 @@ class Checkpointer:
 
   def close(self) -> None:
     self._manager.close()
+
+
+def written_by() -> str:
+  """The code that writes checkpoints here, as each record names it."""
+  return f"acp_jax {acp_jax.__version__}"
+
+
+def _check_format(path: epath.Path, raw: Any) -> None:
+  """Raises ``ValueError`` if the record ``raw`` (as read, unverified) was
+  written in another checkpoint format: version skew, not damage."""
+  if not isinstance(raw, dict) or raw.get("format") == FORMAT:
+    return
+  saved = raw.get("format", 1)
+  by = raw.get("written_by") or (
+      "an older version of acp_jax (before checkpoints named it)"
+  )
+  raise ValueError(
+      f"checkpoint {path} was written by {by} in checkpoint format {saved};"
+      f" this is {written_by()}, which reads format {FORMAT}: version skew,"
+      " not damage. Resume it with the version that wrote it, or move"
+      f" {path.parent} away to start the run over."
+  )
 
 
 def _stamp(name: str) -> tuple[str, int]:
