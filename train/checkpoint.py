@@ -14,7 +14,9 @@ verifies. One whose record, files or arrays are not as saved is damaged: it
 is set aside with a warning, and the next older one is tried. One saved by
 another run (another compressor, model, batch size, seed or device count, or
 another state layout) is refused, naming saved and now, before any array is
-read. The restore target comes from ``acp_jax.checkpoint.target``: ACP-SGD's
+read. One whose state has another structure than this run's (another
+momentum, say) is refused naming the settings that differ, when its record
+holds them. The restore target comes from ``acp_jax.checkpoint.target``: ACP-SGD's
 phase from the checkpoint, everything else checked against the live state.
 Checkpoints are never followed through a symbolic link.
 """
@@ -43,6 +45,9 @@ from train import checks
 FORMAT = 2
 # Keys the Checkpointer adds to each record.
 _RESERVED = ("run", "checksums", "layout", "format", "written_by")
+# Added to each record too, but not required in one: records of format 2
+# written before it lack it.
+_SETTINGS = "settings"
 # Damaged checkpoints set aside and kept for inspection, the newest first.
 KEEP_DAMAGED = 3
 
@@ -59,18 +64,24 @@ class Checkpointer:
       (compressor, model, device count, the params' shapes...), as
       JSON-serializable nested dicts: saved in every record, compared on
       restore.
+    settings: what else shapes the state (the optimizer's arguments, such
+      as its momentum), as nested dicts keyed by the names an operator sets:
+      saved in every record, not compared on restore (a learning rate may
+      change), but named, saved and now, when a checkpoint's state has
+      another structure.
   """
 
-  def __init__(self, directory: str, *, keep: int, run: dict[str, Any]):
+  def __init__(
+      self,
+      directory: str,
+      *,
+      keep: int,
+      run: dict[str, Any],
+      settings: dict[str, Any] | None = None,
+  ):
     checks.integer("keep", keep, 0)
-    try:
-      # Round-tripped so that it compares equal to what a record holds
-      # (tuples come back as lists).
-      self._run = json.loads(json.dumps(run))
-    except TypeError as e:
-      raise ValueError(
-          f"run must be JSON-serializable, got {run!r}: {e}"
-      ) from e
+    self._run = _json("run", run)
+    self._settings = _json("settings", settings or {})
     directory = os.path.abspath(directory)
     if os.path.islink(directory):
       raise ValueError(
@@ -104,7 +115,7 @@ class Checkpointer:
       OSError: ENOSPC, one line naming the directory, if the disk is full;
         the checkpoints saved before are kept as they were.
     """
-    if reserved := sorted(set(_RESERVED) & set(record)):
+    if reserved := sorted({*_RESERVED, _SETTINGS} & set(record)):
       raise ValueError(
           f"record must not hold {reserved}: the Checkpointer writes them"
       )
@@ -112,6 +123,7 @@ class Checkpointer:
         {
             **record,
             "run": self._run,
+            _SETTINGS: self._settings,
             "format": FORMAT,
             "written_by": written_by(),
             "checksums": acp_checkpoint.checksums(state),
@@ -161,8 +173,9 @@ class Checkpointer:
 
     Raises:
       ValueError: if a checkpoint was saved by another run (each differing
-        key of ``run`` named with both values) or of another state layout;
-        nothing is read from it.
+        key of ``run`` named with both values) or of another state layout
+        (each differing key of ``settings`` named, if any); nothing is read
+        from it.
       RuntimeError: if there are checkpoints but none of them verifies.
     """
     steps = sorted(self._manager.all_steps(), reverse=True)
@@ -191,7 +204,9 @@ class Checkpointer:
         continue
       self._set_aside([step for step, _ in damaged])
       state, record = restored
-      return state, {k: v for k, v in record.items() if k not in _RESERVED}
+      return state, {
+          k: v for k, v in record.items() if k not in (*_RESERVED, _SETTINGS)
+      }
     if damaged:
       raise RuntimeError(
           f"none of the {len(damaged)} checkpoints in"
@@ -241,6 +256,9 @@ class Checkpointer:
       )
     except acp_checkpoint.DamagedError as e:
       error = e.reason
+    except ValueError as e:  # a state of another structure
+      self._explain_structure(path, record.get(_SETTINGS), e)
+      raise
     _agree(path, error)
     handler = ocp.StandardCheckpointHandler()
     try:
@@ -275,6 +293,25 @@ class Checkpointer:
           + "; ".join(differ)
           + f". Resume with the same settings, or use another workdir.{skew}"
       )
+
+  def _explain_structure(
+      self, path: epath.Path, saved: Any, error: ValueError
+  ) -> None:
+    """Raises ``ValueError`` naming the settings that differ from those
+    ``saved`` with the checkpoint at ``path``, whose state has another
+    structure (``error``), if its record holds them and any differ."""
+    if not isinstance(saved, dict):
+      return
+    if differ := acp_checkpoint.differences(
+        saved, self._settings, now_is="this run has"
+    ):
+      raise ValueError(
+          f"checkpoint {path} was saved with "
+          + "; ".join(differ)
+          + ", which gives the optimizer state another structure. Resume"
+          " with the saved value, or use another workdir to start over."
+          f" ({error})"
+      ) from None
 
   def _delete(self, step: int) -> None:
     path = self._manager.directory / str(step)
@@ -326,6 +363,17 @@ class Checkpointer:
 
   def close(self) -> None:
     self._manager.close()
+
+
+def _json(name: str, tree: Any) -> Any:
+  """``tree`` round-tripped through JSON, so that it compares equal to what a
+  record holds (tuples come back as lists)."""
+  try:
+    return json.loads(json.dumps(tree))
+  except TypeError as e:
+    raise ValueError(
+        f"{name} must be JSON-serializable, got {tree!r}: {e}"
+    ) from e
 
 
 def written_by() -> str:

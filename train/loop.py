@@ -158,7 +158,14 @@ class Checkpoints:
   resumed run guards as one that never stopped.
   """
 
-  def __init__(self, experiment, workdir: str, run: dict[str, Any], loader):
+  def __init__(
+      self,
+      experiment,
+      workdir: str,
+      run: dict[str, Any],
+      loader,
+      settings: dict[str, Any] | None = None,
+  ):
     config = experiment.config
     self._every, self._last = (
         config.checkpoint_every_steps,
@@ -169,6 +176,7 @@ class Checkpoints:
         os.path.join(workdir, "checkpoints"),
         keep=config.keep_checkpoints,
         run=run,
+        settings=settings,
     )
     self.last_good = None
     self.loss_start = np.inf

@@ -25,6 +25,7 @@ from train.experiment import init_state
 from train.experiment import put_batch
 from train.experiment import REPLICATED
 from train.experiment import TrainState
+from train.optimizers import compress_mode
 from train.steps import compile_steps
 from train.steps import is_finite
 
@@ -80,6 +81,22 @@ def run_identity(experiment: Experiment, state: TrainState) -> dict[str, Any]:
           jax.tree_util.keystr(path): list(x.shape)
           for path, x in jax.tree_util.tree_leaves_with_path(state.params)
       },
+  }
+
+
+def state_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The settings beyond ``run_identity`` that shape the optimizer state
+  (the optimizer's own arguments, what the compressor averages), keyed as an
+  operator sets them: named when a checkpoint's state has another
+  structure."""
+  optimizer = config.optimizer
+  return {
+      "config": {
+          "optimizer": {
+              optimizer.name: dict(optimizer.get(optimizer.name, {}))
+          },
+          "compressor": {"compress": compress_mode(config)},
+      }
   }
 
 
@@ -181,7 +198,11 @@ def _resume(experiment: Experiment, workdir: str, loader):
   training, kept on the devices."""
   state = init_state(experiment)
   checkpoints = loop.Checkpoints(
-      experiment, workdir, run_identity(experiment, state), loader
+      experiment,
+      workdir,
+      run_identity(experiment, state),
+      loader,
+      settings=state_settings(experiment.config),
   )
   state, start = checkpoints.restore(
       state, functools.partial(is_finite, experiment)
