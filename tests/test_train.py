@@ -213,7 +213,11 @@ def test_each_compressor_learns_digits(compressor, tmp_path):
   config.model.width = 16
   # Decaying the rate lets BatchNorm's running statistics, which eval uses,
   # catch up with the weights.
-  config.schedule = {"name": "cosine", "warmup_steps": 5, "end_factor": 0.0}
+  config.schedule = {
+      "name": "cosine",
+      "warmup_steps": 5,
+      "cosine": {"end_factor": 0.0},
+  }
   summary = train.train_and_evaluate(config, str(tmp_path))
   # Chance is 0.1.
   assert summary["eval_accuracy"] > 0.7, summary
