@@ -442,3 +442,14 @@ def test_a_schedule_argument_beside_the_name_is_pointed_to_its_dict():
   assert "config.schedule.end_factor" in first
   assert "set config.schedule.cosine.end_factor" in first
   assert "step: boundaries, decay_factor" in first
+
+
+def test_an_unknown_model_is_refused_listing_the_known_ones():
+  config = get_config("default")
+  config.model.name = "small-cnn"
+  with pytest.raises(ValueError) as error:
+    experiment_lib.build(config)
+  first = str(error.value).splitlines()[0]
+  assert "config.model.name must be one of" in first
+  assert "'small_cnn'" in first and "'resnet50'" in first
+  assert "got 'small-cnn'" in first

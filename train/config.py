@@ -15,6 +15,7 @@ from typing import Any
 import ml_collections
 
 from train import checks
+from train import models
 from train import pipeline
 from train.optimizers import COMPRESS
 from train.optimizers import COMPRESSORS
@@ -218,6 +219,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   for section in ("model", "data"):
     if "name" not in config[section]:
       raise ValueError(f"config.{section}.name is missing")
+  _check_choice("config.model.name", config.model.name, sorted(models.MODELS))
   _check_numbers(config)
   global_batch_size(config, num_devices)
   pipeline.check(config.data_workers, config.data_prefetch)
