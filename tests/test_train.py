@@ -315,6 +315,25 @@ def test_bad_config_fails_before_compiling(
     train.train_and_evaluate(config, str(tmp_path))
 
 
+def test_a_batch_larger_than_memory_is_refused_naming_the_key(
+    monkeypatch, tmp_path
+):
+  config = small_config()
+  config.batch_size = 4_000_000_000
+
+  def compiled(*args, **kwargs):
+    raise AssertionError("compiled before checking the batch size")
+
+  monkeypatch.setattr(train, "compile_steps", compiled)
+  with pytest.raises(ValueError) as error:
+    train.train_and_evaluate(config, str(tmp_path))
+  first = str(error.value).splitlines()[0]
+  assert first.startswith("config.batch_size=4000000000 needs")
+  assert "lower config.batch_size" in first
+  assert "the training set holds" in first
+  assert not os.listdir(tmp_path)  # refused before the workdir is touched
+
+
 def test_sync_batch_norm_step_is_the_full_batch_step():
   """With S-SGD and synced BN, 8 devices take the one-device full-batch step.
 
