@@ -308,6 +308,16 @@ def test_a_config_file_of_another_kind_is_refused_naming_it(
   assert f"{path}" in result.stderr and message in result.stderr
 
 
+def test_a_yaml_config_file_is_refused_saying_configs_are_python(tmp_path):
+  path = tmp_path / "my_config.yaml"
+  path.write_text("batch_size: 128\noptimizer:\n  learning_rate: 0.1\n")
+  with pytest.raises(ValueError) as error:
+    config_lib.load_file(str(path))
+  first = str(error.value).splitlines()[0]
+  assert f"the config file {path} is not a Python file" in first
+  assert "defining get_config()" in first
+
+
 def test_the_trainer_buckets_gradients_in_backward_order():
   # The default model's output layer, "fc", is its first leaf: the reverse
   # of the leaf order would send its gradients last, backprop makes them

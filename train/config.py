@@ -255,6 +255,13 @@ def load_file(path: str) -> ml_collections.ConfigDict:
   if not os.path.isfile(file):
     raise ValueError(f"the config file {file} does not exist")
   spec = importlib.util.spec_from_file_location("config_file", file)
+  if spec is None:  # not a .py file: nothing would load it
+    raise ValueError(
+        f"the config file {file} is not a Python file: a config is a .py"
+        " file defining get_config() that returns an"
+        " ml_collections.ConfigDict (configs/default.py is one); write its"
+        " settings there, or override them with --config.KEY=VALUE"
+    )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   get_config = getattr(module, "get_config", None)
