@@ -219,6 +219,21 @@ def test_a_workdir_held_by_another_run_is_refused_naming_it(tmp_path):
   assert summary["step"] == 1
 
 
+def test_a_lock_that_is_a_symlink_is_refused_naming_it_and_the_fix(tmp_path):
+  target = tmp_path / "elsewhere"
+  target.write_text("not the run's")
+  lock = tmp_path / "run" / ".lock"
+  lock.parent.mkdir()
+  lock.symlink_to(target)
+  with pytest.raises(ValueError) as error:
+    with runtime.WorkdirLock(str(lock.parent)):
+      pass
+  first = str(error.value).splitlines()[0]
+  assert first.startswith(f"{lock} is a symbolic link")
+  assert f"remove it (rm {lock}) and run again" in first
+  assert target.read_text() == "not the run's"
+
+
 @pytest.mark.slow
 def test_a_second_run_on_a_busy_workdir_is_refused_and_a_dead_ones_lock_is_not(
     tmp_path,

@@ -3,6 +3,7 @@ and what the processes of a run settle at its start: one config, one
 workdir that no other run uses, where to stop on a signal."""
 
 import datetime
+import errno
 import fcntl
 import hashlib
 import json
@@ -251,7 +252,11 @@ class WorkdirLock:
   Raises (on entering):
     RuntimeError: if another run holds ``workdir``, naming its pid, host and
       start time.
+    ValueError: if ``workdir/.lock`` is a symbolic link, naming it.
   """
+
+  # What process 0 found, as it tells the others.
+  HELD, BUSY, LINK = 0, 1, 2
 
   def __init__(self, workdir: str):
     self._workdir = workdir
@@ -259,10 +264,15 @@ class WorkdirLock:
     self._file = None
 
   def __enter__(self):
-    held = jax.process_index() == 0 and self._acquire()
+    found = self._acquire() if jax.process_index() == 0 else self.HELD
     if jax.process_count() > 1:
-      held = bool(multihost_utils.broadcast_one_to_all(np.int32(held)))
-    if not held:
+      found = int(multihost_utils.broadcast_one_to_all(np.int32(found)))
+    if found == self.LINK:
+      raise ValueError(
+          f"{self._path} is a symbolic link; the run's lock is never taken"
+          f" through one: remove it (rm {self._path}) and run again"
+      )
+    if found == self.BUSY:
       raise RuntimeError(
           f"--workdir={self._workdir} is in use by another run"
           f" ({self._holder()}, holding {self._path}): two runs in one"
@@ -277,15 +287,21 @@ class WorkdirLock:
       self._file = None
     return False
 
-  def _acquire(self) -> bool:
-    # O_NOFOLLOW: a symlink out of the workdir is never written through.
-    fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+  def _acquire(self) -> int:
+    """``HELD`` once locked, else ``BUSY`` or ``LINK``."""
+    try:
+      # O_NOFOLLOW: a symlink out of the workdir is never written through.
+      fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+      if e.errno != errno.ELOOP:
+        raise
+      return self.LINK
     f = os.fdopen(fd, "r+")
     try:
       fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
       f.close()
-      return False
+      return self.BUSY
     f.truncate()
     f.write(
         json.dumps(
@@ -300,7 +316,7 @@ class WorkdirLock:
     )
     f.flush()
     self._file = f
-    return True
+    return self.HELD
 
   def _holder(self) -> str:
     try:
