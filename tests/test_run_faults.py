@@ -6,6 +6,8 @@ import os
 import re
 import shutil
 import socket
+import subprocess
+import sys
 import time
 
 import jax
@@ -14,6 +16,7 @@ import pytest
 
 from tests import helpers
 from tests import test_faults
+from tests import test_multihost
 from tests.test_train import losses
 from tests.test_train import small_config
 from train import checkpoint
@@ -293,3 +296,42 @@ def test_processes_with_different_configs_refuse_before_any_step(
     assert "the processes of this run have different configs" in err
     assert message in err
   assert not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+
+
+_FULL_DISK_LOG = """
+import errno, sys
+from tensorboardX import event_file_writer
+from train import metrics
+
+def full(*args):
+  raise OSError(errno.ENOSPC, "No space left on device")
+
+log = metrics.TensorBoardLog(sys.argv[1], 0)
+event_file_writer.EventsWriter.flush = full
+try:
+  log.write({"step": 7, "loss": 1.0})
+except OSError as e:
+  print("ERROR:", e)
+log.close()
+"""
+
+
+def test_a_full_disk_under_the_tensorboard_log_is_one_line_naming_it(tmp_path):
+  """Its writer's flush raising ENOSPC: one line naming the directory, and
+  nothing more when the log is closed or at exit."""
+  out = subprocess.run(
+      [sys.executable, "-c", _FULL_DISK_LOG, str(tmp_path)],
+      cwd=test_multihost.ROOT,
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  (error,) = out.stdout.splitlines()
+  assert error == (
+      "ERROR: [Errno 28] No space left on device: step 7's TensorBoard"
+      f" summaries could not be written to {tmp_path / 'tensorboard'}; the"
+      " checkpoints saved before are kept as they were. Free some space and"
+      " run again to resume."
+  )
+  assert "Traceback" not in out.stderr, out.stderr[-3000:]

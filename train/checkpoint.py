@@ -21,7 +21,6 @@ phase from the checkpoint, everything else checked against the live state.
 Checkpoints are never followed through a symbolic link.
 """
 
-import errno
 import json
 import os
 import shutil
@@ -38,6 +37,7 @@ import orbax.checkpoint as ocp
 import acp_jax
 from acp_jax import checkpoint as acp_checkpoint
 from train import checks
+from train import disk
 
 # The layout of a checkpoint and its record, raised when either changes:
 # a checkpoint of another format is refused as version skew, naming the
@@ -140,15 +140,10 @@ class Checkpointer:
       )
       self._manager.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except
-      if not _no_space(e):
+      if not disk.no_space(e):
         raise
       self._remove_partial(step)
-      raise OSError(
-          errno.ENOSPC,
-          f"No space left on device: checkpoint {step} could not be written"
-          f" to {self._manager.directory}; the checkpoints saved before are"
-          " kept as they were. Free some space and run again to resume.",
-      ) from None
+      raise disk.full(f"checkpoint {step}", self._manager.directory) from None
     if self._keep:
       for old in sorted(self._manager.all_steps())[: -self._keep]:
         self._delete(old)
@@ -403,19 +398,6 @@ def _stamp(name: str) -> tuple[str, int]:
   rest = name.partition(".damaged-")[2]
   n = rest[len("YYYYmmdd-HHMMSS-") :]
   return rest[: len("YYYYmmdd-HHMMSS")], int(n) if n.isdigit() else 1
-
-
-def _no_space(error: BaseException) -> bool:
-  """Whether a full disk is at the root of ``error``, however wrapped."""
-  seen = set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    if getattr(error, "errno", None) == errno.ENOSPC or (
-        "No space left on device" in str(error)
-    ):
-      return True
-    error = error.__cause__ or error.__context__
-  return False
 
 
 def _agree(path: epath.Path, error: str | None) -> None:

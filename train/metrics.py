@@ -11,6 +11,7 @@ import numpy as np
 
 from train import checks
 from train import digest
+from train import disk
 
 
 def params_digest(params) -> str:
@@ -120,9 +121,15 @@ class MetricsLog:
         f.writelines(json.dumps(r) + "\n" for r in records)
 
   def write(self, record: dict[str, Any]) -> None:
-    if self._active:
+    if not self._active:
+      return
+    try:
       with open(self._path, "a") as f:
         f.write(json.dumps(record) + "\n")
+    except OSError as e:
+      if not disk.no_space(e):
+        raise
+      raise disk.full(f"step {record['step']}'s metrics", self._path) from None
 
 
 def _check_one_run(path, records, resume_step: int, run_id) -> None:
@@ -151,11 +158,13 @@ class TensorBoardLog:
   which needs no TensorFlow. Without tensorboardX installed, nothing is
   written and a warning says so. A resumed run hides the steps after its
   checkpoint that an interrupted run had written, as ``metrics.jsonl`` drops
-  them.
+  them. A full disk is one line naming the directory; the writer is then
+  dropped, so that closing it adds no more.
   """
 
   def __init__(self, workdir: str, resume_step: int):
     self._writer = None
+    self._directory = os.path.join(workdir, "tensorboard")
     if jax.process_index() != 0:
       return
     try:
@@ -167,23 +176,48 @@ class TensorBoardLog:
       )
       return
     self._writer = tensorboardX.SummaryWriter(
-        os.path.join(workdir, "tensorboard"),
+        self._directory,
         purge_step=resume_step + 1 if resume_step else None,
     )
 
   def write(self, record: dict[str, Any]) -> None:
     if self._writer is None:
       return
-    for key, value in record.items():
-      if key != "step" and isinstance(value, numbers.Real):
-        self._writer.add_scalar(key, value, record["step"])
-    # Records come every log_every_steps: a crash loses none of them.
-    self._writer.flush()
+    try:
+      for key, value in record.items():
+        if key != "step" and isinstance(value, numbers.Real):
+          self._writer.add_scalar(key, value, record["step"])
+      # Records come every log_every_steps: a crash loses none of them.
+      self._writer.flush()
+    except Exception as e:  # pylint: disable=broad-except
+      if not disk.no_space(e):
+        raise
+      self._drop()
+      raise disk.full(
+          f"step {record['step']}'s TensorBoard summaries", self._directory
+      ) from None
 
   def close(self) -> None:
     if self._writer is not None:
       self._writer.close()
       self._writer = None
+
+  def _drop(self) -> None:
+    """Closes the writer after a full disk, whose closing fails alike."""
+    writer, self._writer = self._writer, None
+    try:
+      writer.close()
+    except Exception as e:  # pylint: disable=broad-except
+      if not disk.no_space(e):
+        raise
+      # Closed as tensorboardX's close does, but its flush: else its thread
+      # and its hook at exit would each meet the full disk again.
+      # pylint: disable=protected-access
+      for file_writer in (writer.all_writers or {}).values():
+        events = file_writer.event_writer
+        events._worker.stop()
+        events._event_queue.close()
+        events._closed = True
 
 
 class Logs:
