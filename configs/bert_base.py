@@ -33,8 +33,6 @@ def get_config():
   config.optimizer.learning_rate = 1e-4
   config.optimizer.weight_decay = 0.01
   config.optimizer.adamw.eps = 1e-6
-  config.schedule = ml_collections.ConfigDict(
-      {"name": "cosine", "warmup_steps": 10_000, "end_factor": 0.0}
-  )
+  config.schedule.warmup_steps = 10_000
   default.dense_warmup(config)
   return config

@@ -39,8 +39,6 @@ def get_config():
   config.eval_every_steps = 500
   config.checkpoint_every_steps = 500
   config.optimizer.learning_rate = 5e-4
-  config.schedule = ml_collections.ConfigDict(
-      {"name": "cosine", "warmup_steps": 200, "end_factor": 0.0}
-  )
+  config.schedule.warmup_steps = 200
   default.dense_warmup(config)
   return config

@@ -70,6 +70,10 @@ def get_config() -> ml_collections.ConfigDict:
   # run before anything of it is saved (the last checkpoint stays good), or
   # "skip" it, keeping the state as it was (as loss scalers do).
   config.nonfinite = "stop"
+  # With "skip": a run that skipped more than this share of its steps
+  # (resumed parts included) saves its checkpoint, prints its summary and
+  # exits non-zero, since what it trained is not what was asked.
+  config.max_skipped_fraction = 0.1
   # A step whose training loss (the global mean) exceeds this many times
   # the lowest loss of the steps before it has diverged: it is stopped or
   # skipped as nonfinite says, though every number is finite. 0: no guard.
@@ -130,10 +134,19 @@ def get_config() -> ml_collections.ConfigDict:
           "adamw": {"b1": 0.9, "b2": 0.999, "eps": 1e-8},
       }
   )
-  # Linear warmup, then "constant", "cosine" (end_factor) or "step"
-  # (boundaries as fractions of the steps after warmup, decay_factor).
+  # Linear warmup, then "constant", "cosine" or "step"; each schedule's own
+  # arguments are in a dict of its own beside the name, as the optimizers'
+  # are, so --config.schedule.name=step works here as is.
   config.schedule = ml_collections.ConfigDict(
-      {"name": "cosine", "warmup_steps": 20, "end_factor": 0.0}
+      {
+          "name": "cosine",
+          "warmup_steps": 20,
+          # The learning rate at the end, as a fraction of the peak.
+          "cosine": {"end_factor": 0.0},
+          # Boundaries as fractions of the steps after warmup, where the
+          # learning rate is multiplied by decay_factor.
+          "step": {"boundaries": (0.5, 0.75), "decay_factor": 0.1},
+      }
   )
   dense_warmup(config)
   return config

@@ -54,13 +54,8 @@ def get_config():
   config.checkpoint_every_steps = 5000
   config.optimizer.learning_rate = 0.1
   config.optimizer.weight_decay = 1e-4
-  config.schedule = ml_collections.ConfigDict(
-      {
-          "name": "step",
-          "warmup_steps": 2500,
-          "boundaries": (1 / 3, 2 / 3, 8 / 9),
-          "decay_factor": 0.1,
-      }
-  )
+  config.schedule.name = "step"
+  config.schedule.warmup_steps = 2500
+  config.schedule.step.boundaries = (1 / 3, 2 / 3, 8 / 9)
   default.dense_warmup(config)
   return config

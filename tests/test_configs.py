@@ -202,7 +202,7 @@ OUT_OF_RANGE = [
     ("optimizer.adamw.b2", 1.0, "a finite number in [0.0, 1.0)"),
     ("optimizer.weight_decay", -1e-4, "a finite number in [0.0, inf)"),
     ("divergence_factor", 0.5, "a finite number in (1.0, inf)"),
-    ("schedule.end_factor", -1.0, "a finite number in [0.0, 1.0]"),
+    ("schedule.cosine.end_factor", -1.0, "a finite number in [0.0, 1.0]"),
     ("model.width", 0, "an int >= 1"),
     ("seed", 10**20, "an int in [0, 4294967295]"),
     ("seed", -1, "an int in [0, 4294967295]"),
@@ -308,6 +308,16 @@ def test_a_config_file_of_another_kind_is_refused_naming_it(
   assert f"{path}" in result.stderr and message in result.stderr
 
 
+def test_a_yaml_config_file_is_refused_saying_configs_are_python(tmp_path):
+  path = tmp_path / "my_config.yaml"
+  path.write_text("batch_size: 128\noptimizer:\n  learning_rate: 0.1\n")
+  with pytest.raises(ValueError) as error:
+    config_lib.load_file(str(path))
+  first = str(error.value).splitlines()[0]
+  assert f"the config file {path} is not a Python file" in first
+  assert "defining get_config()" in first
+
+
 def test_the_trainer_buckets_gradients_in_backward_order():
   # The default model's output layer, "fc", is its first leaf: the reverse
   # of the leaf order would send its gradients last, backprop makes them
@@ -411,3 +421,45 @@ def test_an_argument_of_another_optimizer_is_refused_naming_it():
       match="config.optimizer.sgd: .*unexpected keyword argument 'b1'",
   ):
     config_lib.validate(config, 8)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_schedule_is_chosen_by_name_on_every_config(name):
+  """``--config.schedule.name`` alone switches the schedule: each takes its
+  arguments from a dict of its own, never meeting another's."""
+  path = os.path.join(ROOT, "configs", f"{name}.py")
+  for schedule in ("constant", "cosine", "step"):
+    config = _flags_config(
+        f"--config={path}", f"--config.schedule.name={schedule}"
+    )
+    config_lib.validate(config, 8)
+    peak = config.optimizer.learning_rate
+    after = config.schedule.warmup_steps + 1
+    assert float(optimizers.schedule(config)(after)) == pytest.approx(
+        peak, rel=1e-2
+    )
+    if schedule == "constant":
+      last = config.num_train_steps - 1
+      assert float(optimizers.schedule(config)(last)) == pytest.approx(peak)
+
+
+def test_a_schedule_argument_beside_the_name_is_pointed_to_its_dict():
+  config = get_config("default")
+  config.schedule.end_factor = 0.1
+  with pytest.raises(ValueError) as error:
+    config_lib.validate(config, 8)
+  first = str(error.value).splitlines()[0]
+  assert "config.schedule.end_factor" in first
+  assert "set config.schedule.cosine.end_factor" in first
+  assert "step: boundaries, decay_factor" in first
+
+
+def test_an_unknown_model_is_refused_listing_the_known_ones():
+  config = get_config("default")
+  config.model.name = "small-cnn"
+  with pytest.raises(ValueError) as error:
+    experiment_lib.build(config)
+  first = str(error.value).splitlines()[0]
+  assert "config.model.name must be one of" in first
+  assert "'small_cnn'" in first and "'resnet50'" in first
+  assert "got 'small-cnn'" in first

@@ -146,7 +146,11 @@ def small_bert_config(text_path, tmp_path, steps):
   config.eval_every_steps = 0
   config.checkpoint_every_steps = 0
   config.optimizer.learning_rate = 2e-3
-  config.schedule = {"name": "cosine", "warmup_steps": 10, "end_factor": 0.1}
+  config.schedule = {
+      "name": "cosine",
+      "warmup_steps": 10,
+      "cosine": {"end_factor": 0.1},
+  }
   return config
 
 

@@ -4,7 +4,10 @@ two runs on one workdir, processes that disagree, a state gone non-finite."""
 import json
 import os
 import re
+import shutil
 import socket
+import subprocess
+import sys
 import time
 
 import jax
@@ -13,6 +16,7 @@ import pytest
 
 from tests import helpers
 from tests import test_faults
+from tests import test_multihost
 from tests.test_train import losses
 from tests.test_train import small_config
 from train import checkpoint
@@ -33,6 +37,78 @@ def test_a_metrics_symlink_out_of_the_workdir_is_refused(tmp_path):
   with pytest.raises(ValueError, match=f"symlink to {outside}, outside"):
     train.train_and_evaluate(small_config(steps=2), str(workdir))
   assert outside.read_bytes() == lines
+
+
+@pytest.mark.slow
+def test_another_runs_checkpoints_copied_in_are_refused_naming_the_fix(
+    tmp_path,
+):
+  """Workdir a logged steps 1-2 of seed 0; the checkpoints of a seed-1 run
+  are copied over its own. Resuming a with seed 1 would log steps 3-4 of
+  seed 1 after steps 1-2 of seed 0: refused, naming both runs."""
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  train.train_and_evaluate(small_config(steps=2), a)
+  train.train_and_evaluate(small_config(steps=2, seed=1), b)
+  with open(os.path.join(a, "metrics.jsonl")) as f:
+    (run_a,) = {json.loads(line)["run"] for line in f}
+  shutil.rmtree(os.path.join(a, "checkpoints"))
+  shutil.copytree(os.path.join(b, "checkpoints"), os.path.join(a, "checkpoints"))
+  with pytest.raises(ValueError) as error:
+    train.train_and_evaluate(small_config(steps=4, seed=1), a)
+  message = str(error.value)
+  assert f"holds steps 1-2 of run {run_a}, but the checkpoint of step 2" in message
+  assert "come from another run" in message
+  assert "Move the checkpoints" in message
+  # Its own workdir resumes, under the same run id.
+  train.train_and_evaluate(small_config(steps=3, seed=1), b)
+  with open(os.path.join(b, "metrics.jsonl")) as f:
+    runs = [json.loads(line)["run"] for line in f]
+  assert len(set(runs)) == 1 and runs[0] != run_a
+
+
+def test_resuming_a_float32_run_under_jax_enable_x64_is_refused(tmp_path):
+  """JAX_ENABLE_X64=1 would run the schedule in float64: the resumed run
+  would not continue bit for bit. Refused, naming the variable."""
+  train.train_and_evaluate(small_config(steps=1), str(tmp_path))
+  jax.config.update("jax_enable_x64", True)
+  try:
+    with pytest.raises(ValueError) as error:
+      train.train_and_evaluate(small_config(steps=2), str(tmp_path))
+  finally:
+    jax.config.update("jax_enable_x64", False)
+  message = str(error.value)
+  assert "was saved with JAX_ENABLE_X64=False, this run has True" in message
+  assert "Resume with the same settings" in message
+
+
+@pytest.mark.parametrize(
+    "fields, by",
+    [
+        ({}, "an older version of acp_jax (before checkpoints named it)"),
+        ({"format": 3, "written_by": "acp_jax 9.0"}, "acp_jax 9.0"),
+    ],
+)
+def test_a_checkpoint_of_another_version_is_named_as_version_skew(
+    fields, by, tmp_path
+):
+  """A record re-sealed as another version would write it: without the
+  format (older code), or with a later one. Refused as version skew, naming
+  who wrote it, never called damaged nor set aside."""
+  from acp_jax import checkpoint as acp_checkpoint  # pylint: disable=g-import-not-at-top
+
+  train.train_and_evaluate(small_config(steps=1), str(tmp_path))
+  path = tmp_path / "checkpoints" / "1" / "record" / "metadata"
+  record = json.loads(path.read_text())
+  for key in ("digest", "format", "written_by"):
+    record.pop(key)
+  path.write_text(json.dumps(acp_checkpoint.sealed({**record, **fields})))
+  with pytest.raises(ValueError) as error:
+    train.train_and_evaluate(small_config(steps=2), str(tmp_path))
+  message = str(error.value)
+  assert f"was written by {by} in checkpoint format" in message
+  assert f"this is {checkpoint.written_by()}, which reads format" in message
+  assert "version skew, not damage" in message
+  assert os.listdir(tmp_path / "checkpoints") == ["1"]
 
 
 @pytest.mark.parametrize(
@@ -102,7 +178,12 @@ def test_a_non_finite_batch_norm_statistic_stops_the_run(
 def test_skip_mode_keeps_batch_norm_statistics_finite(tmp_path, monkeypatch):
   init_state = _huge_first_kernel(train.init_state)
   monkeypatch.setattr(train, "init_state", init_state)
-  config = small_config(steps=2, nonfinite="skip", checkpoint_every_steps=2)
+  config = small_config(
+      steps=2,
+      nonfinite="skip",
+      checkpoint_every_steps=2,
+      max_skipped_fraction=1.0,
+  )
   train.train_and_evaluate(config, str(tmp_path))
   with open(tmp_path / "metrics.jsonl") as f:
     lines = [l for l in map(json.loads, f) if "loss" in l]
@@ -139,6 +220,21 @@ def test_a_workdir_held_by_another_run_is_refused_naming_it(tmp_path):
   # Released on leaving: the same run now trains.
   summary = train.train_and_evaluate(small_config(steps=1), str(tmp_path))
   assert summary["step"] == 1
+
+
+def test_a_lock_that_is_a_symlink_is_refused_naming_it_and_the_fix(tmp_path):
+  target = tmp_path / "elsewhere"
+  target.write_text("not the run's")
+  lock = tmp_path / "run" / ".lock"
+  lock.parent.mkdir()
+  lock.symlink_to(target)
+  with pytest.raises(ValueError) as error:
+    with runtime.WorkdirLock(str(lock.parent)):
+      pass
+  first = str(error.value).splitlines()[0]
+  assert first.startswith(f"{lock} is a symbolic link")
+  assert f"remove it (rm {lock}) and run again" in first
+  assert target.read_text() == "not the run's"
 
 
 @pytest.mark.slow
@@ -200,3 +296,42 @@ def test_processes_with_different_configs_refuse_before_any_step(
     assert "the processes of this run have different configs" in err
     assert message in err
   assert not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+
+
+_FULL_DISK_LOG = """
+import errno, sys
+from tensorboardX import event_file_writer
+from train import metrics
+
+def full(*args):
+  raise OSError(errno.ENOSPC, "No space left on device")
+
+log = metrics.TensorBoardLog(sys.argv[1], 0)
+event_file_writer.EventsWriter.flush = full
+try:
+  log.write({"step": 7, "loss": 1.0})
+except OSError as e:
+  print("ERROR:", e)
+log.close()
+"""
+
+
+def test_a_full_disk_under_the_tensorboard_log_is_one_line_naming_it(tmp_path):
+  """Its writer's flush raising ENOSPC: one line naming the directory, and
+  nothing more when the log is closed or at exit."""
+  out = subprocess.run(
+      [sys.executable, "-c", _FULL_DISK_LOG, str(tmp_path)],
+      cwd=test_multihost.ROOT,
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  (error,) = out.stdout.splitlines()
+  assert error == (
+      "ERROR: [Errno 28] No space left on device: step 7's TensorBoard"
+      f" summaries could not be written to {tmp_path / 'tensorboard'}; the"
+      " checkpoints saved before are kept as they were. Free some space and"
+      " run again to resume."
+  )
+  assert "Traceback" not in out.stderr, out.stderr[-3000:]

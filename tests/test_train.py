@@ -213,7 +213,11 @@ def test_each_compressor_learns_digits(compressor, tmp_path):
   config.model.width = 16
   # Decaying the rate lets BatchNorm's running statistics, which eval uses,
   # catch up with the weights.
-  config.schedule = {"name": "cosine", "warmup_steps": 5, "end_factor": 0.0}
+  config.schedule = {
+      "name": "cosine",
+      "warmup_steps": 5,
+      "cosine": {"end_factor": 0.0},
+  }
   summary = train.train_and_evaluate(config, str(tmp_path))
   # Chance is 0.1.
   assert summary["eval_accuracy"] > 0.7, summary
@@ -311,6 +315,25 @@ def test_bad_config_fails_before_compiling(
     train.train_and_evaluate(config, str(tmp_path))
 
 
+def test_a_batch_larger_than_memory_is_refused_naming_the_key(
+    monkeypatch, tmp_path
+):
+  config = small_config()
+  config.batch_size = 4_000_000_000
+
+  def compiled(*args, **kwargs):
+    raise AssertionError("compiled before checking the batch size")
+
+  monkeypatch.setattr(train, "compile_steps", compiled)
+  with pytest.raises(ValueError) as error:
+    train.train_and_evaluate(config, str(tmp_path))
+  first = str(error.value).splitlines()[0]
+  assert first.startswith("config.batch_size=4000000000 needs")
+  assert "lower config.batch_size" in first
+  assert "the training set holds" in first
+  assert not os.listdir(tmp_path)  # refused before the workdir is touched
+
+
 def test_sync_batch_norm_step_is_the_full_batch_step():
   """With S-SGD and synced BN, 8 devices take the one-device full-batch step.
 
@@ -401,29 +424,67 @@ def test_a_loss_that_explodes_while_finite_stops_the_run(tmp_path):
   workdir = str(tmp_path)
   sane = small_config(steps=4, checkpoint_every_steps=2)
   digest = train.train_and_evaluate(sane, workdir)["params_sha256"]
+  first = losses(workdir)[1]
   diverging = small_config(steps=8, checkpoint_every_steps=2)
   diverging.optimizer.learning_rate = 1e3
   with pytest.raises(FloatingPointError) as error:
     train.train_and_evaluate(diverging, workdir)
   message = str(error.value)
-  assert "at step 6 exceeds config.divergence_factor=1000 times its" in message
+  assert "at step 6 exceeds config.divergence_factor=1000 times the" in message
   assert "checkpoint 4 holds the last good state saved" in message
+  assert "lower config.optimizer.learning_rate" in message
   loss = float(message.split("the loss ")[1].split(" ")[0])
-  running_min = float(message.split("running minimum ")[1].split(":")[0])
-  assert np.isfinite(loss) and loss > 1000 * running_min
-  # Steps 1-5, and 1-4 came from before the resume.
-  assert running_min == pytest.approx(min(losses(workdir).values()), rel=1e-5)
+  start = float(message.split("start of training, ")[1].split(":")[0])
+  assert np.isfinite(loss) and loss > 1000 * start
+  # The reference is step 1's loss, saved in checkpoint 4 and restored.
+  assert start == pytest.approx(first, rel=1e-5)
   assert _saved_steps(workdir) == [2, 4]
   # The checkpoint left is the sane run's: resumed with no step left to
   # take, it gives back the same params.
   assert train.train_and_evaluate(sane, workdir)["params_sha256"] == digest
 
 
+def _guard_trips(loss_sequence, factor=1e3):
+  """The steps that the train step's divergence guard flags, for these
+  losses one after another."""
+  from train import steps  # pylint: disable=g-import-not-at-top
+
+  start, flagged = np.float32(np.inf), []
+  for step, loss in enumerate(loss_sequence, start=1):
+    metrics = {"loss": np.float32(loss)}
+    _, metrics = steps._guard(  # pylint: disable=protected-access
+        None,
+        None,
+        metrics,
+        skip_nonfinite=False,
+        divergence_factor=factor,
+        loss_start=start,
+    )
+    start = metrics["loss_start"]
+    if metrics["diverged"]:
+      flagged.append(step)
+  return flagged
+
+
+def test_the_divergence_guard_cannot_stop_a_loss_that_nears_zero():
+  """The default config over a long run: the loss falls from 2.47 to 6e-5,
+  then one batch gives 0.132, 2000 times that minimum but below where the
+  run started. A guard against the running minimum stopped such runs; one
+  against the loss at the start of training lets them be, and still stops
+  a loss that grows past its start."""
+  healthy = [*np.geomspace(2.47, 6.25e-5, 1396), 0.132, 1e-4]
+  assert _guard_trips(healthy) == []
+  assert _guard_trips(healthy, factor=2.0) == []
+  assert _guard_trips([2.3, 2.0, 50.0, 3e4, 2.0]) == [4]
+  # A first step that is skipped (non-finite) sets no reference.
+  assert _guard_trips([np.nan, 2.3, 3e3]) == [3]
+
+
 @pytest.mark.slow
 def test_skip_mode_skips_a_diverged_step_keeping_the_state(tmp_path):
   """With a rate of 1e3 every step after the first diverges: each is
   skipped, and the state stays the one the first step made."""
-  config = small_config(steps=4, nonfinite="skip")
+  config = small_config(steps=4, nonfinite="skip", max_skipped_fraction=1.0)
   config.optimizer.learning_rate = 1e3
   summary = train.train_and_evaluate(config, str(tmp_path / "four"))
   train_lines, _ = read_metrics(str(tmp_path / "four"))
@@ -431,7 +492,10 @@ def test_skip_mode_skips_a_diverged_step_keeping_the_state(tmp_path):
   assert all(np.isfinite(l["loss"]) for l in train_lines)
   one = train.train_and_evaluate(
       small_config(
-          steps=1, nonfinite="skip", optimizer={"learning_rate": 1e3}
+          steps=1,
+          nonfinite="skip",
+          max_skipped_fraction=1.0,
+          optimizer={"learning_rate": 1e3},
       ),
       str(tmp_path / "one"),
   )
@@ -442,6 +506,28 @@ def test_skip_mode_skips_a_diverged_step_keeping_the_state(tmp_path):
   train_lines, _ = read_metrics(str(tmp_path / "off"))
   assert [l["skipped"] for l in train_lines] == [0.0] * 4
   assert unguarded["params_sha256"] != summary["params_sha256"]
+
+
+def test_a_run_that_skips_too_many_steps_counts_them_and_fails(tmp_path):
+  """A rate of 1e3 with nonfinite="skip": every step after the first is
+  skipped. The summary counts them, the count survives a resume, and a run
+  past config.max_skipped_fraction fails once its checkpoint is saved."""
+  from train import loop  # pylint: disable=g-import-not-at-top
+
+  workdir = str(tmp_path)
+  config = small_config(steps=2, nonfinite="skip", max_skipped_fraction=1.0)
+  config.optimizer.learning_rate = 1e3
+  assert train.train_and_evaluate(config, workdir)["skipped_steps"] == 1
+  config.num_train_steps, config.max_skipped_fraction = 4, 0.5
+  with pytest.raises(loop.TooManySkipped) as error:
+    train.train_and_evaluate(config, workdir)
+  assert str(error.value).startswith(
+      "config.nonfinite='skip' skipped 3 of the run's 4 steps (75%), more"
+      " than config.max_skipped_fraction=0.5"
+  )
+  assert error.value.summary["skipped_steps"] == 3
+  assert "skipped steps" in metrics_lib.format_summary(error.value.summary)
+  assert _saved_steps(workdir)[-1] == 4
 
 
 def test_params_digest_reads_each_slice_once_and_plain_arrays_alike():

@@ -18,12 +18,13 @@ import jax
 from ml_collections import config_flags
 
 from train import config as config_lib
+from train import loop
 from train import metrics as metrics_lib
 from train import plots
 from train import runtime
 from train import train
 
-# Exit status after SIGTERM or SIGINT, once the checkpoint is saved: a
+# Exit status after SIGTERM, SIGINT or SIGHUP, once the checkpoint is saved: a
 # temporary failure (sysexits' EX_TEMPFAIL), retrying resumes.
 EXIT_INTERRUPTED = 75
 
@@ -134,6 +135,10 @@ def main(argv):
   except runtime.Interrupted as e:
     print(e, file=sys.stderr)
     sys.exit(EXIT_INTERRUPTED)
+  except loop.TooManySkipped as e:
+    print(metrics_lib.format_summary(e.summary))
+    print(e, file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,13 @@ verifies. One whose record, files or arrays are not as saved is damaged: it
 is set aside with a warning, and the next older one is tried. One saved by
 another run (another compressor, model, batch size, seed or device count, or
 another state layout) is refused, naming saved and now, before any array is
-read. The restore target comes from ``acp_jax.checkpoint.target``: ACP-SGD's
+read. One whose state has another structure than this run's (another
+momentum, say) is refused naming the settings that differ, when its record
+holds them. The restore target comes from ``acp_jax.checkpoint.target``: ACP-SGD's
 phase from the checkpoint, everything else checked against the live state.
 Checkpoints are never followed through a symbolic link.
 """
 
-import errno
 import json
 import os
 import shutil
@@ -33,11 +34,20 @@ from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 
+import acp_jax
 from acp_jax import checkpoint as acp_checkpoint
 from train import checks
+from train import disk
 
+# The layout of a checkpoint and its record, raised when either changes:
+# a checkpoint of another format is refused as version skew, naming the
+# version that wrote it. 1: records before the format was recorded.
+FORMAT = 2
 # Keys the Checkpointer adds to each record.
-_RESERVED = ("run", "checksums", "layout")
+_RESERVED = ("run", "checksums", "layout", "format", "written_by")
+# Added to each record too, but not required in one: records of format 2
+# written before it lack it.
+_SETTINGS = "settings"
 # Damaged checkpoints set aside and kept for inspection, the newest first.
 KEEP_DAMAGED = 3
 
@@ -54,18 +64,24 @@ class Checkpointer:
       (compressor, model, device count, the params' shapes...), as
       JSON-serializable nested dicts: saved in every record, compared on
       restore.
+    settings: what else shapes the state (the optimizer's arguments, such
+      as its momentum), as nested dicts keyed by the names an operator sets:
+      saved in every record, not compared on restore (a learning rate may
+      change), but named, saved and now, when a checkpoint's state has
+      another structure.
   """
 
-  def __init__(self, directory: str, *, keep: int, run: dict[str, Any]):
+  def __init__(
+      self,
+      directory: str,
+      *,
+      keep: int,
+      run: dict[str, Any],
+      settings: dict[str, Any] | None = None,
+  ):
     checks.integer("keep", keep, 0)
-    try:
-      # Round-tripped so that it compares equal to what a record holds
-      # (tuples come back as lists).
-      self._run = json.loads(json.dumps(run))
-    except TypeError as e:
-      raise ValueError(
-          f"run must be JSON-serializable, got {run!r}: {e}"
-      ) from e
+    self._run = _json("run", run)
+    self._settings = _json("settings", settings or {})
     directory = os.path.abspath(directory)
     if os.path.islink(directory):
       raise ValueError(
@@ -99,7 +115,7 @@ class Checkpointer:
       OSError: ENOSPC, one line naming the directory, if the disk is full;
         the checkpoints saved before are kept as they were.
     """
-    if reserved := sorted(set(_RESERVED) & set(record)):
+    if reserved := sorted({*_RESERVED, _SETTINGS} & set(record)):
       raise ValueError(
           f"record must not hold {reserved}: the Checkpointer writes them"
       )
@@ -107,6 +123,9 @@ class Checkpointer:
         {
             **record,
             "run": self._run,
+            _SETTINGS: self._settings,
+            "format": FORMAT,
+            "written_by": written_by(),
             "checksums": acp_checkpoint.checksums(state),
             "layout": acp_checkpoint.layout(state),
         }
@@ -121,15 +140,10 @@ class Checkpointer:
       )
       self._manager.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except
-      if not _no_space(e):
+      if not disk.no_space(e):
         raise
       self._remove_partial(step)
-      raise OSError(
-          errno.ENOSPC,
-          f"No space left on device: checkpoint {step} could not be written"
-          f" to {self._manager.directory}; the checkpoints saved before are"
-          " kept as they were. Free some space and run again to resume.",
-      ) from None
+      raise disk.full(f"checkpoint {step}", self._manager.directory) from None
     if self._keep:
       for old in sorted(self._manager.all_steps())[: -self._keep]:
         self._delete(old)
@@ -154,8 +168,9 @@ class Checkpointer:
 
     Raises:
       ValueError: if a checkpoint was saved by another run (each differing
-        key of ``run`` named with both values) or of another state layout;
-        nothing is read from it.
+        key of ``run`` named with both values) or of another state layout
+        (each differing key of ``settings`` named, if any); nothing is read
+        from it.
       RuntimeError: if there are checkpoints but none of them verifies.
     """
     steps = sorted(self._manager.all_steps(), reverse=True)
@@ -184,7 +199,9 @@ class Checkpointer:
         continue
       self._set_aside([step for step, _ in damaged])
       state, record = restored
-      return state, {k: v for k, v in record.items() if k not in _RESERVED}
+      return state, {
+          k: v for k, v in record.items() if k not in (*_RESERVED, _SETTINGS)
+      }
     if damaged:
       raise RuntimeError(
           f"none of the {len(damaged)} checkpoints in"
@@ -203,26 +220,30 @@ class Checkpointer:
     ends in a barrier that a process whose read failed would never reach.
     ``_agree`` is where the processes meet instead.
     """
-    record, error = None, None
+    raw, record, error = None, None, None
     try:
-      record = acp_checkpoint.unsealed(
-          ocp.JsonCheckpointHandler().restore(
-              path / "record", args=ocp.args.JsonRestore()
-          ),
-          path,
+      raw = ocp.JsonCheckpointHandler().restore(
+          path / "record", args=ocp.args.JsonRestore()
       )
-      if missing := [k for k in _RESERVED if k not in record]:
-        error = f"its record lacks {missing}"
-    except acp_checkpoint.DamagedError as e:
-      error = e.reason
     except Exception as e:  # pylint: disable=broad-except
       error = (
           "its record cannot be read:"
           f" {acp_checkpoint.describe_read_error(e)}"
       )
+    # Another version's record is refused as such, before its seal or keys
+    # would call it damaged (the record is one file: every process reads
+    # the same).
+    _check_format(path, raw)
+    if error is None:
+      try:
+        record = acp_checkpoint.unsealed(raw, path)
+        if missing := [k for k in _RESERVED if k not in record]:
+          error = f"its record lacks {missing}"
+      except acp_checkpoint.DamagedError as e:
+        error = e.reason
     _agree(path, error)
     # The record is as saved: what differs now is this run's doing.
-    self._check_run(path, record["run"])
+    self._check_run(path, record["run"], record["written_by"])
     directory = path / "state"
     try:
       abstract = acp_checkpoint.target(
@@ -230,6 +251,9 @@ class Checkpointer:
       )
     except acp_checkpoint.DamagedError as e:
       error = e.reason
+    except ValueError as e:  # a state of another structure
+      self._explain_structure(path, record.get(_SETTINGS), e)
+      raise
     _agree(path, error)
     handler = ocp.StandardCheckpointHandler()
     try:
@@ -248,15 +272,41 @@ class Checkpointer:
     acp_checkpoint.verify(state, record["checksums"], path)
     return state, record
 
-  def _check_run(self, path: epath.Path, saved: dict[str, Any]) -> None:
+  def _check_run(
+      self, path: epath.Path, saved: dict[str, Any], by: str
+  ) -> None:
     if differ := acp_checkpoint.differences(
         saved, self._run, now_is="this run has"
+    ):
+      skew = (
+          f" It was written by {by}, and this is {written_by()}."
+          if by != written_by()
+          else ""
+      )
+      raise ValueError(
+          f"checkpoint {path} was saved with "
+          + "; ".join(differ)
+          + f". Resume with the same settings, or use another workdir.{skew}"
+      )
+
+  def _explain_structure(
+      self, path: epath.Path, saved: Any, error: ValueError
+  ) -> None:
+    """Raises ``ValueError`` naming the settings that differ from those
+    ``saved`` with the checkpoint at ``path``, whose state has another
+    structure (``error``), if its record holds them and any differ."""
+    if not isinstance(saved, dict):
+      return
+    if differ := acp_checkpoint.differences(
+        saved, self._settings, now_is="this run has"
     ):
       raise ValueError(
           f"checkpoint {path} was saved with "
           + "; ".join(differ)
-          + ". Resume with the same settings, or use another workdir."
-      )
+          + ", which gives the optimizer state another structure. Resume"
+          " with the saved value, or use another workdir to start over."
+          f" ({error})"
+      ) from None
 
   def _delete(self, step: int) -> None:
     path = self._manager.directory / str(step)
@@ -310,24 +360,44 @@ class Checkpointer:
     self._manager.close()
 
 
+def _json(name: str, tree: Any) -> Any:
+  """``tree`` round-tripped through JSON, so that it compares equal to what a
+  record holds (tuples come back as lists)."""
+  try:
+    return json.loads(json.dumps(tree))
+  except TypeError as e:
+    raise ValueError(
+        f"{name} must be JSON-serializable, got {tree!r}: {e}"
+    ) from e
+
+
+def written_by() -> str:
+  """The code that writes checkpoints here, as each record names it."""
+  return f"acp_jax {acp_jax.__version__}"
+
+
+def _check_format(path: epath.Path, raw: Any) -> None:
+  """Raises ``ValueError`` if the record ``raw`` (as read, unverified) was
+  written in another checkpoint format: version skew, not damage."""
+  if not isinstance(raw, dict) or raw.get("format") == FORMAT:
+    return
+  saved = raw.get("format", 1)
+  by = raw.get("written_by") or (
+      "an older version of acp_jax (before checkpoints named it)"
+  )
+  raise ValueError(
+      f"checkpoint {path} was written by {by} in checkpoint format {saved};"
+      f" this is {written_by()}, which reads format {FORMAT}: version skew,"
+      " not damage. Resume it with the version that wrote it, or move"
+      f" {path.parent} away to start the run over."
+  )
+
+
 def _stamp(name: str) -> tuple[str, int]:
   """Sort key of ``STEP.damaged-TIME[-N]``: the time, then N."""
   rest = name.partition(".damaged-")[2]
   n = rest[len("YYYYmmdd-HHMMSS-") :]
   return rest[: len("YYYYmmdd-HHMMSS")], int(n) if n.isdigit() else 1
-
-
-def _no_space(error: BaseException) -> bool:
-  """Whether a full disk is at the root of ``error``, however wrapped."""
-  seen = set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    if getattr(error, "errno", None) == errno.ENOSPC or (
-        "No space left on device" in str(error)
-    ):
-      return True
-    error = error.__cause__ or error.__context__
-  return False
 
 
 def _agree(path: epath.Path, error: str | None) -> None:

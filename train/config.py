@@ -15,6 +15,7 @@ from typing import Any
 import ml_collections
 
 from train import checks
+from train import models
 from train import pipeline
 from train.optimizers import COMPRESS
 from train.optimizers import COMPRESSORS
@@ -37,6 +38,7 @@ KEYS = frozenset(
         "keep_checkpoints",
         "batch_norm",
         "nonfinite",
+        "max_skipped_fraction",
         "divergence_factor",
         "augment",
         "data_workers",
@@ -49,10 +51,12 @@ KEYS = frozenset(
     }
 )
 
-SCHEDULE_KEYS = {
-    "constant": {"warmup_steps"},
-    "cosine": {"warmup_steps", "end_factor"},
-    "step": {"warmup_steps", "boundaries", "decay_factor"},
+# Each schedule's own arguments, in a dict of its own beside the name and
+# the warmup, so that switching config.schedule.name never meets another's.
+SCHEDULES = {
+    "constant": (),
+    "cosine": ("end_factor",),
+    "step": ("boundaries", "decay_factor"),
 }
 BATCH_NORM = ("local", "sync")
 NONFINITE_POLICIES = ("stop", "skip")
@@ -135,26 +139,63 @@ def _check_numbers(config: ml_collections.ConfigDict) -> None:
     _check_optimizer_numbers(
         f"config.optimizer.{name}", config.optimizer.get(name, {})
     )
+  checks.number(
+      "config.max_skipped_fraction", config.max_skipped_fraction, 0.0, 1.0
+  )
   factor = config.get("divergence_factor")
   if factor:  # 0 and None turn the guard off
     checks.number("config.divergence_factor", factor, 1.0, low_open=True)
-  schedule = config.schedule
   checks.int_in(
-      "config.schedule.warmup_steps", schedule.get("warmup_steps", 0), 0
+      "config.schedule.warmup_steps", config.schedule.get("warmup_steps", 0), 0
   )
-  for key, value in schedule.items():
+  for name in SCHEDULES:
+    _check_schedule_numbers(
+        f"config.schedule.{name}", config.schedule.get(name, {})
+    )
+  _check_model_numbers("config.model", config.model)
+
+
+def _check_schedule_numbers(section: str, args) -> None:
+  for key, value in args.items():
     if key in SCHEDULE_RANGES:
-      checks.number(f"config.schedule.{key}", value, **SCHEDULE_RANGES[key])
-  if "boundaries" in schedule:
-    boundaries = schedule.boundaries
+      checks.number(f"{section}.{key}", value, **SCHEDULE_RANGES[key])
+  if "boundaries" in args:
+    boundaries = args["boundaries"]
     if not isinstance(boundaries, (list, tuple)):
       raise ValueError(
-          "config.schedule.boundaries must be a list of fractions of the"
+          f"{section}.boundaries must be a list of fractions of the"
           f" steps after warmup, got {boundaries!r}"
       )
     for i, b in enumerate(boundaries):
-      checks.number(f"config.schedule.boundaries[{i}]", b, 0.0, 1.0)
-  _check_model_numbers("config.model", config.model)
+      checks.number(f"{section}.boundaries[{i}]", b, 0.0, 1.0)
+
+
+def _check_schedule_keys(schedule) -> None:
+  """The schedule's keys: its name, the warmup and each schedule's dict;
+  an argument of one beside the name is pointed to that dict."""
+  for key in set(schedule) - {"name", "warmup_steps", *SCHEDULES}:
+    owner = next((n for n, args in SCHEDULES.items() if key in args), None)
+    if owner is not None:
+      raise ValueError(
+          f"config.schedule.{key} belongs in the {owner} schedule's own"
+          f" dict: set config.schedule.{owner}.{key} (each schedule takes"
+          " its arguments in a dict of its own beside"
+          f" config.schedule.name: {_schedule_args()})"
+      )
+  _check_keys(
+      "config.schedule",
+      set(schedule) - {"name"},
+      {"warmup_steps", *SCHEDULES},
+  )
+  for name, allowed in SCHEDULES.items():
+    _check_keys(f"config.schedule.{name}", schedule.get(name, {}), allowed)
+
+
+def _schedule_args() -> str:
+  """Which arguments each schedule takes, for a message."""
+  return "; ".join(
+      f"{name}: {', '.join(args) or 'none'}" for name, args in SCHEDULES.items()
+  )
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
@@ -173,15 +214,12 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
       set(config.optimizer) - {"name"},
       {*OPTIMIZER_SHARED, *OPTIMIZERS},
   )
-  _check_choice("config.schedule.name", config.schedule.name, SCHEDULE_KEYS)
-  _check_keys(
-      "config.schedule",
-      set(config.schedule) - {"name"},
-      SCHEDULE_KEYS[config.schedule.name],
-  )
+  _check_choice("config.schedule.name", config.schedule.name, SCHEDULES)
+  _check_schedule_keys(config.schedule)
   for section in ("model", "data"):
     if "name" not in config[section]:
       raise ValueError(f"config.{section}.name is missing")
+  _check_choice("config.model.name", config.model.name, sorted(models.MODELS))
   _check_numbers(config)
   global_batch_size(config, num_devices)
   pipeline.check(config.data_workers, config.data_prefetch)
@@ -217,6 +255,13 @@ def load_file(path: str) -> ml_collections.ConfigDict:
   if not os.path.isfile(file):
     raise ValueError(f"the config file {file} does not exist")
   spec = importlib.util.spec_from_file_location("config_file", file)
+  if spec is None:  # not a .py file: nothing would load it
+    raise ValueError(
+        f"the config file {file} is not a Python file: a config is a .py"
+        " file defining get_config() that returns an"
+        " ml_collections.ConfigDict (configs/default.py is one); write its"
+        " settings there, or override them with --config.KEY=VALUE"
+    )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   get_config = getattr(module, "get_config", None)

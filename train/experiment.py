@@ -11,6 +11,7 @@ stacked one slice per device when local. Batches are stacked the same way,
 import dataclasses
 import functools
 import inspect
+import os
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -179,12 +180,36 @@ def _backward_order(config, dataset, model_kwargs, split) -> tuple[int, ...]:
   )
 
 
+# Bytes per row that the loader adds to a batch's own: int64 positions,
+# epochs, offsets, indices and three seeds.
+_LOADER_BYTES_PER_ROW = 7 * 8
+
+
+def _check_batch_fits(config, dataset, global_batch: int) -> None:
+  """Raises ``ValueError`` naming the batch size's key if one batch of this
+  process's rows would not fit in this machine's memory."""
+  example = dataset.train.get(np.arange(1))
+  per_row = _LOADER_BYTES_PER_ROW + sum(x.nbytes for x in example.values())
+  need = global_batch // jax.process_count() * per_row
+  memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  if need <= memory:
+    return
+  key = "batch_size" if config.batch_size else "per_device_batch_size"
+  raise ValueError(
+      f"config.{key}={config[key]} needs {need / 2**30:.1f} GiB of host"
+      f" memory for one batch of {global_batch} examples ({per_row} bytes"
+      f" each), more than this machine's {memory / 2**30:.1f} GiB; lower"
+      f" config.{key} (the training set holds {len(dataset.train)} examples)"
+  )
+
+
 def build(config: ml_collections.ConfigDict) -> Experiment:
   """Checks ``config`` and builds everything but the compiled steps."""
   num_devices = jax.device_count()
   config_lib.validate(config, num_devices)
   global_batch = config_lib.global_batch_size(config, num_devices)
   dataset = data_lib.build(config.data)
+  _check_batch_fits(config, dataset, global_batch)
   model_kwargs = _model_kwargs(config, dataset)
   bn_axis = AXIS if config.batch_norm == "sync" else None
 

@@ -17,12 +17,13 @@ import tqdm
 
 from train import checkpoint
 from train import metrics as metrics_lib
+from train import runtime
 
 # The metrics checked before anything is saved, in the order they arise;
 # then ``state_nonfinite``, which covers every floating array of the state.
 FINITE_METRICS = ("loss", "grad_norm", "update_norm", "param_norm")
 # The divergence guard's metrics: for the loop, not the log.
-GUARD = ("loss_min", "diverged")
+GUARD = ("loss_start", "diverged")
 
 
 def due(step: int, every: int, last: int) -> bool:
@@ -72,13 +73,14 @@ class TrainLog:
   terminal: a train line every ``log_every_steps`` and at the end, each
   held-out evaluation."""
 
-  def __init__(self, experiment, workdir: str, start: int):
+  def __init__(self, experiment, workdir: str, start: int, run_id: str):
     self._experiment = experiment
     config = experiment.config
     self._every, self._last = config.log_every_steps, config.num_train_steps
     self._bytes = experiment.bytes_per_phase()
+    self._run_id = run_id
     self._log = metrics_lib.Logs(
-        metrics_lib.MetricsLog(workdir, start),
+        metrics_lib.MetricsLog(workdir, start, run_id),
         metrics_lib.TensorBoardLog(workdir, start),
     )
     # disable=None: a bar on a terminal only, none in redirected logs.
@@ -105,6 +107,7 @@ class TrainLog:
       self._log.write(
           {
               "step": step,
+              "run": self._run_id,
               **{k: v for k, v in metrics.items() if k not in GUARD},
               "learning_rate": float(experiment.schedule(step - 1)),
               "bytes_sent": self._bytes[phase],
@@ -119,6 +122,7 @@ class TrainLog:
     self._log.write(
         {
             "step": step,
+            "run": self._run_id,
             **metrics,
             # So that held-out curves can be drawn against bytes.
             "bytes_sent_total": self._experiment.bytes_through(step),
@@ -149,12 +153,19 @@ class Checkpoints:
 
   ``last_good`` is the step of the newest checkpoint known to hold a finite
   state: every state saved here has passed the step's check first, a
-  restored one is checked. ``loss_min``, the divergence guard's running
-  minimum, is saved in each record, so that a resumed run guards as one
-  that never stopped.
+  restored one is checked. ``loss_start``, the divergence guard's reference
+  (the loss at the start of training), is saved in each record, so that a
+  resumed run guards as one that never stopped.
   """
 
-  def __init__(self, experiment, workdir: str, run: dict[str, Any], loader):
+  def __init__(
+      self,
+      experiment,
+      workdir: str,
+      run: dict[str, Any],
+      loader,
+      settings: dict[str, Any] | None = None,
+  ):
     config = experiment.config
     self._every, self._last = (
         config.checkpoint_every_steps,
@@ -165,38 +176,53 @@ class Checkpoints:
         os.path.join(workdir, "checkpoints"),
         keep=config.keep_checkpoints,
         run=run,
+        settings=settings,
     )
     self.last_good = None
-    self.loss_min = np.inf
+    self.loss_start = np.inf
+    self.skipped = 0  # steps skipped before the restored checkpoint
+    # Which run this is: drawn at a fresh start, kept in every record, so
+    # that the log of a resumed run can be told from another run's.
+    self.run_id = None
 
   def restore(self, state, is_finite: Callable[[Any], bool]):
     """``(state, step)``: the latest checkpoint's, else ``state`` and 0."""
     restored = self._ckpt.restore_latest(like=state)
     if not restored:
+      self.run_id = runtime.new_run_id()
       return state, 0
     state, record = restored
     step = record["step"]
     checkpoint.check_resume(record, self._loader.position(step))
     if is_finite(state):
       self.last_good = step
-    if record.get("loss_min") is not None:
-      self.loss_min = record["loss_min"]
+    if record.get("loss_start") is not None:
+      self.loss_start = record["loss_start"]
+    self.skipped = record.get("skipped", 0)
+    self.run_id = record.get("run_id")
     return state, step
 
   def due(self, step: int) -> bool:
     return due(step, self._every, self._last)
 
-  def save(self, step: int, state, metrics: dict[str, float]) -> None:
+  def save(
+      self, step: int, state, metrics: dict[str, float], skipped: int
+  ) -> None:
     """Saves ``state`` after ``step``, whose ``metrics`` (read and checked
-    before) carry the running minimum of the loss."""
-    loss_min = metrics.get("loss_min", np.inf)
+    before) carry the loss at the start of training; ``skipped`` steps of
+    the run so far were skipped."""
+    loss_start = metrics.get("loss_start", np.inf)
     self._ckpt.save(
         step,
         state,
         {
             "step": step,
             "data": self._loader.position(step),
-            "loss_min": float(loss_min) if np.isfinite(loss_min) else None,
+            "loss_start": (
+                float(loss_start) if np.isfinite(loss_start) else None
+            ),
+            "skipped": skipped,
+            "run_id": self.run_id,
         },
     )
     self.last_good = step  # its metrics, state check included, just read
@@ -205,19 +231,32 @@ class Checkpoints:
     self._ckpt.close()
 
 
+class TooManySkipped(FloatingPointError):
+  """A run with ``nonfinite="skip"`` skipped more than
+  ``max_skipped_fraction`` of its steps; ``summary`` is its summary."""
+
+  def __init__(self, message: str, summary: dict[str, Any]):
+    super().__init__(message)
+    self.summary = summary
+
+
 class FailurePolicy:
   """What a step whose metrics are not sane does: one skipped by the step
-  itself (``nonfinite="skip"``) is logged as a warning; otherwise a
-  non-finite number, or a loss past ``divergence_factor`` times its running
-  minimum, stops the run with an error naming the step, what went wrong and
-  the checkpoint to resume from."""
+  itself (``nonfinite="skip"``) is logged as a warning and counted in
+  ``skipped``; otherwise a non-finite number, or a loss past
+  ``divergence_factor`` times the loss at the start of training, stops the
+  run with an error naming the step, what went wrong and the checkpoint to
+  resume from."""
 
   def __init__(self, config, checkpoints: Checkpoints):
     self._factor = config.get("divergence_factor") or 0.0
+    self._max_skipped = config.max_skipped_fraction
     self._checkpoints = checkpoints
+    self.skipped = checkpoints.skipped
 
   def check(self, step: int, metrics: dict[str, float]) -> None:
     if metrics.get("skipped"):
+      self.skipped += 1
       logging.warning("step %d skipped: %s", step, self._reason(metrics))
     elif metrics.get("diverged"):
       raise FloatingPointError(self._diverged(step, metrics))
@@ -229,24 +268,43 @@ class FailurePolicy:
           " config.nonfinite='skip' to skip such steps."
       )
 
+  def check_skipped(self, summary: dict[str, Any]) -> None:
+    """Raises ``TooManySkipped`` if the run, now at ``summary["step"]``,
+    skipped more than ``max_skipped_fraction`` of its steps."""
+    steps = summary["step"]
+    if self.skipped <= self._max_skipped * steps:
+      return
+    raise TooManySkipped(
+        f"config.nonfinite='skip' skipped {self.skipped} of the run's"
+        f" {steps} steps ({self.skipped / steps:.0%}), more than"
+        f" config.max_skipped_fraction={self._max_skipped:g}: the params"
+        " are those of the steps kept, not a trained run. Lower"
+        " config.optimizer.learning_rate or check the data; the warnings"
+        " above name each skipped step and why.",
+        summary,
+    )
+
   def _reason(self, metrics: dict[str, float]) -> str:
     if metrics.get("diverged"):
       return (
           f"the loss {metrics['loss']:.4g} is past"
-          f" config.divergence_factor={self._factor:g} times its running"
-          f" minimum {metrics['loss_min']:.4g}"
+          f" config.divergence_factor={self._factor:g} times the loss at the"
+          f" start of training, {metrics['loss_start']:.4g}"
       )
     return f"a non-finite {first_nonfinite(metrics)}"
 
   def _diverged(self, step: int, metrics: dict[str, float]) -> str:
     return (
         f"the loss {metrics['loss']:.6g} at step {step} exceeds"
-        f" config.divergence_factor={self._factor:g} times its running"
-        f" minimum {metrics['loss_min']:.6g}: the run diverged; nothing from"
-        f" this step is saved, and {self._kept(step, diverged=True)}. Lower"
-        " config.optimizer.learning_rate, set config.nonfinite='skip' to"
-        " skip such steps, or config.divergence_factor=0 to turn the guard"
-        " off."
+        f" config.divergence_factor={self._factor:g} times the loss at the"
+        f" start of training, {metrics['loss_start']:.6g}: the run diverged;"
+        f" nothing from this step is saved, and"
+        f" {self._kept(step, diverged=True)}. Training is deterministic, so"
+        " the same settings diverge again: lower"
+        " config.optimizer.learning_rate or lengthen"
+        " config.schedule.warmup_steps and run again to resume"
+        " (config.nonfinite='skip' skips single bad batches instead;"
+        " config.divergence_factor=0 turns the guard off)."
     )
 
   def _kept(self, step: int, diverged: bool) -> str:
@@ -283,7 +341,8 @@ class StepRecorder:
   the last metrics read."""
 
   def __init__(self, timer: StepTimer, policy: FailurePolicy, log: TrainLog):
-    self._timer, self._policy, self._log = timer, policy, log
+    self._timer, self._log = timer, log
+    self.policy = policy
     self._pending = None
     self.latest = {}
 
@@ -300,6 +359,6 @@ class StepRecorder:
     self._pending = None
     metrics = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
     seconds = self._timer.take(step)
-    self._policy.check(step, metrics)
+    self.policy.check(step, metrics)
     self._log.train(step, metrics, seconds)
     self.latest = metrics

@@ -11,6 +11,7 @@ import numpy as np
 
 from train import checks
 from train import digest
+from train import disk
 
 
 def params_digest(params) -> str:
@@ -91,9 +92,12 @@ class MetricsLog:
 
   The file must lie inside ``workdir``: a symlink out of it (left by a
   copied or shared workdir) would have this run rewrite another run's log.
+  A run resumed at ``resume_step`` keeps the lines up to it, which must all
+  carry its ``run_id``: lines of another run mean that the checkpoints were
+  copied in from elsewhere, and the log would splice two runs.
   """
 
-  def __init__(self, workdir: str, resume_step: int):
+  def __init__(self, workdir: str, resume_step: int, run_id: str | None = None):
     self._path = os.path.join(workdir, "metrics.jsonl")
     self._active = jax.process_index() == 0
     if not self._active:
@@ -112,13 +116,38 @@ class MetricsLog:
       records = [
           r for r in read_records(self._path) if r["step"] <= resume_step
       ]
+      _check_one_run(self._path, records, resume_step, run_id)
       with open(self._path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
 
   def write(self, record: dict[str, Any]) -> None:
-    if self._active:
+    if not self._active:
+      return
+    try:
       with open(self._path, "a") as f:
         f.write(json.dumps(record) + "\n")
+    except OSError as e:
+      if not disk.no_space(e):
+        raise
+      raise disk.full(f"step {record['step']}'s metrics", self._path) from None
+
+
+def _check_one_run(path, records, resume_step: int, run_id) -> None:
+  """Raises unless every record kept for a resume was logged by ``run_id``."""
+  if not resume_step or run_id is None:
+    return
+  others = sorted({str(r.get("run")) for r in records} - {run_id})
+  if others:
+    steps = [r["step"] for r in records if r.get("run") != run_id]
+    raise ValueError(
+        f"{path} holds steps {min(steps)}-{max(steps)} of run"
+        f" {', '.join(others)}, but the checkpoint of step {resume_step} was"
+        f" saved by run {run_id}: the checkpoints in"
+        f" {os.path.dirname(path)}/checkpoints come from another run, and"
+        " resuming would splice the two runs' logs. Move the checkpoints"
+        " (or metrics.jsonl and tensorboard/) away, or resume in the"
+        " workdir they came from."
+    )
 
 
 class TensorBoardLog:
@@ -129,11 +158,13 @@ class TensorBoardLog:
   which needs no TensorFlow. Without tensorboardX installed, nothing is
   written and a warning says so. A resumed run hides the steps after its
   checkpoint that an interrupted run had written, as ``metrics.jsonl`` drops
-  them.
+  them. A full disk is one line naming the directory; the writer is then
+  dropped, so that closing it adds no more.
   """
 
   def __init__(self, workdir: str, resume_step: int):
     self._writer = None
+    self._directory = os.path.join(workdir, "tensorboard")
     if jax.process_index() != 0:
       return
     try:
@@ -145,23 +176,48 @@ class TensorBoardLog:
       )
       return
     self._writer = tensorboardX.SummaryWriter(
-        os.path.join(workdir, "tensorboard"),
+        self._directory,
         purge_step=resume_step + 1 if resume_step else None,
     )
 
   def write(self, record: dict[str, Any]) -> None:
     if self._writer is None:
       return
-    for key, value in record.items():
-      if key != "step" and isinstance(value, numbers.Real):
-        self._writer.add_scalar(key, value, record["step"])
-    # Records come every log_every_steps: a crash loses none of them.
-    self._writer.flush()
+    try:
+      for key, value in record.items():
+        if key != "step" and isinstance(value, numbers.Real):
+          self._writer.add_scalar(key, value, record["step"])
+      # Records come every log_every_steps: a crash loses none of them.
+      self._writer.flush()
+    except Exception as e:  # pylint: disable=broad-except
+      if not disk.no_space(e):
+        raise
+      self._drop()
+      raise disk.full(
+          f"step {record['step']}'s TensorBoard summaries", self._directory
+      ) from None
 
   def close(self) -> None:
     if self._writer is not None:
       self._writer.close()
       self._writer = None
+
+  def _drop(self) -> None:
+    """Closes the writer after a full disk, whose closing fails alike."""
+    writer, self._writer = self._writer, None
+    try:
+      writer.close()
+    except Exception as e:  # pylint: disable=broad-except
+      if not disk.no_space(e):
+        raise
+      # Closed as tensorboardX's close does, but its flush: else its thread
+      # and its hook at exit would each meet the full disk again.
+      # pylint: disable=protected-access
+      for file_writer in (writer.all_writers or {}).values():
+        events = file_writer.event_writer
+        events._worker.stop()
+        events._event_queue.close()
+        events._closed = True
 
 
 class Logs:
@@ -196,6 +252,8 @@ def format_summary(summary: dict[str, Any]) -> str:
       ("devices", summary["num_devices"]),
       ("steps", summary["step"]),
   ]
+  if "skipped_steps" in summary:
+    rows.append(("skipped steps", summary["skipped_steps"]))
   for key in ("loss", "accuracy", "eval_loss", "eval_accuracy"):
     if key in summary:
       rows.append((key, f"{summary[key]:.4f}"))

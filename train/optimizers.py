@@ -72,14 +72,16 @@ def _adam_moments(config: ml_collections.ConfigDict) -> dict[str, float]:
 
 
 def schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
-  """Linear warmup from 0, then ``config.schedule.name``'s decay."""
-  args = config.schedule
+  """Linear warmup from 0, then ``config.schedule.name``'s decay, with the
+  arguments in its own dict, ``config.schedule[name]``."""
+  name = config.schedule.name
+  args = config.schedule.get(name, {})
   peak = config.optimizer.learning_rate
-  warmup = args.get("warmup_steps", 0)
+  warmup = config.schedule.get("warmup_steps", 0)
   steps = max(config.num_train_steps - warmup, 1)
-  if args.name == "constant":
+  if name == "constant":
     after = optax.constant_schedule(peak)
-  elif args.name == "cosine":
+  elif name == "cosine":
     after = optax.cosine_decay_schedule(
         peak, steps, alpha=args.get("end_factor", 0.0)
     )

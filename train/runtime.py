@@ -3,6 +3,7 @@ and what the processes of a run settle at its start: one config, one
 workdir that no other run uses, where to stop on a signal."""
 
 import datetime
+import errno
 import fcntl
 import hashlib
 import json
@@ -89,13 +90,55 @@ def _join_cluster(
       file=sys.stderr,
       flush=True,
   )
-  jax.distributed.initialize(
-      coordinator_address=coordinator_address,
-      num_processes=num_processes,
-      process_id=process_id,
-      initialization_timeout=timeout_s,
-      heartbeat_timeout_seconds=timeout_s,
+  # JAX's own timeout aborts the process with "another task died" where
+  # none did: this watchdog ends it first, with a line that says what
+  # happened; JAX's is set past it.
+  watchdog = threading.Timer(
+      timeout_s,
+      _not_joined,
+      (coordinator_address, num_processes, process_id, timeout_s),
   )
+  watchdog.daemon = True
+  watchdog.start()
+  try:
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=timeout_s + JOIN_GRACE_S,
+        heartbeat_timeout_seconds=timeout_s,
+    )
+  finally:
+    watchdog.cancel()
+
+
+# Seconds JAX's own join timeout runs past the trainer's watchdog.
+JOIN_GRACE_S = 30
+# Exit status of a process whose peers did not all join.
+EXIT_NOT_JOINED = 69  # sysexits' EX_UNAVAILABLE
+
+
+def _not_joined(coordinator_address, num_processes, process_id, timeout_s):
+  print(
+      f"process {process_id} of {num_processes}: the other processes did not"
+      f" all join the coordinator at {coordinator_address or '(detected)'}"
+      f" within {timeout_s} s (--distributed_timeout_s), so no step ran."
+      " Start every process with the same --coordinator_address and"
+      " --num_processes, each with its own --process_id; a rerun resumes"
+      " from the latest checkpoint in the workdir, if there is one.",
+      file=sys.stderr,
+      flush=True,
+  )
+  os._exit(EXIT_NOT_JOINED)  # the main thread is blocked inside JAX
+
+
+def new_run_id() -> str:
+  """A random id for a run that starts from scratch, the same in every
+  process: 16 hex digits."""
+  words = np.random.default_rng().integers(0, 2**31, size=2, dtype=np.int32)
+  if jax.process_count() > 1:
+    words = np.asarray(multihost_utils.broadcast_one_to_all(words))
+  return "".join(f"{int(w):08x}" for w in words)
 
 
 class Interrupted(Exception):
@@ -111,13 +154,14 @@ class Interrupted(Exception):
 
 
 class StopRequests:
-  """SIGTERM and SIGINT ask training to save and stop at a step boundary.
+  """SIGTERM, SIGINT and SIGHUP (a closed terminal) ask training to save
+  and stop at a step boundary.
 
   In one process, a handler notes the signal and ``should_stop`` reports it
   at the next step. Across processes, all must stop at the same step: JAX's
   preemption service, which ``jax.distributed`` starts and which catches
   SIGTERM itself, agrees on that step (``reached_preemption_sync_point``);
-  SIGINT is turned into a SIGTERM to reach it.
+  SIGINT and SIGHUP are turned into a SIGTERM to reach it.
   """
 
   def __init__(self):
@@ -125,9 +169,11 @@ class StopRequests:
     self._previous = {}
 
   def __enter__(self):
-    if jax.process_count() == 1:
+    single = jax.process_count() == 1
+    if single:
       self._catch(signal.SIGTERM, self._note)
-    self._catch(signal.SIGINT, self._note if jax.process_count() == 1 else self._forward)
+    for signum in (signal.SIGINT, signal.SIGHUP):
+      self._catch(signum, self._note if single else self._forward)
     return self
 
   def __exit__(self, *exc):
@@ -206,7 +252,11 @@ class WorkdirLock:
   Raises (on entering):
     RuntimeError: if another run holds ``workdir``, naming its pid, host and
       start time.
+    ValueError: if ``workdir/.lock`` is a symbolic link, naming it.
   """
+
+  # What process 0 found, as it tells the others.
+  HELD, BUSY, LINK = 0, 1, 2
 
   def __init__(self, workdir: str):
     self._workdir = workdir
@@ -214,10 +264,15 @@ class WorkdirLock:
     self._file = None
 
   def __enter__(self):
-    held = jax.process_index() == 0 and self._acquire()
+    found = self._acquire() if jax.process_index() == 0 else self.HELD
     if jax.process_count() > 1:
-      held = bool(multihost_utils.broadcast_one_to_all(np.int32(held)))
-    if not held:
+      found = int(multihost_utils.broadcast_one_to_all(np.int32(found)))
+    if found == self.LINK:
+      raise ValueError(
+          f"{self._path} is a symbolic link; the run's lock is never taken"
+          f" through one: remove it (rm {self._path}) and run again"
+      )
+    if found == self.BUSY:
       raise RuntimeError(
           f"--workdir={self._workdir} is in use by another run"
           f" ({self._holder()}, holding {self._path}): two runs in one"
@@ -232,15 +287,21 @@ class WorkdirLock:
       self._file = None
     return False
 
-  def _acquire(self) -> bool:
-    # O_NOFOLLOW: a symlink out of the workdir is never written through.
-    fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+  def _acquire(self) -> int:
+    """``HELD`` once locked, else ``BUSY`` or ``LINK``."""
+    try:
+      # O_NOFOLLOW: a symlink out of the workdir is never written through.
+      fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+      if e.errno != errno.ELOOP:
+        raise
+      return self.LINK
     f = os.fdopen(fd, "r+")
     try:
       fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
       f.close()
-      return False
+      return self.BUSY
     f.truncate()
     f.write(
         json.dumps(
@@ -255,7 +316,7 @@ class WorkdirLock:
     )
     f.flush()
     self._file = f
-    return True
+    return self.HELD
 
   def _holder(self) -> str:
     try:

@@ -42,7 +42,7 @@ def train_step(
     batch_norm: str,
     skip_nonfinite: bool = False,
     divergence_factor: float = 0.0,
-    loss_min: jax.Array | None = None,
+    loss_start: jax.Array | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One step on the global state: local gradients, compressed mean, base
   optimizer.
@@ -57,12 +57,13 @@ def train_step(
   runs under a conditional); the step counter still advances, and so does
   ACP-SGD's phase (keeping the previous factors, a valid state).
 
-  With ``divergence_factor`` and ``loss_min`` (the lowest loss of the steps
-  before, float32 []; inf before the first), ``diverged`` is 1.0 where the
-  loss exceeds their product, and ``loss_min`` comes back with this step's
-  loss taken in (unless it is skipped). The loss is the global mean, so
-  every process decides alike; with ``skip_nonfinite`` a diverged step is
-  skipped as a non-finite one is.
+  With ``divergence_factor`` and ``loss_start`` (the loss of the run's first
+  step that was kept, float32 []; inf before it), ``diverged`` is 1.0 where
+  the loss exceeds their product, and ``loss_start`` comes back set by the
+  first kept step with a finite loss. A healthy run's loss stays below the
+  loss it started from, however close to zero it gets later. The loss is
+  the global mean, so every process decides alike; with ``skip_nonfinite``
+  a diverged step is skipped as a non-finite one is.
   """
 
   stats_spec = batch_stats_spec(batch_norm)
@@ -92,7 +93,7 @@ def train_step(
       metrics,
       skip_nonfinite=skip_nonfinite,
       divergence_factor=divergence_factor,
-      loss_min=loss_min,
+      loss_start=loss_start,
   )
 
 
@@ -157,14 +158,14 @@ def _guard(
     *,
     skip_nonfinite: bool,
     divergence_factor: float,
-    loss_min: jax.Array | None,
+    loss_start: jax.Array | None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """``train_step``'s divergence test and non-finite skip (see there): the
   state the step keeps, and its metrics with ``diverged``, ``skipped`` and
-  ``loss_min`` added where they apply."""
+  ``loss_start`` added where they apply."""
   diverged = jnp.bool_(False)
-  if loss_min is not None and divergence_factor:
-    diverged = metrics["loss"] > divergence_factor * loss_min
+  if loss_start is not None and divergence_factor:
+    diverged = metrics["loss"] > divergence_factor * loss_start
     metrics["diverged"] = diverged.astype(jnp.float32)
   keep = jnp.bool_(True)
   if skip_nonfinite:
@@ -178,10 +179,9 @@ def _guard(
         keep, new_state._replace(step=state.step), state
     )._replace(step=state.step + 1)
     metrics["skipped"] = 1 - keep.astype(jnp.float32)
-  if loss_min is not None:
-    metrics["loss_min"] = jnp.where(
-        keep, jnp.minimum(loss_min, metrics["loss"]), loss_min
-    )
+  if loss_start is not None:
+    first = ~jnp.isfinite(loss_start) & keep & jnp.isfinite(metrics["loss"])
+    metrics["loss_start"] = jnp.where(first, metrics["loss"], loss_start)
   return new_state, metrics
 
 

@@ -25,6 +25,7 @@ from train.experiment import init_state
 from train.experiment import put_batch
 from train.experiment import REPLICATED
 from train.experiment import TrainState
+from train.optimizers import compress_mode
 from train.steps import compile_steps
 from train.steps import is_finite
 
@@ -73,10 +74,29 @@ def run_identity(experiment: Experiment, state: TrainState) -> dict[str, Any]:
       "seed": config.seed,
       "devices": experiment.num_devices,
       "processes": jax.process_count(),
+      # Under it the schedule and other host-side numbers run in float64:
+      # a float32 run resumed with it would not continue bit for bit.
+      "JAX_ENABLE_X64": bool(jax.config.jax_enable_x64),
       "params": {
           jax.tree_util.keystr(path): list(x.shape)
           for path, x in jax.tree_util.tree_leaves_with_path(state.params)
       },
+  }
+
+
+def state_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The settings beyond ``run_identity`` that shape the optimizer state
+  (the optimizer's own arguments, what the compressor averages), keyed as an
+  operator sets them: named when a checkpoint's state has another
+  structure."""
+  optimizer = config.optimizer
+  return {
+      "config": {
+          "optimizer": {
+              optimizer.name: dict(optimizer.get(optimizer.name, {}))
+          },
+          "compressor": {"compress": compress_mode(config)},
+      }
   }
 
 
@@ -103,7 +123,7 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
   loader = _loader(experiment)
   # The pieces of the loop (train/loop.py), each holding its own state.
   train_fn, eval_fn = compile_steps(experiment)
-  checkpoints, state, start, loss_min = _resume(experiment, workdir, loader)
+  checkpoints, state, start, loss_start = _resume(experiment, workdir, loader)
   evaluation = loop.Evaluation(
       config, functools.partial(evaluate, experiment, eval_fn)
   )
@@ -113,7 +133,9 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
   wait = jax.default_backend() == "cpu"
   with contextlib.ExitStack() as stack:
     stack.callback(checkpoints.close)
-    log = stack.enter_context(loop.TrainLog(experiment, workdir, start))
+    log = stack.enter_context(
+        loop.TrainLog(experiment, workdir, start, checkpoints.run_id)
+    )
     steps = loop.StepRecorder(
         timer, loop.FailurePolicy(config, checkpoints), log
     )
@@ -136,9 +158,9 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
           opt_state=experiment.dp.at_step(state.opt_state, index)
       )
       state, metrics = train_fn(
-          state, put_batch(experiment, batch), loss_min=loss_min
+          state, put_batch(experiment, batch), loss_start=loss_start
       )
-      loss_min = metrics["loss_min"]
+      loss_start = metrics["loss_start"]
       if wait:
         jax.block_until_ready(state)
         timer.completed(step)
@@ -150,7 +172,11 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
       if stop:
         raise runtime.Interrupted(stops.signal_name, step)
     steps.flush()
-  return _summary(experiment, state, steps.latest, evaluation, timer)
+  summary = _summary(experiment, state, steps.latest, evaluation, timer)
+  if config.nonfinite == "skip":
+    summary["skipped_steps"] = steps.policy.skipped
+    steps.policy.check_skipped(summary)
+  return summary
 
 
 def _loader(experiment: Experiment) -> data_lib.Loader:
@@ -168,19 +194,24 @@ def _loader(experiment: Experiment) -> data_lib.Loader:
 
 def _resume(experiment: Experiment, workdir: str, loader):
   """The checkpoints of ``workdir`` and what they restore: the state, its
-  step and the divergence guard's running minimum, kept on the devices."""
+  step and the divergence guard's reference, the loss at the start of
+  training, kept on the devices."""
   state = init_state(experiment)
   checkpoints = loop.Checkpoints(
-      experiment, workdir, run_identity(experiment, state), loader
+      experiment,
+      workdir,
+      run_identity(experiment, state),
+      loader,
+      settings=state_settings(experiment.config),
   )
   state, start = checkpoints.restore(
       state, functools.partial(is_finite, experiment)
   )
-  loss_min = jax.device_put(
-      np.float32(checkpoints.loss_min),
+  loss_start = jax.device_put(
+      np.float32(checkpoints.loss_start),
       NamedSharding(experiment.mesh, REPLICATED),
   )
-  return checkpoints, state, start, loss_min
+  return checkpoints, state, start, loss_start
 
 
 def _between_steps(
@@ -194,7 +225,7 @@ def _between_steps(
     if evaluation.due(step):
       log.evaluation(step, evaluation(state))
     if checkpoints.due(step) or stop:
-      checkpoints.save(step, state, steps.latest)
+      checkpoints.save(step, state, steps.latest, steps.policy.skipped)
     timer.pause()
 
 
