@@ -17,6 +17,7 @@ import jax.extend
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from acp_jax import buckets
 from acp_jax import collectives
@@ -443,6 +444,68 @@ def check_not_in_conditional(caller: str) -> None:
           + (fix or "Call the update outside lax.cond and lax.switch.")
       )
     frame = frame.f_back
+
+
+# States of optax transforms that precondition by moments of the gradient:
+# after compressed_adam, which is Adam already, they would scale twice.
+_PRECONDITIONER_STATES = tuple(
+    getattr(optax, name)
+    for name in (
+        "ScaleByAdamState",
+        "ScaleByAmsgradState",
+        "ScaleByBeliefState",
+        "ScaleByRmsState",
+        "ScaleByRssState",
+        "ScaleByNovogradState",
+        "ScaleByAdanState",
+        "ScaleByLionState",
+        "FactoredState",
+    )
+    if hasattr(optax, name)
+)
+
+
+def _states_of(tree: Any, types: tuple[type, ...]) -> list[Any]:
+  """The nodes of ``tree`` that are instances of ``types``."""
+  return [
+      x
+      for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, types))
+      if isinstance(x, types)
+  ]
+
+
+def check_optimizer_after(compressor_name: str, inner_state: Any) -> None:
+  """Raises if the optimizer that ``DataParallel.chain`` feeds holds a
+  transform that cannot follow the compressor, read from its state (an
+  optax transform's state type names it, however deeply it is chained):
+
+  - ``optax.MultiSteps``: the compressed exchange runs before it at every
+    micro-step, so a step of k micro-batches sends k times;
+  - an Adam-like preconditioner after ``compressed_adam``, whose output is
+    Adam's direction already.
+  """
+  if _states_of(inner_state, (optax.MultiStepsState,)):
+    raise ValueError(
+        "DataParallel.chain(tx): tx holds optax.MultiSteps, which would"
+        " accumulate after the compressed exchange, so every micro-step"
+        " would send. Accumulate the local gradients instead: add up k"
+        " micro-batches' dp.value_and_grad gradients with + (and divide by"
+        " k), then call the optimizer once, one compressed send per k"
+        " micro-steps."
+    )
+  if compressor_name != "compressed_adam":
+    return
+  found = _states_of(inner_state, _PRECONDITIONER_STATES)
+  if found:
+    raise ValueError(
+        "DataParallel.chain(tx): the compressor is compressed_adam, which"
+        " returns Adam's direction already, and tx holds"
+        f" {type(found[0]).__name__}, a second preconditioner (optax.adam"
+        " and its kin) that would rescale it again. Chain what follows"
+        " scale_by_adam in optax.adamw instead:"
+        " dp.chain(optax.chain(optax.add_decayed_weights(wd),"
+        " optax.scale_by_learning_rate(lr)))."
+    )
 
 
 def begin_update(grads: Any, axis_name: str, caller: str) -> int:

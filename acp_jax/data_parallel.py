@@ -431,16 +431,26 @@ class DataParallel:
     the compressed mean, as DDP users' clipping sees the all-reduced one.
     Use it where ``tx`` was used: ``tx.update`` in a jitted step, or
     ``nnx.Optimizer(model, dp.chain(tx), wrt=nnx.Param)``.
+
+    ``init`` refuses a ``tx`` that holds ``optax.MultiSteps`` (the exchange
+    before it would send at every micro-step: add micro-batches' local
+    gradients with ``+`` instead), and, after ``compressed_adam``, one that
+    holds a second preconditioner such as ``optax.adam``.
     """
 
+    made_by = self.compressor.made_by
+    name = made_by[0] if made_by else None
+
     def init_fn(params):
+      inner = self._inner_init(tx, params)(params)
+      _checks.check_optimizer_after(name, inner)
       return DataParallelState(
-          comm=self.init_comm(_values(params)),
-          inner=self._inner_init(tx, params)(params),
+          comm=self.init_comm(_values(params)), inner=inner
       )
 
     def update_fn(updates, state, params=None, **extra_args):
       _checks.check_not_in_conditional("DataParallel.chain")
+      _checks.check_optimizer_after(name, state.inner)
       updates = _local_grads.stacked(updates)
       if params is not None:
         _local_grads.check_stacked(updates, params, self.num_devices)

@@ -266,6 +266,21 @@ def test_multisteps_is_refused_with_the_accumulation_path():
     step(params, tx.init(params), *batch())
 
 
+@pytest.mark.parametrize("nested", [False, True])
+def test_multisteps_inside_chain_is_refused(nested):
+  """dp.chain(optax.MultiSteps(opt, k)) would send at every micro-step."""
+  dp = dp_of(acp_jax.acp_sgd(2))
+  inner = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+  tx = (
+      optax.chain(optax.clip(1.0), inner.gradient_transformation())
+      if nested
+      else inner
+  )
+  params = nnx.to_pure_dict(nnx.split(Mlp(nnx.Rngs(0)))[1])
+  with pytest.raises(ValueError, match="holds optax.MultiSteps.*with \\+"):
+    dp.chain(tx).init(params)
+
+
 def test_a_raw_compressor_under_multisteps_is_refused():
   tx = optax.MultiSteps(
       optax.chain(acp_jax.power_sgd(2), optax.sgd(0.1)), every_k_schedule=2
