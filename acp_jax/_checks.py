@@ -312,6 +312,15 @@ def _provenance(x: Any, axis_name: str, depth: int, memo: dict) -> str:
   return kind
 
 
+def is_constant(x: Any) -> bool:
+  """Whether a traced value is computed from literals only (see
+  ``_provenance``): e.g. the gradient of a param the loss never reads,
+  which ``jax.grad`` makes from a zero literal. XLA folds a collective of
+  such a value away (measured: an all-reduce of zeros or of ones, an
+  all-gather of zeros), so it sends nothing."""
+  return _provenance(x, None, 0, {}) == _CONSTANT
+
+
 def check_local(grads: Any, axis_name: str, caller: str) -> None:
   """Raises if every gradient is provably identical across ``axis_name``.
 

@@ -273,12 +273,28 @@ class DataParallel:
     return self.compressor.phases(comm_state)
 
   def comm_bytes(
-      self, params: Any
+      self,
+      params: Any,
+      fun: Callable[..., Any] | None = None,
+      *batch: Any,
+      has_aux: bool = False,
   ) -> dict[str, dict[str, compressor_lib.CommVolume]]:
     """Bytes one step sends per device on each mesh axis, by phase.
 
     Args:
-      params: the parameters, or a tree of ``jax.ShapeDtypeStruct`` like them.
+      params: the parameters, or a tree of ``jax.ShapeDtypeStruct`` like
+        them, or a Flax NNX module (its ``nnx.Param`` variables).
+      fun: None, or the loss as given to ``value_and_grad``; then with
+        ``batch`` (arrays or their shapes) it tells which params the loss
+        never reads. Their gradient is a zero that XLA knows at compile
+        time, and it folds away a collective that sends only such values
+        (the dense all-reduce of an unused layer under S-SGD, or of its
+        bias under Power-SGD and ACP-SGD), so they are left out where the
+        compiled step leaves them out; their compressed factors, computed
+        from a residual, are still sent and counted. Without ``fun``,
+        every param counts as read.
+      *batch: the arguments after the params of ``fun``.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
 
     Returns:
       ``{axis name: {phase: CommVolume}}`` with the phase names of
@@ -294,14 +310,20 @@ class DataParallel:
       sharded over one (model parallelism) are all-gathered whole for the
       step, which warns here.
     """
+    unused = None
+    if fun is not None:
+      unused = _accounting.unused_leaves(fun, params, batch, has_aux)
+    nnx = _local_grads.flax_nnx()
+    if nnx is not None and isinstance(params, nnx.Module):
+      params = nnx.state(params, nnx.Param)
     self._warn_if_sharded_elsewhere(params)
-    if self.local_axis is None:
+    if self.local_axis is None and unused is None:
       return {
           self.axis_name: compressor_lib.comm_bytes(
               self.compressor, params, num_devices=self.num_nodes
           )
       }
-    return _accounting.hierarchical(self, params)
+    return _accounting.hierarchical(self, params, unused=unused)
 
   def _warn_if_sharded_elsewhere(self, params: Any) -> None:
     """Warns if a param is sharded over a mesh axis that is not a device
@@ -376,14 +398,22 @@ class DataParallel:
     return mean, comm_state
 
   def _compress(
-      self, local_grads: Any, comm_state: Any
+      self, local_grads: Any, comm_state: Any, unused: Any = None
   ) -> tuple[Any, Any, Any]:
-    """``compress``, and whether the mean is finite (a replicated bool)."""
+    """``compress``, and whether the mean is finite (a replicated bool).
+    ``unused``: None, or a flag per leaf whose gradient is then taken as
+    zero, a constant, as XLA sees a param that the loss never reads
+    (``comm_bytes`` traces it so)."""
     specs = self.comm_specs(comm_state)
 
     def body(grads, blocks):
       # Each device sees [1, ...] blocks of the stacked arrays.
       grads = jax.tree.map(lambda x: x[0], grads)
+      if unused is not None:
+        leaves, treedef = jax.tree.flatten(grads)
+        grads = treedef.unflatten(
+            [jnp.zeros_like(g) if u else g for g, u in zip(leaves, unused)]
+        )
       if self.local_axis is not None:
         # A node's devices then hand the compressor the same gradient, so
         # their residuals stay identical: one copy per node.

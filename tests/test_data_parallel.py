@@ -250,6 +250,50 @@ def test_compiled_step_sends_the_accounting_plus_the_loss(make):
     assert stats["all-reduce"].bytes == volume[phase].total + 4, phase
 
 
+class MlpWithUnusedLayer(Mlp):
+
+  def __init__(self, rngs):
+    super().__init__(rngs)
+    self.unused = nnx.Linear(128, 128, rngs=rngs)
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: acp_jax.acp_sgd(2), lambda: acp_jax.power_sgd(2), acp_jax.ssgd]
+)
+def test_comm_bytes_given_the_loss_equal_the_compiled_step_with_an_unused_layer(
+    make,
+):
+  """XLA folds the collective of a gradient it knows is zero: S-SGD's
+  all-reduce of the unused 128x128 layer, ACP-SGD's of its bias."""
+  dp = dp_of(make())
+  model = MlpWithUnusedLayer(nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  params = nnx.to_pure_dict(params)
+  tx = dp.chain(optax.sgd(0.1))
+
+  @jax.jit
+  def step(params, state, x, y):
+    loss, grads = dp.value_and_grad(pure_loss(graphdef))(params, x, y)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  state = tx.init(params)
+  every = dp.comm_bytes(params)[AXIS]
+  read = dp.comm_bytes(params, pure_loss(graphdef), *batch())[AXIS]
+  # A module and its loss tell the same.
+  assert dp.comm_bytes(model, nnx_loss, *batch())[AXIS] == read
+  for phase, comm in dp.phase_states(state.comm).items():
+    compiled = step.lower(params, state._replace(comm=comm), *batch()).compile()
+    stats = acp_jax.hlo.collective_stats(compiled.as_text())
+    # The 4 bytes are the loss's mean.
+    assert stats["all-reduce"].bytes == read[phase].total + 4, phase
+    # Power-SGD packs the bias with its factors, which are sent.
+    unsent = {"ssgd": 128 * 129, "acp_sgd": 128, "power_sgd": 0}
+    assert every[phase].total - read[phase].total == (
+        4 * unsent[dp.compressor.made_by[0]]
+    )
+
+
 def test_multisteps_is_refused_with_the_accumulation_path():
   dp = dp_of(acp_jax.acp_sgd(2))
   graphdef, params = nnx.split(Mlp(nnx.Rngs(0)))
