@@ -73,6 +73,8 @@ class DataParallelState(NamedTuple):
 
 # DataParallel's choices for a step whose mean gradient is not finite.
 NONFINITE_POLICIES = ("keep", "skip", "propagate")
+# How value_and_grad's loss is averaged: per device, or over the global count.
+NORMALIZATIONS = ("device", "global")
 
 
 def _values(tree: Any) -> Any:
@@ -502,6 +504,7 @@ class DataParallel:
       has_aux: bool = False,
       aux_specs: Any = None,
       batch_specs: Any = None,
+      normalize: str = "device",
   ) -> Callable[..., tuple[Any, LocalGrads]]:
     """Like ``jax.value_and_grad(fun)``, each device on its own batch shard.
 
@@ -531,9 +534,19 @@ class DataParallel:
     of keys split over the devices is passed as it is, and a key that
     ``fun`` closes over is not seen: pass it as an argument.
 
+    The loss is averaged over the devices, as DDP does: a loss that is a
+    mean over its shard's rows gives the plain loop's mean over the global
+    batch. A mean over a count that differs per shard (a mask of padding,
+    tokens of a language model, weights) does not: each shard's mean
+    counts as much whatever its count. For the global one, have ``fun``
+    return the sum and the count, ``(sum, count)``, and pass
+    ``normalize="global"``: the loss is then ``psum(sum) / psum(count)``,
+    exactly the plain loop's (one more scalar all-reduce).
+
     Args:
       fun: the loss, returning a scalar (or ``(loss, aux)`` with
-        ``has_aux``).
+        ``has_aux``); with ``normalize="global"``, ``(sum, count)`` in place
+        of the scalar.
       has_aux: whether ``fun`` returns ``(loss, aux)``.
       aux_specs: the layout of ``aux``: a prefix tree of ``device_spec``
         (stacked per device on a leading axis, nothing sent; the default)
@@ -545,6 +558,11 @@ class DataParallel:
         the leading one, ``P(None, "data")`` for a time-major ``(T, B, ...)``
         batch) or none at all (``P()``: every device gets it whole, e.g. a
         Linen ``batch_stats`` argument).
+      normalize: ``"device"``: ``fun`` returns the loss of its shard, and
+        the loss is their mean over the devices; ``"global"``: ``fun``
+        returns ``(sum, count)`` of its shard (the count is not
+        differentiated), and the loss is the sum over all devices divided
+        by the count over all devices.
 
     Returns:
       A function returning ``(value, local_grads)``. ``value`` is the loss
@@ -555,6 +573,9 @@ class DataParallel:
       inside it and so sees their compressed mean), or add up several
       micro-batches' first with ``+`` (one compressed send for all).
     """
+    _checks.choice("normalize", normalize, NORMALIZATIONS)
+    if normalize == "global":
+      fun = _globally_normalized(fun, has_aux, self.device_axes)
     return _local_grads.value_and_grad(
         self,
         fun,
@@ -562,6 +583,30 @@ class DataParallel:
         aux_specs=aux_specs,
         batch_specs=batch_specs,
     )
+
+
+def _globally_normalized(
+    fun: Callable[..., Any], has_aux: bool, axes: tuple[str, ...]
+) -> Callable[..., Any]:
+  """``fun``, which returns its shard's ``(sum, count)``, as a loss whose
+  mean over the devices is ``psum(sum) / psum(count)``: each device's
+  ``sum * num_devices / psum(count)``, under ``shard_map`` over ``axes``."""
+
+  def loss(params, *batch):
+    out = fun(params, *batch)
+    value, aux = out if has_aux else (out, None)
+    if not (isinstance(value, (tuple, list)) and len(value) == 2):
+      raise TypeError(
+          'value_and_grad(..., normalize="global") needs a loss returning'
+          " (sum, count) of its shard (with has_aux, ((sum, count), aux)),"
+          f" got {type(value).__name__}"
+      )
+    total, count = value
+    count = lax.psum(lax.stop_gradient(jnp.asarray(count, total.dtype)), axes)
+    local = total * (lax.psum(1, axes) / count)
+    return (local, aux) if has_aux else local
+
+  return loss
 
 
 def _all_finite(arrays: list[jax.Array]) -> jax.Array:

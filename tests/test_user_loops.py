@@ -184,6 +184,53 @@ def test_local_gradients_add_up_and_scale():
     jax.tree.map(jnp.add, g, g)
 
 
+# -- losses normalised by a count -------------------------------------------
+
+
+def masked_problem():
+  """A regression on a padded batch: device d's shard keeps d + 1 rows."""
+  params = {"w": RNG.standard_normal((6, 1)).astype(np.float32)}
+  x = RNG.standard_normal((BATCH, 6)).astype(np.float32)
+  y = RNG.standard_normal((BATCH,)).astype(np.float32)
+  per = BATCH // NUM_DEVICES
+  mask = (np.arange(per)[None] <= np.arange(NUM_DEVICES)[:, None]).ravel()
+  return params, x, y, mask.astype(np.float32)
+
+
+def masked_sum(params, x, y, mask):
+  return jnp.sum(mask * ((x @ params["w"])[:, 0] - y) ** 2), jnp.sum(mask)
+
+
+def masked_mean(params, x, y, mask):
+  total, count = masked_sum(params, x, y, mask)
+  return total / count
+
+
+def test_a_masked_loss_returning_sum_and_count_is_the_global_mean():
+  """A masked mean is normalised per shard, unlike the plain loop's over
+  the global batch; a loss returning (sum, count) with
+  normalize="global" gives the plain loop's exactly."""
+  dp = dp_of()
+  params, *batch = masked_problem()
+  loss, dense = jax.value_and_grad(masked_mean)(params, *batch)
+  batch = put(batch, P(AXIS))
+  value, grads = jax.jit(
+      dp.value_and_grad(masked_sum, normalize="global")
+  )(params, *batch)
+  chex.assert_trees_all_close(value, loss, rtol=1e-6)
+  chex.assert_trees_all_close(
+      mean_over_devices(grads), dense, rtol=1e-5, atol=1e-7
+  )
+  # The per-device mean, as DDP's: each shard's mean weighs alike.
+  _, per_device = jax.jit(dp.value_and_grad(masked_mean))(params, *batch)
+  error = np.abs(mean_over_devices(per_device)["w"] - dense["w"]).max()
+  assert error > 1e-2 * np.abs(dense["w"]).max()
+  with pytest.raises(TypeError, match="returning \\(sum, count\\)"):
+    dp.value_and_grad(masked_mean, normalize="global")(params, *batch)
+  with pytest.raises(ValueError, match="normalize must be one of"):
+    dp.value_and_grad(masked_mean, normalize="mean")
+
+
 # -- which axis is the batch -------------------------------------------------
 
 T = 16  # time steps: the leading axis of a time-major batch
