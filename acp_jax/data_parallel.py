@@ -75,6 +75,8 @@ class DataParallelState(NamedTuple):
 NONFINITE_POLICIES = ("keep", "skip", "propagate")
 # How value_and_grad's loss is averaged: per device, or over the global count.
 NORMALIZATIONS = ("device", "global")
+# Over which batch value_and_grad's NNX BatchNorm layers normalise.
+BATCH_NORMS = ("global", "local")
 
 
 def _values(tree: Any) -> Any:
@@ -505,6 +507,7 @@ class DataParallel:
       aux_specs: Any = None,
       batch_specs: Any = None,
       normalize: str = "device",
+      batch_norm: str = "global",
   ) -> Callable[..., tuple[Any, LocalGrads]]:
     """Like ``jax.value_and_grad(fun)``, each device on its own batch shard.
 
@@ -543,6 +546,16 @@ class DataParallel:
     ``normalize="global"``: the loss is then ``psum(sum) / psum(count)``,
     exactly the plain loop's (one more scalar all-reduce).
 
+    BatchNorm normalises over the global batch, as in the plain loop: an
+    ``nnx.BatchNorm`` of the module given without an ``axis_name`` (and
+    not ``use_running_average``) takes the device axes as its
+    ``axis_name`` for the call, so that its statistics are averaged over
+    the devices (two small all-reduces per layer, 256 B for 16 features
+    in float32, not in ``comm_bytes``). ``batch_norm="local"`` keeps each
+    device's own statistics, as PyTorch DDP does without
+    ``SyncBatchNorm``. A Flax Linen ``nn.BatchNorm`` is not seen: give it
+    ``axis_name``.
+
     Args:
       fun: the loss, returning a scalar (or ``(loss, aux)`` with
         ``has_aux``); with ``normalize="global"``, ``(sum, count)`` in place
@@ -563,6 +576,9 @@ class DataParallel:
         returns ``(sum, count)`` of its shard (the count is not
         differentiated), and the loss is the sum over all devices divided
         by the count over all devices.
+      batch_norm: ``"global"``: an NNX module's ``nnx.BatchNorm`` layers
+        without an ``axis_name`` normalise over the global batch;
+        ``"local"``: over each device's shard.
 
     Returns:
       A function returning ``(value, local_grads)``. ``value`` is the loss
@@ -574,15 +590,45 @@ class DataParallel:
       micro-batches' first with ``+`` (one compressed send for all).
     """
     _checks.choice("normalize", normalize, NORMALIZATIONS)
+    _checks.choice("batch_norm", batch_norm, BATCH_NORMS)
     if normalize == "global":
       fun = _globally_normalized(fun, has_aux, self.device_axes)
-    return _local_grads.value_and_grad(
+    compute = _local_grads.value_and_grad(
         self,
         fun,
         has_aux=has_aux,
         aux_specs=aux_specs,
         batch_specs=batch_specs,
     )
+    if batch_norm == "local":
+      return compute
+
+    def synchronized(params, *batch):
+      norms = _unsynchronized_batch_norms(params)
+      for norm in norms:
+        norm.axis_name = self.device_axes
+      try:
+        return compute(params, *batch)
+      finally:
+        for norm in norms:
+          norm.axis_name = None
+
+    return synchronized
+
+
+def _unsynchronized_batch_norms(model: Any) -> list[Any]:
+  """The ``nnx.BatchNorm`` layers of ``model`` (if an NNX module) that
+  compute batch statistics over no axis: each device's shard alone."""
+  nnx = _local_grads.flax_nnx()
+  if nnx is None or not isinstance(model, nnx.Module):
+    return []
+  return [
+      node
+      for _, node in nnx.iter_graph(model)
+      if isinstance(node, nnx.BatchNorm)
+      and node.axis_name is None
+      and not node.use_running_average
+  ]
 
 
 def _globally_normalized(

@@ -184,6 +184,74 @@ def test_local_gradients_add_up_and_scale():
     jax.tree.map(jnp.add, g, g)
 
 
+# -- BatchNorm ---------------------------------------------------------------
+
+
+class NnxNormed(nnx.Module):
+
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(6, 16, rngs=rngs)
+    self.norm = nnx.BatchNorm(16, rngs=rngs)
+    self.out = nnx.Linear(16, 1, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(jax.nn.relu(self.norm(self.hidden(x))))
+
+
+def normed_loss(model, x, y):
+  return jnp.mean((model(x)[:, 0] - y) ** 2)
+
+
+def train_normed(value_and_grad, x, y, steps=3):
+  model = NnxNormed(nnx.Rngs(0))
+  tx = optax.sgd(0.1)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    _, grads = value_and_grad(normed_loss)(model, x, y)
+    optimizer.update(model, grads)
+
+  for _ in range(steps):
+    step(model, optimizer, x, y)
+  return nnx.state(model)
+
+
+def test_batch_norm_normalises_over_the_global_batch_like_the_plain_loop():
+  """nnx.BatchNorm without axis_name: statistics over the global batch by
+  default, as the plain loop's; batch_norm="local" keeps DDP's."""
+  x = RNG.standard_normal((BATCH, 6)).astype(np.float32)
+  x = x * (1 + np.arange(BATCH)[:, None] % 3).astype(np.float32)
+  y = RNG.standard_normal((BATCH,)).astype(np.float32)
+  plain = train_normed(nnx.value_and_grad, x, y)
+
+  dp = dp_of()
+
+  def compressed(batch_norm):
+    def make(loss_fn):
+      return dp.value_and_grad(loss_fn, batch_norm=batch_norm)
+
+    model = NnxNormed(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, dp.chain(optax.sgd(0.1)), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+      _, grads = make(normed_loss)(model, x, y)
+      optimizer.update(model, grads)
+
+    for _ in range(3):
+      step(model, optimizer, *put((x, y), P(AXIS)))
+    assert model.norm.axis_name is None
+    return nnx.state(model)
+
+  chex.assert_trees_all_close(
+      compressed("global"), plain, rtol=1e-5, atol=1e-6
+  )
+  local = compressed("local")
+  error = np.abs(local["norm"]["var"][...] - plain["norm"]["var"][...]).max()
+  assert error > 1e-2
+
+
 # -- losses normalised by a count -------------------------------------------
 
 
