@@ -359,6 +359,28 @@ def test_a_time_major_batch_splits_along_its_sharded_axis():
   )
 
 
+def test_a_time_major_batch_under_jit_on_auto_axes_is_refused():
+  """Under jit on Auto axes a (T, B, F) batch beside (T, B) labels looks
+  like a batch on axis 0: refused, where it would be split along time."""
+  dp = dp_of()
+  params, x, y = rnn_problem()
+  dense = jax.grad(rnn_loss)(params, x, y)
+  placed = put((x, y), P(None, AXIS))
+  with pytest.raises(ValueError, match="ambiguous.*P\\(None, 'data'\\)"):
+    jax.jit(dp.value_and_grad(rnn_loss))(params, *placed)
+  # Said with batch_specs, it is the dense gradient.
+  specs = (P(None, AXIS), P(None, AXIS))
+  _, grads = jax.jit(dp.value_and_grad(rnn_loss, batch_specs=specs))(
+      params, *placed
+  )
+  chex.assert_trees_all_close(
+      mean_over_devices(grads), dense, rtol=1e-5, atol=1e-7
+  )
+  # Labels of one axis say that axis 0 is the batch.
+  params, *batch = masked_problem()
+  jax.jit(dp.value_and_grad(masked_mean))(params, *put(batch, P(AXIS)))
+
+
 def test_a_batch_axis_that_disagrees_in_size_is_refused():
   """Time-major x beside labels y (B,): splitting both along axis 0 is
   ambiguous."""
