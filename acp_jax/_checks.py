@@ -321,6 +321,38 @@ def is_constant(x: Any) -> bool:
   return _provenance(x, None, 0, {}) == _CONSTANT
 
 
+def from_sources(
+    x: Any, sources: set[int], axes: tuple[str, ...], depth: int = 0
+) -> bool:
+  """Whether a traced value provably depends on one of ``sources`` (ids
+  of tracers: each device's shard of the batch) or on the device index,
+  through no reducing collective over ``axes``: then it differs across
+  devices. Like ``_provenance``, it gives up (False) at what it cannot
+  see through: a nested jaxpr, more than ``_PROVENANCE_DEPTH`` equations.
+  A value traced under ``jax.grad`` is followed through its primal."""
+  while hasattr(x, "primal"):
+    x = x.primal
+  if id(x) in sources:
+    return True
+  parent = getattr(x, "parent", None)
+  if parent is None or depth > _PROVENANCE_DEPTH:
+    return False
+  name = parent.primitive.name
+  collective = _collective_axes(parent.params)
+  if name == "axis_index":
+    return True
+  if collective is not None and set(axes) <= set(collective):
+    return name not in _REDUCING
+  if any(
+      isinstance(v, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr))
+      for v in parent.params.values()
+  ):
+    return False
+  return any(
+      from_sources(t, sources, axes, depth + 1) for t in parent.in_tracers
+  )
+
+
 def check_local(grads: Any, axis_name: str, caller: str) -> None:
   """Raises if every gradient is provably identical across ``axis_name``.
 

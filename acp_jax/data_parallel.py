@@ -525,7 +525,10 @@ class DataParallel:
     device, and any other array is split along its leading axis. Where
     such assumed leading axes disagree in size with the other split axes
     (BatchNorm statistics beside a batch, a time-major sequence beside its
-    labels), which axis is the batch is ambiguous, and the call is refused.
+    labels), which axis is the batch is ambiguous, and the call is refused;
+    so is it where nothing shows the placement (under ``jit`` on ``Auto``
+    mesh axes) and every split argument's axes 0 and 1 agree in size, as a
+    time-major ``(T, B, F)`` batch beside ``(T, B)`` labels.
 
     Randomness differs per device, as in a loop over the whole batch: the
     device's index (over the device axes, as it stacks) is folded into every
@@ -564,7 +567,9 @@ class DataParallel:
       aux_specs: the layout of ``aux``: a prefix tree of ``device_spec``
         (stacked per device on a leading axis, nothing sent; the default)
         and ``P()`` (a value identical on every device, e.g. statistics
-        synchronized by a collective inside ``fun``, returned once).
+        synchronized by a collective inside ``fun``, returned once). A
+        ``P()`` value that is computed from the device's batch shard with
+        no collective over the device axes is refused at trace time.
       batch_specs: None, or one entry per argument after the params: None
         (split as above) or a ``PartitionSpec`` prefix tree of the argument
         naming the device axes on the axis to split (``device_spec`` for
@@ -591,15 +596,27 @@ class DataParallel:
     """
     _checks.choice("normalize", normalize, NORMALIZATIONS)
     _checks.choice("batch_norm", batch_norm, BATCH_NORMS)
-    if normalize == "global":
-      fun = _globally_normalized(fun, has_aux, self.device_axes)
-    compute = _local_grads.value_and_grad(
-        self,
-        fun,
-        has_aux=has_aux,
-        aux_specs=aux_specs,
-        batch_specs=batch_specs,
-    )
+
+
+    def compute(params, *batch):
+      loss = fun
+      if has_aux and aux_specs is not None:
+        specs = _specs.batch_specs(
+            batch, batch_specs, self.device_spec, self.num_devices
+        )
+        loss = _with_replicated_aux_checked(
+            fun, aux_specs, specs, self.device_axes
+        )
+      if normalize == "global":
+        loss = _globally_normalized(loss, has_aux, self.device_axes)
+      return _local_grads.value_and_grad(
+          self,
+          loss,
+          has_aux=has_aux,
+          aux_specs=aux_specs,
+          batch_specs=batch_specs,
+      )(params, *batch)
+
     if batch_norm == "local":
       return compute
 
@@ -614,6 +631,48 @@ class DataParallel:
           norm.axis_name = None
 
     return synchronized
+
+
+def _with_replicated_aux_checked(
+    fun: Callable[..., Any], aux_specs: Any, specs: tuple, axes: tuple
+) -> Callable[..., Any]:
+  """``fun``, refusing at trace time an ``aux`` leaf given ``P()`` (one
+  value for all devices) that is computed from this device's shard of the
+  batch (its arguments split by ``specs``) with no collective over
+  ``axes``: ``shard_map`` would return device 0's value as everyone's."""
+
+  def checked(params, *batch):
+    loss, aux = fun(params, *batch)
+    sources = {
+        id(x)
+        for arg, arg_specs in zip(batch, specs)
+        for x, spec in zip(
+            jax.tree.leaves(arg),
+            jax.tree.leaves(arg_specs, is_leaf=_specs.is_spec),
+        )
+        if not _specs.is_replicated(spec)
+    }
+    paired = jax.tree.map(
+        lambda spec, a: [(spec, x) for x in jax.tree.leaves(a)],
+        aux_specs,
+        aux,
+        is_leaf=_specs.is_spec,
+    )
+    pairs = jax.tree.leaves(paired, is_leaf=lambda p: isinstance(p, tuple))
+    for spec, x in pairs:
+      if spec == P() and _checks.from_sources(x, sources, axes):
+        raise ValueError(
+            "value_and_grad: aux_specs gives P() (one value for all"
+            f" devices) to an aux value of shape {jnp.shape(x)} that is"
+            " computed from this device's shard of the batch, with no"
+            " collective over the device axes: every device holds its own,"
+            " and P() would return device 0's. Average it inside the loss"
+            f" (lax.pmean(value, {axes!r})), or leave aux_specs at its"
+            " default, which returns every device's value stacked."
+        )
+    return loss, aux
+
+  return checked
 
 
 def _unsynchronized_batch_norms(model: Any) -> list[Any]:

@@ -299,6 +299,43 @@ def test_a_masked_loss_returning_sum_and_count_is_the_global_mean():
     dp.value_and_grad(masked_mean, normalize="mean")
 
 
+# -- aux returned once ------------------------------------------------------
+
+
+def test_a_per_device_aux_given_one_spec_for_all_devices_is_refused():
+  """aux_specs=P() on a value each device computes from its own shard would
+  return device 0's; averaged inside the loss, it is the plain loop's."""
+  dp = dp_of()
+  params, x = tanh_problem()
+
+  def loss_and_mean(params, x):
+    y = jnp.tanh(x @ params["w"])
+    return jnp.mean(y**2), jnp.mean(y)
+
+  def loss_and_global_mean(params, x):
+    loss, mean = loss_and_mean(params, x)
+    return loss, jax.lax.pmean(mean, AXIS)
+
+  with pytest.raises(ValueError, match="aux_specs gives P\\(\\).*pmean"):
+    jax.jit(dp.value_and_grad(loss_and_mean, has_aux=True, aux_specs=P()))(
+        params, x
+    )
+  (_, mean), _ = jax.jit(
+      dp.value_and_grad(loss_and_global_mean, has_aux=True, aux_specs=P())
+  )(params, x)
+  _, dense = loss_and_mean(params, np.asarray(x))
+  chex.assert_trees_all_close(mean, dense, rtol=1e-5)
+  # A value of the params alone is the same on every device.
+  (_, norm), _ = jax.jit(
+      dp.value_and_grad(
+          lambda p, x: (tanh_loss(p, x), jnp.sum(p["w"] ** 2)),
+          has_aux=True,
+          aux_specs=P(),
+      )
+  )(params, x)
+  chex.assert_trees_all_close(norm, jnp.sum(params["w"] ** 2), rtol=1e-6)
+
+
 # -- which axis is the batch -------------------------------------------------
 
 T = 16  # time steps: the leading axis of a time-major batch
