@@ -36,6 +36,14 @@ def integer(name: str, value: Any, minimum: int, *, numpy: bool = False) -> Any:
   """``value``; raises unless it is an int (or, with ``numpy``, a NumPy
   integer) of at least ``minimum``, 0 or 1."""
   types = (int, np.integer) if numpy else (int,)
+  if isinstance(value, jax.core.Tracer):
+    raise ValueError(
+        f"{name} must be a Python int known outside jit, got a traced"
+        f" {jax.typeof(value).str_short()}: it decides which program the"
+        " step compiles, so it is read on the host. Call it outside the"
+        " jitted function (opt_state = dp.at_step(opt_state, step) in the"
+        " loop, before the jitted step), with the number of steps taken."
+    )
   if not _is_int(value, types) or value < minimum:
     kind = "positive" if minimum == 1 else "non-negative"
     raise ValueError(f"{name} must be a {kind} int, got {value!r}")
