@@ -38,6 +38,7 @@ arguments split over the devices) and ``_accounting`` (what ``comm_bytes``
 records).
 """
 
+from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -485,6 +486,13 @@ class DataParallel:
     def update_fn(updates, state, params=None, **extra_args):
       _checks.check_not_in_conditional("DataParallel.chain")
       _checks.check_optimizer_after(name, state.inner)
+      if isinstance(updates, Mapping) and set(updates) == {"stacked"}:
+        raise TypeError(
+            "nnx.Optimizer's wrt filter left out the guard of the local"
+            " gradients (an nnx.Param at path 'guard'): add it to your"
+            " filter, wrt=nnx.Any(<your filter>, nnx.PathContains('guard')),"
+            " which keeps the params it leaves out frozen."
+        )
       updates = _local_grads.stacked(updates)
       if params is not None:
         _local_grads.check_stacked(updates, params, self.num_devices)

@@ -250,6 +250,38 @@ def test_compiled_step_sends_the_accounting_plus_the_loss(make):
     assert stats["all-reduce"].bytes == volume[phase].total + 4, phase
 
 
+def test_a_freezing_wrt_filter_is_told_to_keep_the_guard_and_then_freezes():
+  """nnx.Optimizer(..., wrt=filter) that freezes some params drops the
+  local gradients' guard; the filter the refusal names trains as the plain
+  loop with the user's filter does."""
+  only_out = nnx.All(nnx.Param, nnx.PathContains("out"))
+
+  def trained(value_and_grad, tx, wrt):
+    model = Mlp(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=wrt)
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+      _, grads = value_and_grad(nnx_loss)(model, x, y)
+      optimizer.update(model, grads)
+
+    step(model, optimizer, *batch())
+    return nnx.state(model, nnx.Param)
+
+  plain = trained(nnx.value_and_grad, optax.sgd(0.1), only_out)
+  dp = dp_of(acp_jax.ssgd())
+  with pytest.raises(TypeError, match="PathContains\\('guard'\\)"):
+    trained(dp.value_and_grad, dp.chain(optax.sgd(0.1)), only_out)
+  frozen = trained(
+      dp.value_and_grad,
+      dp.chain(optax.sgd(0.1)),
+      nnx.Any(only_out, nnx.PathContains("guard")),
+  )
+  chex.assert_trees_all_close(frozen, plain, rtol=1e-5, atol=1e-7)
+  initial = nnx.state(Mlp(nnx.Rngs(0)), nnx.Param)
+  chex.assert_trees_all_equal(frozen["hidden"], initial["hidden"])
+
+
 class MlpWithUnusedLayer(Mlp):
 
   def __init__(self, rngs):
