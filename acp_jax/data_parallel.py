@@ -44,6 +44,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import optax
@@ -607,13 +608,15 @@ class DataParallel:
 
 
     def compute(params, *batch):
-      loss = fun
+      specs = _specs.batch_specs(
+          batch, batch_specs, self.device_spec, self.num_devices
+      )
+      loss = _naming_assumed_splits(
+          fun, batch, specs, batch_specs, self.device_spec[0]
+      )
       if has_aux and aux_specs is not None:
-        specs = _specs.batch_specs(
-            batch, batch_specs, self.device_spec, self.num_devices
-        )
         loss = _with_replicated_aux_checked(
-            fun, aux_specs, specs, self.device_axes
+            loss, aux_specs, specs, self.device_axes
         )
       if normalize == "global":
         loss = _globally_normalized(loss, has_aux, self.device_axes)
@@ -639,6 +642,47 @@ class DataParallel:
           norm.axis_name = None
 
     return synchronized
+
+
+def _naming_assumed_splits(
+    fun: Callable[..., Any], batch: tuple, specs: tuple, given: Any, axis: Any
+) -> Callable[..., Any]:
+  """``fun``, whose failure on shapes, when some argument was split along
+  its leading axis for want of a ``batch_specs`` entry, is reported naming
+  those arguments and ``batch_specs``: an argument that is not a batch
+  (Linen ``batch_stats`` whose channels equal the batch size) splits
+  without an error of ours and fails inside the loss."""
+  given = (None,) * len(batch) if given is None else given
+  assumed = [
+      f"argument {i + 1} {[tuple(np.shape(x)) for x in jax.tree.leaves(arg)]}"
+      for i, (arg, arg_specs, entry) in enumerate(zip(batch, specs, given))
+      if entry is None
+      and not all(
+          _specs.is_replicated(spec)
+          for spec in jax.tree.leaves(arg_specs, is_leaf=_specs.is_spec)
+      )
+  ]
+  if not assumed:
+    return fun
+
+  def named(params, *args):
+    try:
+      return fun(params, *args)
+    except (TypeError, ValueError) as e:
+      if "shape" not in str(e):
+        raise
+      raise ValueError(
+          "the loss failed on the shapes of its arguments as split over"
+          " the devices along axis 0, which value_and_grad assumed for"
+          f" {', '.join(assumed)} (shapes before the split). An argument"
+          " that is not a batch (e.g. Linen batch_stats, whose channels may"
+          " equal the batch size) goes whole to every device with"
+          " batch_specs=(..., P(), ...), one entry per argument after the"
+          f" params; a time-major one splits with P(None, {axis!r})."
+          f" The loss's error: {str(e).splitlines()[0]}"
+      ) from e
+
+  return named
 
 
 def _with_replicated_aux_checked(

@@ -457,6 +457,42 @@ def linen_loss(model):
   return loss
 
 
+class Wide(nn.Module):
+  """Dense to as many channels as the global batch has rows, then
+  BatchNorm, synchronized over ``axis_name``."""
+
+  axis_name: str | None = None
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(BATCH)(x)
+    x = nn.BatchNorm(use_running_average=False, axis_name=self.axis_name)(x)
+    return nn.Dense(3)(jax.nn.relu(x))
+
+
+def test_linen_batch_stats_of_as_many_channels_as_rows_name_batch_specs():
+  """batch_stats of BATCH channels split like the batch: the loss fails on
+  shapes, reported naming batch_specs; with P() it is the dense step."""
+  x = RNG.standard_normal((BATCH, 5)).astype(np.float32)
+  y = RNG.integers(0, 3, BATCH)
+  variables = Wide().init(jax.random.key(0), x)
+  params, batch_stats = variables["params"], variables["batch_stats"]
+  dense = jax.grad(lambda p: linen_loss(Wide())(p, batch_stats, x, y)[0])(
+      params
+  )
+  dp = dp_of()
+  batch = put((x, y), P(AXIS))
+  loss = linen_loss(Wide(axis_name=AXIS))
+  with pytest.raises(ValueError, match="batch_stats.*batch_specs"):
+    dp.value_and_grad(loss, has_aux=True)(params, batch_stats, *batch)
+  _, grads = dp.value_and_grad(
+      loss, has_aux=True, batch_specs=(P(), None, None)
+  )(params, batch_stats, *batch)
+  chex.assert_trees_all_close(
+      mean_over_devices(grads), dense, rtol=1e-5, atol=1e-6
+  )
+
+
 def test_linen_batch_stats_argument_is_passed_whole_by_its_spec():
   """Linen's loss(params, batch_stats, x, y): batch_stats must not be split."""
   x = RNG.standard_normal((BATCH, 5)).astype(np.float32)
