@@ -1,11 +1,13 @@
 """What ``DataParallel.comm_bytes`` counts: the collectives a step's trace
 records, by mesh axis, and the traffic it cannot count."""
 
-from typing import Any
+from typing import Any, Callable
 import warnings
 
 import jax
 
+from acp_jax import _checks
+from acp_jax import _local_grads
 from acp_jax import collectives
 from acp_jax import compressor as compressor_lib
 
@@ -25,30 +27,75 @@ def hierarchical(
     dp: Any,
     params: Any,
     untraced: compressor_lib.CommVolume | None = None,
+    unused: list[bool] | None = None,
 ) -> dict[str, dict[str, compressor_lib.CommVolume]]:
-  """``dp.comm_bytes(params)`` with a ``local_axis``: each phase's exchange
-  traced on shapes, its collectives recorded by axis, plus on the local axis
+  """``dp.comm_bytes(params)`` from the exchange traced on shapes: each
+  phase's collectives recorded by axis; with a ``local_axis``, plus on it
   what the exchange does not trace: ``untraced``, by default the dense mean
-  within the node."""
+  within the node. ``unused`` (a flag per leaf, ``DataParallel`` only):
+  leaves whose gradient is zero whatever the batch, given to the exchange
+  as zeros, so that the collectives XLA folds away are not counted
+  (``collectives.recording``)."""
   shapes = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
   )
   if untraced is None:
     untraced = compressor_lib.CommVolume(
-        all_reduce=collectives.dense_nbytes(shapes)
+        all_reduce=collectives.dense_nbytes(
+            [
+                x
+                for i, x in enumerate(jax.tree.leaves(shapes))
+                if unused is None or not unused[i]
+            ]
+        )
     )
   grads = dp.abstract_local_grads(shapes)
-  volumes = {dp.axis_name: {}, dp.local_axis: {}}
+  axes = [a for a in (dp.axis_name, dp.local_axis) if a is not None]
+  volumes = {axis: {} for axis in axes}
   for phase, comm in dp.phase_states(dp.abstract_comm(shapes)).items():
-    with collectives.recording() as sent:
-      jax.eval_shape(dp.compress, grads, comm)
-    volumes[dp.axis_name][phase] = volume(sent, dp.axis_name)
-    local = volume(sent, dp.local_axis)
-    volumes[dp.local_axis][phase] = compressor_lib.CommVolume(
-        all_reduce=local.all_reduce + untraced.all_reduce,
-        all_gather=local.all_gather + untraced.all_gather,
-    )
+    with collectives.recording(omit_folded=unused is not None) as sent:
+      if unused is None:
+        jax.eval_shape(dp.compress, grads, comm)
+      else:
+        # pylint: disable-next=protected-access
+        jax.eval_shape(lambda g, c: dp._compress(g, c, unused)[:2], grads, comm)
+    for axis in axes:
+      volumes[axis][phase] = volume(sent, axis)
+  if dp.local_axis is not None:
+    volumes[dp.local_axis] = {
+        phase: compressor_lib.CommVolume(
+            all_reduce=v.all_reduce + untraced.all_reduce,
+            all_gather=v.all_gather + untraced.all_gather,
+        )
+        for phase, v in volumes[dp.local_axis].items()
+    }
   return volumes
+
+
+def unused_leaves(
+    fun: Callable[..., Any], params: Any, batch: tuple, has_aux: bool
+) -> list[bool]:
+  """For each leaf of ``params`` (a pytree, or an NNX module's
+  ``nnx.Param`` state), whether the gradient of ``fun(params, *batch)`` is
+  zero whatever the batch: a param the loss never reads. Traced on shapes;
+  ``jax.grad`` makes such a gradient from a zero literal."""
+  nnx = _local_grads.flax_nnx()
+  if nnx is not None and isinstance(params, nnx.Module):
+    graphdef, state, rest = nnx.split(params, nnx.Param, ...)
+    loss = lambda p, *b: fun(nnx.merge(graphdef, p, rest), *b)
+    params = state
+  else:
+    loss = fun
+  flags = []
+
+  def probe(p, *b):
+    grads = jax.grad(
+        lambda p: loss(p, *b)[0] if has_aux else loss(p, *b)
+    )(p)
+    flags.extend(_checks.is_constant(g) for g in jax.tree.leaves(grads))
+
+  jax.eval_shape(probe, params, *batch)
+  return flags
 
 
 def warn_if_sharded_elsewhere(

@@ -17,6 +17,7 @@ import jax.extend
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from acp_jax import buckets
 from acp_jax import collectives
@@ -35,6 +36,14 @@ def integer(name: str, value: Any, minimum: int, *, numpy: bool = False) -> Any:
   """``value``; raises unless it is an int (or, with ``numpy``, a NumPy
   integer) of at least ``minimum``, 0 or 1."""
   types = (int, np.integer) if numpy else (int,)
+  if isinstance(value, jax.core.Tracer):
+    raise ValueError(
+        f"{name} must be a Python int known outside jit, got a traced"
+        f" {jax.typeof(value).str_short()}: it decides which program the"
+        " step compiles, so it is read on the host. Call it outside the"
+        " jitted function (opt_state = dp.at_step(opt_state, step) in the"
+        " loop, before the jitted step), with the number of steps taken."
+    )
   if not _is_int(value, types) or value < minimum:
     kind = "positive" if minimum == 1 else "non-negative"
     raise ValueError(f"{name} must be a {kind} int, got {value!r}")
@@ -311,6 +320,47 @@ def _provenance(x: Any, axis_name: str, depth: int, memo: dict) -> str:
   return kind
 
 
+def is_constant(x: Any) -> bool:
+  """Whether a traced value is computed from literals only (see
+  ``_provenance``): e.g. the gradient of a param the loss never reads,
+  which ``jax.grad`` makes from a zero literal. XLA folds a collective of
+  such a value away (measured: an all-reduce of zeros or of ones, an
+  all-gather of zeros), so it sends nothing."""
+  return _provenance(x, None, 0, {}) == _CONSTANT
+
+
+def from_sources(
+    x: Any, sources: set[int], axes: tuple[str, ...], depth: int = 0
+) -> bool:
+  """Whether a traced value provably depends on one of ``sources`` (ids
+  of tracers: each device's shard of the batch) or on the device index,
+  through no reducing collective over ``axes``: then it differs across
+  devices. Like ``_provenance``, it gives up (False) at what it cannot
+  see through: a nested jaxpr, more than ``_PROVENANCE_DEPTH`` equations.
+  A value traced under ``jax.grad`` is followed through its primal."""
+  while hasattr(x, "primal"):
+    x = x.primal
+  if id(x) in sources:
+    return True
+  parent = getattr(x, "parent", None)
+  if parent is None or depth > _PROVENANCE_DEPTH:
+    return False
+  name = parent.primitive.name
+  collective = _collective_axes(parent.params)
+  if name == "axis_index":
+    return True
+  if collective is not None and set(axes) <= set(collective):
+    return name not in _REDUCING
+  if any(
+      isinstance(v, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr))
+      for v in parent.params.values()
+  ):
+    return False
+  return any(
+      from_sources(t, sources, axes, depth + 1) for t in parent.in_tracers
+  )
+
+
 def check_local(grads: Any, axis_name: str, caller: str) -> None:
   """Raises if every gradient is provably identical across ``axis_name``.
 
@@ -443,6 +493,68 @@ def check_not_in_conditional(caller: str) -> None:
           + (fix or "Call the update outside lax.cond and lax.switch.")
       )
     frame = frame.f_back
+
+
+# States of optax transforms that precondition by moments of the gradient:
+# after compressed_adam, which is Adam already, they would scale twice.
+_PRECONDITIONER_STATES = tuple(
+    getattr(optax, name)
+    for name in (
+        "ScaleByAdamState",
+        "ScaleByAmsgradState",
+        "ScaleByBeliefState",
+        "ScaleByRmsState",
+        "ScaleByRssState",
+        "ScaleByNovogradState",
+        "ScaleByAdanState",
+        "ScaleByLionState",
+        "FactoredState",
+    )
+    if hasattr(optax, name)
+)
+
+
+def _states_of(tree: Any, types: tuple[type, ...]) -> list[Any]:
+  """The nodes of ``tree`` that are instances of ``types``."""
+  return [
+      x
+      for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, types))
+      if isinstance(x, types)
+  ]
+
+
+def check_optimizer_after(compressor_name: str, inner_state: Any) -> None:
+  """Raises if the optimizer that ``DataParallel.chain`` feeds holds a
+  transform that cannot follow the compressor, read from its state (an
+  optax transform's state type names it, however deeply it is chained):
+
+  - ``optax.MultiSteps``: the compressed exchange runs before it at every
+    micro-step, so a step of k micro-batches sends k times;
+  - an Adam-like preconditioner after ``compressed_adam``, whose output is
+    Adam's direction already.
+  """
+  if _states_of(inner_state, (optax.MultiStepsState,)):
+    raise ValueError(
+        "DataParallel.chain(tx): tx holds optax.MultiSteps, which would"
+        " accumulate after the compressed exchange, so every micro-step"
+        " would send. Accumulate the local gradients instead: add up k"
+        " micro-batches' dp.value_and_grad gradients with + (and divide by"
+        " k), then call the optimizer once, one compressed send per k"
+        " micro-steps."
+    )
+  if compressor_name != "compressed_adam":
+    return
+  found = _states_of(inner_state, _PRECONDITIONER_STATES)
+  if found:
+    raise ValueError(
+        "DataParallel.chain(tx): the compressor is compressed_adam, which"
+        " returns Adam's direction already, and tx holds"
+        f" {type(found[0]).__name__}, a second preconditioner (optax.adam"
+        " and its kin) that would rescale it again. Chain what follows"
+        " scale_by_adam in optax.adamw instead:"
+        " dp.chain(optax.chain(optax.add_decayed_weights(wd),"
+        " optax.scale_by_learning_rate(lr)))."
+    )
 
 
 def begin_update(grads: Any, axis_name: str, caller: str) -> int:

@@ -36,6 +36,7 @@ def batch_specs(
         f" ({len(batch)} in this call), got {batch_specs!r}"
     )
   specs, splits = [], []  # splits: (name, size, axis, assumed)
+  unseen = []  # (name, shape): assumed while traced, placement unseen
   for i, (arg, given) in enumerate(zip(batch, batch_specs)):
     leaves, treedef = jax.tree_util.tree_flatten_with_path(arg)
     if given is not None:
@@ -53,9 +54,13 @@ def batch_specs(
       dim = _split_dim(name, np.shape(x), spec, device_spec, num_devices)
       if dim is not None:
         splits.append((name, np.shape(x)[dim], dim, assumed))
+        if assumed and isinstance(x, jax.core.Tracer):
+          unseen.append((name, np.shape(x)))
       leaf_specs.append(spec)
     specs.append(jax.tree_util.tree_unflatten(treedef, leaf_specs))
   _check_split_sizes(splits, device_spec[0])
+  if len(unseen) == len(splits):
+    _check_not_time_major(unseen, device_spec[0], num_devices)
   return tuple(specs)
 
 
@@ -180,3 +185,30 @@ def _check_split_sizes(splits: list, entry: Any) -> None:
           " batch; or place the arrays with a NamedSharding (seen outside"
           " jit, or under jit on Explicit mesh axes)."
       )
+
+
+def _check_not_time_major(unseen: list, entry: Any, num_devices: int) -> None:
+  """Refuses leading-axis splits that could as well be time-major, when
+  nothing shows which axis is the batch: traced arrays whose placement does
+  not show (under ``jit`` on ``Auto`` mesh axes), two or more, all with a
+  second axis whose size agrees among them and splits evenly (x (T, B, F)
+  beside y (T, B)). A leading axis of ``num_devices`` is the layout of one
+  slice per device, and a 1-D leaf (labels) has no second axis: either
+  says that axis 0 is the batch."""
+  shapes = [shape for _, shape in unseen]
+  if len(shapes) < 2 or any(len(shape) < 2 for shape in shapes):
+    return
+  if shapes[0][0] == num_devices or len({shape[1] for shape in shapes}) > 1:
+    return
+  if shapes[0][1] % num_devices:
+    return
+  name, shape = unseen[0]
+  raise ValueError(
+      f"{name} has shape {shape}, and every batch argument's axes 0 and 1"
+      " agree in size: under jit on Auto mesh axes its sharding does not"
+      " show, so whether the batch is axis 0 or a time-major axis 1 is"
+      " ambiguous. Say it with value_and_grad(fun, batch_specs=...), one"
+      f" entry per argument after the params: P({entry!r}) for a batch on"
+      f" axis 0, P(None, {entry!r}) for a time-major one; or use Explicit"
+      " mesh axes, or call the step outside jit, where the placement shows."
+  )

@@ -111,6 +111,10 @@ _ROW_AXIS: contextvars.ContextVar[tuple[str, int, Any] | None] = (
 _RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "record", default=None
 )
+# Whether ``recording`` leaves out the collectives that XLA folds away.
+_OMIT_FOLDED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "omit_folded", default=False
+)
 # Where the buffers that the collectives return are kept (see
 # ``receiving``).
 _RECEIVED: contextvars.ContextVar[list | None] = contextvars.ContextVar(
@@ -266,7 +270,7 @@ def all_reduce(x: jax.Array, axis_name: str) -> jax.Array:
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[list[Sent]]:
+def recording(*, omit_folded: bool = False) -> Iterator[list[Sent]]:
   """Lists every collective of a bucket's buffers traced within it.
 
   Example::
@@ -275,11 +279,20 @@ def recording() -> Iterator[list[Sent]]:
       jax.eval_shape(step, *abstract_args)
     total = sum(s.nbytes for s in sent if s.axis_name == "data")
 
+  Args:
+    omit_folded: leave out the collectives of values computed from literals
+      only (e.g. the zero gradient of a param the loss never reads), which
+      XLA folds away: what the compiled step sends.
+
   Yields:
     The list that the ``Sent`` records are appended to, in tracing order.
   """
-  with _listing(_RECORD) as sent:
-    yield sent
+  token = _OMIT_FOLDED.set(omit_folded)
+  try:
+    with _listing(_RECORD) as sent:
+      yield sent
+  finally:
+    _OMIT_FOLDED.reset(token)
 
 
 @contextlib.contextmanager
@@ -320,13 +333,24 @@ def axis_size(axis_name: str, caller: str) -> int:
     ) from None
 
 
+def _folded(x: jax.Array) -> bool:
+  """Whether ``recording`` omits a collective of ``x`` as one that XLA
+  folds away: of a value computed from literals only (a gradient of a
+  param the loss never reads)."""
+  if not _OMIT_FOLDED.get():
+    return False
+  from acp_jax import _checks  # pylint: disable=import-outside-toplevel
+
+  return _checks.is_constant(x)
+
+
 def _collective(
     kind: str, x: jax.Array, axis_name: str, axis: int = 0, tiled: bool = False
 ) -> jax.Array:
   """``lax.psum`` (kind ``"all_reduce"``) or ``lax.all_gather`` of ``x``,
   listed where ``recording``."""
   record = _RECORD.get()
-  if record is not None:
+  if record is not None and not _folded(x):
     record.append(
         Sent(kind, axis_name, axis_size(axis_name, kind), x.size, x.dtype)
     )
@@ -407,7 +431,9 @@ def _each(arrays: Sequence[jax.Array], axis_name: str) -> list[jax.Array]:
   if record is not None:
     n = axis_size(axis_name, "all_reduce")
     record.extend(
-        Sent("all_reduce", axis_name, n, x.size, x.dtype) for x in sent
+        Sent("all_reduce", axis_name, n, x.size, x.dtype)
+        for x in sent
+        if not _folded(x)
     )
   summed = lax.psum(tuple(sent), axis_name)
   received = _RECEIVED.get()

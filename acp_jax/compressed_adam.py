@@ -107,6 +107,8 @@ def compressed_adam(
 
   .. warning::
     Do not chain ``optax.adam`` after it: it is Adam already.
+    ``DataParallel.chain`` refuses it (and other preconditioners) at
+    ``init``; a hand-written ``optax.chain`` cannot tell.
 
   References:
     Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training

@@ -38,11 +38,13 @@ arguments split over the devices) and ``_accounting`` (what ``comm_bytes``
 records).
 """
 
+from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple
 
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import optax
@@ -73,6 +75,10 @@ class DataParallelState(NamedTuple):
 
 # DataParallel's choices for a step whose mean gradient is not finite.
 NONFINITE_POLICIES = ("keep", "skip", "propagate")
+# How value_and_grad's loss is averaged: per device, or over the global count.
+NORMALIZATIONS = ("device", "global")
+# Over which batch value_and_grad's NNX BatchNorm layers normalise.
+BATCH_NORMS = ("global", "local")
 
 
 def _values(tree: Any) -> Any:
@@ -273,12 +279,28 @@ class DataParallel:
     return self.compressor.phases(comm_state)
 
   def comm_bytes(
-      self, params: Any
+      self,
+      params: Any,
+      fun: Callable[..., Any] | None = None,
+      *batch: Any,
+      has_aux: bool = False,
   ) -> dict[str, dict[str, compressor_lib.CommVolume]]:
     """Bytes one step sends per device on each mesh axis, by phase.
 
     Args:
-      params: the parameters, or a tree of ``jax.ShapeDtypeStruct`` like them.
+      params: the parameters, or a tree of ``jax.ShapeDtypeStruct`` like
+        them, or a Flax NNX module (its ``nnx.Param`` variables).
+      fun: None, or the loss as given to ``value_and_grad``; then with
+        ``batch`` (arrays or their shapes) it tells which params the loss
+        never reads. Their gradient is a zero that XLA knows at compile
+        time, and it folds away a collective that sends only such values
+        (the dense all-reduce of an unused layer under S-SGD, or of its
+        bias under Power-SGD and ACP-SGD), so they are left out where the
+        compiled step leaves them out; their compressed factors, computed
+        from a residual, are still sent and counted. Without ``fun``,
+        every param counts as read.
+      *batch: the arguments after the params of ``fun``.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
 
     Returns:
       ``{axis name: {phase: CommVolume}}`` with the phase names of
@@ -294,14 +316,20 @@ class DataParallel:
       sharded over one (model parallelism) are all-gathered whole for the
       step, which warns here.
     """
+    unused = None
+    if fun is not None:
+      unused = _accounting.unused_leaves(fun, params, batch, has_aux)
+    nnx = _local_grads.flax_nnx()
+    if nnx is not None and isinstance(params, nnx.Module):
+      params = nnx.state(params, nnx.Param)
     self._warn_if_sharded_elsewhere(params)
-    if self.local_axis is None:
+    if self.local_axis is None and unused is None:
       return {
           self.axis_name: compressor_lib.comm_bytes(
               self.compressor, params, num_devices=self.num_nodes
           )
       }
-    return _accounting.hierarchical(self, params)
+    return _accounting.hierarchical(self, params, unused=unused)
 
   def _warn_if_sharded_elsewhere(self, params: Any) -> None:
     """Warns if a param is sharded over a mesh axis that is not a device
@@ -376,14 +404,22 @@ class DataParallel:
     return mean, comm_state
 
   def _compress(
-      self, local_grads: Any, comm_state: Any
+      self, local_grads: Any, comm_state: Any, unused: Any = None
   ) -> tuple[Any, Any, Any]:
-    """``compress``, and whether the mean is finite (a replicated bool)."""
+    """``compress``, and whether the mean is finite (a replicated bool).
+    ``unused``: None, or a flag per leaf whose gradient is then taken as
+    zero, a constant, as XLA sees a param that the loss never reads
+    (``comm_bytes`` traces it so)."""
     specs = self.comm_specs(comm_state)
 
     def body(grads, blocks):
       # Each device sees [1, ...] blocks of the stacked arrays.
       grads = jax.tree.map(lambda x: x[0], grads)
+      if unused is not None:
+        leaves, treedef = jax.tree.flatten(grads)
+        grads = treedef.unflatten(
+            [jnp.zeros_like(g) if u else g for g, u in zip(leaves, unused)]
+        )
       if self.local_axis is not None:
         # A node's devices then hand the compressor the same gradient, so
         # their residuals stay identical: one copy per node.
@@ -431,16 +467,33 @@ class DataParallel:
     the compressed mean, as DDP users' clipping sees the all-reduced one.
     Use it where ``tx`` was used: ``tx.update`` in a jitted step, or
     ``nnx.Optimizer(model, dp.chain(tx), wrt=nnx.Param)``.
+
+    ``init`` refuses a ``tx`` that holds ``optax.MultiSteps`` (the exchange
+    before it would send at every micro-step: add micro-batches' local
+    gradients with ``+`` instead), and, after ``compressed_adam``, one that
+    holds a second preconditioner such as ``optax.adam``.
     """
 
+    made_by = self.compressor.made_by
+    name = made_by[0] if made_by else None
+
     def init_fn(params):
+      inner = self._inner_init(tx, params)(params)
+      _checks.check_optimizer_after(name, inner)
       return DataParallelState(
-          comm=self.init_comm(_values(params)),
-          inner=self._inner_init(tx, params)(params),
+          comm=self.init_comm(_values(params)), inner=inner
       )
 
     def update_fn(updates, state, params=None, **extra_args):
       _checks.check_not_in_conditional("DataParallel.chain")
+      _checks.check_optimizer_after(name, state.inner)
+      if isinstance(updates, Mapping) and set(updates) == {"stacked"}:
+        raise TypeError(
+            "nnx.Optimizer's wrt filter left out the guard of the local"
+            " gradients (an nnx.Param at path 'guard'): add it to your"
+            " filter, wrt=nnx.Any(<your filter>, nnx.PathContains('guard')),"
+            " which keeps the params it leaves out frozen."
+        )
       updates = _local_grads.stacked(updates)
       if params is not None:
         _local_grads.check_stacked(updates, params, self.num_devices)
@@ -462,6 +515,8 @@ class DataParallel:
       has_aux: bool = False,
       aux_specs: Any = None,
       batch_specs: Any = None,
+      normalize: str = "device",
+      batch_norm: str = "global",
   ) -> Callable[..., tuple[Any, LocalGrads]]:
     """Like ``jax.value_and_grad(fun)``, each device on its own batch shard.
 
@@ -479,7 +534,10 @@ class DataParallel:
     device, and any other array is split along its leading axis. Where
     such assumed leading axes disagree in size with the other split axes
     (BatchNorm statistics beside a batch, a time-major sequence beside its
-    labels), which axis is the batch is ambiguous, and the call is refused.
+    labels), which axis is the batch is ambiguous, and the call is refused;
+    so is it where nothing shows the placement (under ``jit`` on ``Auto``
+    mesh axes) and every split argument's axes 0 and 1 agree in size, as a
+    time-major ``(T, B, F)`` batch beside ``(T, B)`` labels.
 
     Randomness differs per device, as in a loop over the whole batch: the
     device's index (over the device axes, as it stacks) is folded into every
@@ -491,20 +549,50 @@ class DataParallel:
     of keys split over the devices is passed as it is, and a key that
     ``fun`` closes over is not seen: pass it as an argument.
 
+    The loss is averaged over the devices, as DDP does: a loss that is a
+    mean over its shard's rows gives the plain loop's mean over the global
+    batch. A mean over a count that differs per shard (a mask of padding,
+    tokens of a language model, weights) does not: each shard's mean
+    counts as much whatever its count. For the global one, have ``fun``
+    return the sum and the count, ``(sum, count)``, and pass
+    ``normalize="global"``: the loss is then ``psum(sum) / psum(count)``,
+    exactly the plain loop's (one more scalar all-reduce).
+
+    BatchNorm normalises over the global batch, as in the plain loop: an
+    ``nnx.BatchNorm`` of the module given without an ``axis_name`` (and
+    not ``use_running_average``) takes the device axes as its
+    ``axis_name`` for the call, so that its statistics are averaged over
+    the devices (two small all-reduces per layer, 256 B for 16 features
+    in float32, not in ``comm_bytes``). ``batch_norm="local"`` keeps each
+    device's own statistics, as PyTorch DDP does without
+    ``SyncBatchNorm``. A Flax Linen ``nn.BatchNorm`` is not seen: give it
+    ``axis_name``.
+
     Args:
       fun: the loss, returning a scalar (or ``(loss, aux)`` with
-        ``has_aux``).
+        ``has_aux``); with ``normalize="global"``, ``(sum, count)`` in place
+        of the scalar.
       has_aux: whether ``fun`` returns ``(loss, aux)``.
       aux_specs: the layout of ``aux``: a prefix tree of ``device_spec``
         (stacked per device on a leading axis, nothing sent; the default)
         and ``P()`` (a value identical on every device, e.g. statistics
-        synchronized by a collective inside ``fun``, returned once).
+        synchronized by a collective inside ``fun``, returned once). A
+        ``P()`` value that is computed from the device's batch shard with
+        no collective over the device axes is refused at trace time.
       batch_specs: None, or one entry per argument after the params: None
         (split as above) or a ``PartitionSpec`` prefix tree of the argument
         naming the device axes on the axis to split (``device_spec`` for
         the leading one, ``P(None, "data")`` for a time-major ``(T, B, ...)``
         batch) or none at all (``P()``: every device gets it whole, e.g. a
         Linen ``batch_stats`` argument).
+      normalize: ``"device"``: ``fun`` returns the loss of its shard, and
+        the loss is their mean over the devices; ``"global"``: ``fun``
+        returns ``(sum, count)`` of its shard (the count is not
+        differentiated), and the loss is the sum over all devices divided
+        by the count over all devices.
+      batch_norm: ``"global"``: an NNX module's ``nnx.BatchNorm`` layers
+        without an ``axis_name`` normalise over the global batch;
+        ``"local"``: over each device's shard.
 
     Returns:
       A function returning ``(value, local_grads)``. ``value`` is the loss
@@ -515,13 +603,167 @@ class DataParallel:
       inside it and so sees their compressed mean), or add up several
       micro-batches' first with ``+`` (one compressed send for all).
     """
-    return _local_grads.value_and_grad(
-        self,
-        fun,
-        has_aux=has_aux,
-        aux_specs=aux_specs,
-        batch_specs=batch_specs,
+    _checks.choice("normalize", normalize, NORMALIZATIONS)
+    _checks.choice("batch_norm", batch_norm, BATCH_NORMS)
+
+
+    def compute(params, *batch):
+      specs = _specs.batch_specs(
+          batch, batch_specs, self.device_spec, self.num_devices
+      )
+      loss = _naming_assumed_splits(
+          fun, batch, specs, batch_specs, self.device_spec[0]
+      )
+      if has_aux and aux_specs is not None:
+        loss = _with_replicated_aux_checked(
+            loss, aux_specs, specs, self.device_axes
+        )
+      if normalize == "global":
+        loss = _globally_normalized(loss, has_aux, self.device_axes)
+      return _local_grads.value_and_grad(
+          self,
+          loss,
+          has_aux=has_aux,
+          aux_specs=aux_specs,
+          batch_specs=batch_specs,
+      )(params, *batch)
+
+    if batch_norm == "local":
+      return compute
+
+    def synchronized(params, *batch):
+      norms = _unsynchronized_batch_norms(params)
+      for norm in norms:
+        norm.axis_name = self.device_axes
+      try:
+        return compute(params, *batch)
+      finally:
+        for norm in norms:
+          norm.axis_name = None
+
+    return synchronized
+
+
+def _naming_assumed_splits(
+    fun: Callable[..., Any], batch: tuple, specs: tuple, given: Any, axis: Any
+) -> Callable[..., Any]:
+  """``fun``, whose failure on shapes, when some argument was split along
+  its leading axis for want of a ``batch_specs`` entry, is reported naming
+  those arguments and ``batch_specs``: an argument that is not a batch
+  (Linen ``batch_stats`` whose channels equal the batch size) splits
+  without an error of ours and fails inside the loss."""
+  given = (None,) * len(batch) if given is None else given
+  assumed = [
+      f"argument {i + 1} {[tuple(np.shape(x)) for x in jax.tree.leaves(arg)]}"
+      for i, (arg, arg_specs, entry) in enumerate(zip(batch, specs, given))
+      if entry is None
+      and not all(
+          _specs.is_replicated(spec)
+          for spec in jax.tree.leaves(arg_specs, is_leaf=_specs.is_spec)
+      )
+  ]
+  if not assumed:
+    return fun
+
+  def named(params, *args):
+    try:
+      return fun(params, *args)
+    except (TypeError, ValueError) as e:
+      if "shape" not in str(e):
+        raise
+      raise ValueError(
+          "the loss failed on the shapes of its arguments as split over"
+          " the devices along axis 0, which value_and_grad assumed for"
+          f" {', '.join(assumed)} (shapes before the split). An argument"
+          " that is not a batch (e.g. Linen batch_stats, whose channels may"
+          " equal the batch size) goes whole to every device with"
+          " batch_specs=(..., P(), ...), one entry per argument after the"
+          f" params; a time-major one splits with P(None, {axis!r})."
+          f" The loss's error: {str(e).splitlines()[0]}"
+      ) from e
+
+  return named
+
+
+def _with_replicated_aux_checked(
+    fun: Callable[..., Any], aux_specs: Any, specs: tuple, axes: tuple
+) -> Callable[..., Any]:
+  """``fun``, refusing at trace time an ``aux`` leaf given ``P()`` (one
+  value for all devices) that is computed from this device's shard of the
+  batch (its arguments split by ``specs``) with no collective over
+  ``axes``: ``shard_map`` would return device 0's value as everyone's."""
+
+  def checked(params, *batch):
+    loss, aux = fun(params, *batch)
+    sources = {
+        id(x)
+        for arg, arg_specs in zip(batch, specs)
+        for x, spec in zip(
+            jax.tree.leaves(arg),
+            jax.tree.leaves(arg_specs, is_leaf=_specs.is_spec),
+        )
+        if not _specs.is_replicated(spec)
+    }
+    paired = jax.tree.map(
+        lambda spec, a: [(spec, x) for x in jax.tree.leaves(a)],
+        aux_specs,
+        aux,
+        is_leaf=_specs.is_spec,
     )
+    pairs = jax.tree.leaves(paired, is_leaf=lambda p: isinstance(p, tuple))
+    for spec, x in pairs:
+      if spec == P() and _checks.from_sources(x, sources, axes):
+        raise ValueError(
+            "value_and_grad: aux_specs gives P() (one value for all"
+            f" devices) to an aux value of shape {jnp.shape(x)} that is"
+            " computed from this device's shard of the batch, with no"
+            " collective over the device axes: every device holds its own,"
+            " and P() would return device 0's. Average it inside the loss"
+            f" (lax.pmean(value, {axes!r})), or leave aux_specs at its"
+            " default, which returns every device's value stacked."
+        )
+    return loss, aux
+
+  return checked
+
+
+def _unsynchronized_batch_norms(model: Any) -> list[Any]:
+  """The ``nnx.BatchNorm`` layers of ``model`` (if an NNX module) that
+  compute batch statistics over no axis: each device's shard alone."""
+  nnx = _local_grads.flax_nnx()
+  if nnx is None or not isinstance(model, nnx.Module):
+    return []
+  return [
+      node
+      for _, node in nnx.iter_graph(model)
+      if isinstance(node, nnx.BatchNorm)
+      and node.axis_name is None
+      and not node.use_running_average
+  ]
+
+
+def _globally_normalized(
+    fun: Callable[..., Any], has_aux: bool, axes: tuple[str, ...]
+) -> Callable[..., Any]:
+  """``fun``, which returns its shard's ``(sum, count)``, as a loss whose
+  mean over the devices is ``psum(sum) / psum(count)``: each device's
+  ``sum * num_devices / psum(count)``, under ``shard_map`` over ``axes``."""
+
+  def loss(params, *batch):
+    out = fun(params, *batch)
+    value, aux = out if has_aux else (out, None)
+    if not (isinstance(value, (tuple, list)) and len(value) == 2):
+      raise TypeError(
+          'value_and_grad(..., normalize="global") needs a loss returning'
+          " (sum, count) of its shard (with has_aux, ((sum, count), aux)),"
+          f" got {type(value).__name__}"
+      )
+    total, count = value
+    count = lax.psum(lax.stop_gradient(jnp.asarray(count, total.dtype)), axes)
+    local = total * (lax.psum(1, axes) / count)
+    return (local, aux) if has_aux else local
+
+  return loss
 
 
 def _all_finite(arrays: list[jax.Array]) -> jax.Array:

@@ -207,6 +207,28 @@ def test_misuse_is_refused():
     acp_jax.compressed_adam(optax.sgd(0.1))
 
 
+@pytest.mark.parametrize(
+    "tx",
+    [
+        optax.adam(1e-3),
+        optax.chain(optax.clip(1.0), optax.adamw(1e-3)),
+        optax.rmsprop(1e-3),
+    ],
+)
+def test_adam_after_it_in_dp_chain_is_refused(tx):
+  """It is Adam already: a second preconditioner would rescale its
+  direction by its own moments."""
+  _, _, dp = _exchange(acp_jax.ssgd())
+  with pytest.raises(ValueError, match="Adam's direction already"):
+    dp.chain(tx).init(PARAMS)
+  # What follows scale_by_adam in optax.adamw is the spelling it names.
+  dp.chain(
+      optax.chain(
+          optax.add_decayed_weights(0.01), optax.scale_by_learning_rate(1e-3)
+      )
+  ).init(PARAMS)
+
+
 # The trainer's option: config.compressor.compress="momentum".
 
 

@@ -256,6 +256,82 @@ def test_compiled_step_sends_the_accounting_plus_the_loss(make):
     assert stats["all-reduce"].bytes == volume[phase].total + 4, phase
 
 
+def test_a_freezing_wrt_filter_is_told_to_keep_the_guard_and_then_freezes():
+  """nnx.Optimizer(..., wrt=filter) that freezes some params drops the
+  local gradients' guard; the filter the refusal names trains as the plain
+  loop with the user's filter does."""
+  only_out = nnx.All(nnx.Param, nnx.PathContains("out"))
+
+  def trained(value_and_grad, tx, wrt):
+    model = Mlp(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=wrt)
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+      _, grads = value_and_grad(nnx_loss)(model, x, y)
+      optimizer.update(model, grads)
+
+    step(model, optimizer, *batch())
+    return nnx.state(model, nnx.Param)
+
+  plain = trained(nnx.value_and_grad, optax.sgd(0.1), only_out)
+  dp = dp_of(acp_jax.ssgd())
+  with pytest.raises(TypeError, match="PathContains\\('guard'\\)"):
+    trained(dp.value_and_grad, dp.chain(optax.sgd(0.1)), only_out)
+  frozen = trained(
+      dp.value_and_grad,
+      dp.chain(optax.sgd(0.1)),
+      nnx.Any(only_out, nnx.PathContains("guard")),
+  )
+  chex.assert_trees_all_close(frozen, plain, rtol=1e-5, atol=1e-7)
+  initial = nnx.state(Mlp(nnx.Rngs(0)), nnx.Param)
+  chex.assert_trees_all_equal(frozen["hidden"], initial["hidden"])
+
+
+class MlpWithUnusedLayer(Mlp):
+
+  def __init__(self, rngs):
+    super().__init__(rngs)
+    self.unused = nnx.Linear(128, 128, rngs=rngs)
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: acp_jax.acp_sgd(2), lambda: acp_jax.power_sgd(2), acp_jax.ssgd]
+)
+def test_comm_bytes_given_the_loss_equal_the_compiled_step_with_an_unused_layer(
+    make,
+):
+  """XLA folds the collective of a gradient it knows is zero: S-SGD's
+  all-reduce of the unused 128x128 layer, ACP-SGD's of its bias."""
+  dp = dp_of(make())
+  model = MlpWithUnusedLayer(nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  params = nnx.to_pure_dict(params)
+  tx = dp.chain(optax.sgd(0.1))
+
+  @jax.jit
+  def step(params, state, x, y):
+    loss, grads = dp.value_and_grad(pure_loss(graphdef))(params, x, y)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  state = tx.init(params)
+  every = dp.comm_bytes(params)[AXIS]
+  read = dp.comm_bytes(params, pure_loss(graphdef), *batch())[AXIS]
+  # A module and its loss tell the same.
+  assert dp.comm_bytes(model, nnx_loss, *batch())[AXIS] == read
+  for phase, comm in dp.phase_states(state.comm).items():
+    compiled = step.lower(params, state._replace(comm=comm), *batch()).compile()
+    stats = acp_jax.hlo.collective_stats(compiled.as_text())
+    # The 4 bytes are the loss's mean.
+    assert stats["all-reduce"].bytes == read[phase].total + 4, phase
+    # Power-SGD packs the bias with its factors, which are sent.
+    unsent = {"ssgd": 128 * 129, "acp_sgd": 128, "power_sgd": 0}
+    assert every[phase].total - read[phase].total == (
+        4 * unsent[dp.compressor.made_by[0]]
+    )
+
+
 def test_multisteps_is_refused_with_the_accumulation_path():
   dp = dp_of(acp_jax.acp_sgd(2))
   graphdef, params = nnx.split(Mlp(nnx.Rngs(0)))
@@ -270,6 +346,21 @@ def test_multisteps_is_refused_with_the_accumulation_path():
   # Its accumulator has the params' structure, not the local gradients'.
   with pytest.raises(ValueError, match="LocalGrads"):
     step(params, tx.init(params), *batch())
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_multisteps_inside_chain_is_refused(nested):
+  """dp.chain(optax.MultiSteps(opt, k)) would send at every micro-step."""
+  dp = dp_of(acp_jax.acp_sgd(2))
+  inner = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+  tx = (
+      optax.chain(optax.clip(1.0), inner.gradient_transformation())
+      if nested
+      else inner
+  )
+  params = nnx.to_pure_dict(nnx.split(Mlp(nnx.Rngs(0)))[1])
+  with pytest.raises(ValueError, match="holds optax.MultiSteps.*with \\+"):
+    dp.chain(tx).init(params)
 
 
 def test_a_raw_compressor_under_multisteps_is_refused():

@@ -215,6 +215,158 @@ def test_local_gradients_used_as_arrays_say_how_to_use_them():
   assert getattr(g, "shape", None) is None  # a probe, not misuse
 
 
+# -- BatchNorm ---------------------------------------------------------------
+
+
+class NnxNormed(nnx.Module):
+
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(6, 16, rngs=rngs)
+    self.norm = nnx.BatchNorm(16, rngs=rngs)
+    self.out = nnx.Linear(16, 1, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(jax.nn.relu(self.norm(self.hidden(x))))
+
+
+def normed_loss(model, x, y):
+  return jnp.mean((model(x)[:, 0] - y) ** 2)
+
+
+def train_normed(value_and_grad, x, y, steps=3):
+  model = NnxNormed(nnx.Rngs(0))
+  tx = optax.sgd(0.1)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    _, grads = value_and_grad(normed_loss)(model, x, y)
+    optimizer.update(model, grads)
+
+  for _ in range(steps):
+    step(model, optimizer, x, y)
+  return nnx.state(model)
+
+
+def test_batch_norm_normalises_over_the_global_batch_like_the_plain_loop():
+  """nnx.BatchNorm without axis_name: statistics over the global batch by
+  default, as the plain loop's; batch_norm="local" keeps DDP's."""
+  x = RNG.standard_normal((BATCH, 6)).astype(np.float32)
+  x = x * (1 + np.arange(BATCH)[:, None] % 3).astype(np.float32)
+  y = RNG.standard_normal((BATCH,)).astype(np.float32)
+  plain = train_normed(nnx.value_and_grad, x, y)
+
+  dp = dp_of()
+
+  def compressed(batch_norm):
+    def make(loss_fn):
+      return dp.value_and_grad(loss_fn, batch_norm=batch_norm)
+
+    model = NnxNormed(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, dp.chain(optax.sgd(0.1)), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+      _, grads = make(normed_loss)(model, x, y)
+      optimizer.update(model, grads)
+
+    for _ in range(3):
+      step(model, optimizer, *put((x, y), P(AXIS)))
+    assert model.norm.axis_name is None
+    return nnx.state(model)
+
+  chex.assert_trees_all_close(
+      compressed("global"), plain, rtol=1e-5, atol=1e-6
+  )
+  local = compressed("local")
+  error = np.abs(local["norm"]["var"][...] - plain["norm"]["var"][...]).max()
+  assert error > 1e-2
+
+
+# -- losses normalised by a count -------------------------------------------
+
+
+def masked_problem():
+  """A regression on a padded batch: device d's shard keeps d + 1 rows."""
+  params = {"w": RNG.standard_normal((6, 1)).astype(np.float32)}
+  x = RNG.standard_normal((BATCH, 6)).astype(np.float32)
+  y = RNG.standard_normal((BATCH,)).astype(np.float32)
+  per = BATCH // NUM_DEVICES
+  mask = (np.arange(per)[None] <= np.arange(NUM_DEVICES)[:, None]).ravel()
+  return params, x, y, mask.astype(np.float32)
+
+
+def masked_sum(params, x, y, mask):
+  return jnp.sum(mask * ((x @ params["w"])[:, 0] - y) ** 2), jnp.sum(mask)
+
+
+def masked_mean(params, x, y, mask):
+  total, count = masked_sum(params, x, y, mask)
+  return total / count
+
+
+def test_a_masked_loss_returning_sum_and_count_is_the_global_mean():
+  """A masked mean is normalised per shard, unlike the plain loop's over
+  the global batch; a loss returning (sum, count) with
+  normalize="global" gives the plain loop's exactly."""
+  dp = dp_of()
+  params, *batch = masked_problem()
+  loss, dense = jax.value_and_grad(masked_mean)(params, *batch)
+  batch = put(batch, P(AXIS))
+  value, grads = jax.jit(
+      dp.value_and_grad(masked_sum, normalize="global")
+  )(params, *batch)
+  chex.assert_trees_all_close(value, loss, rtol=1e-6)
+  chex.assert_trees_all_close(
+      mean_over_devices(grads), dense, rtol=1e-5, atol=1e-7
+  )
+  # The per-device mean, as DDP's: each shard's mean weighs alike.
+  _, per_device = jax.jit(dp.value_and_grad(masked_mean))(params, *batch)
+  error = np.abs(mean_over_devices(per_device)["w"] - dense["w"]).max()
+  assert error > 1e-2 * np.abs(dense["w"]).max()
+  with pytest.raises(TypeError, match="returning \\(sum, count\\)"):
+    dp.value_and_grad(masked_mean, normalize="global")(params, *batch)
+  with pytest.raises(ValueError, match="normalize must be one of"):
+    dp.value_and_grad(masked_mean, normalize="mean")
+
+
+# -- aux returned once ------------------------------------------------------
+
+
+def test_a_per_device_aux_given_one_spec_for_all_devices_is_refused():
+  """aux_specs=P() on a value each device computes from its own shard would
+  return device 0's; averaged inside the loss, it is the plain loop's."""
+  dp = dp_of()
+  params, x = tanh_problem()
+
+  def loss_and_mean(params, x):
+    y = jnp.tanh(x @ params["w"])
+    return jnp.mean(y**2), jnp.mean(y)
+
+  def loss_and_global_mean(params, x):
+    loss, mean = loss_and_mean(params, x)
+    return loss, jax.lax.pmean(mean, AXIS)
+
+  with pytest.raises(ValueError, match="aux_specs gives P\\(\\).*pmean"):
+    jax.jit(dp.value_and_grad(loss_and_mean, has_aux=True, aux_specs=P()))(
+        params, x
+    )
+  (_, mean), _ = jax.jit(
+      dp.value_and_grad(loss_and_global_mean, has_aux=True, aux_specs=P())
+  )(params, x)
+  _, dense = loss_and_mean(params, np.asarray(x))
+  chex.assert_trees_all_close(mean, dense, rtol=1e-5)
+  # A value of the params alone is the same on every device.
+  (_, norm), _ = jax.jit(
+      dp.value_and_grad(
+          lambda p, x: (tanh_loss(p, x), jnp.sum(p["w"] ** 2)),
+          has_aux=True,
+          aux_specs=P(),
+      )
+  )(params, x)
+  chex.assert_trees_all_close(norm, jnp.sum(params["w"] ** 2), rtol=1e-6)
+
+
 # -- which axis is the batch -------------------------------------------------
 
 T = 16  # time steps: the leading axis of a time-major batch
@@ -275,6 +427,28 @@ def test_a_time_major_batch_splits_along_its_sharded_axis():
   )
 
 
+def test_a_time_major_batch_under_jit_on_auto_axes_is_refused():
+  """Under jit on Auto axes a (T, B, F) batch beside (T, B) labels looks
+  like a batch on axis 0: refused, where it would be split along time."""
+  dp = dp_of()
+  params, x, y = rnn_problem()
+  dense = jax.grad(rnn_loss)(params, x, y)
+  placed = put((x, y), P(None, AXIS))
+  with pytest.raises(ValueError, match="ambiguous.*P\\(None, 'data'\\)"):
+    jax.jit(dp.value_and_grad(rnn_loss))(params, *placed)
+  # Said with batch_specs, it is the dense gradient.
+  specs = (P(None, AXIS), P(None, AXIS))
+  _, grads = jax.jit(dp.value_and_grad(rnn_loss, batch_specs=specs))(
+      params, *placed
+  )
+  chex.assert_trees_all_close(
+      mean_over_devices(grads), dense, rtol=1e-5, atol=1e-7
+  )
+  # Labels of one axis say that axis 0 is the batch.
+  params, *batch = masked_problem()
+  jax.jit(dp.value_and_grad(masked_mean))(params, *put(batch, P(AXIS)))
+
+
 def test_a_batch_axis_that_disagrees_in_size_is_refused():
   """Time-major x beside labels y (B,): splitting both along axis 0 is
   ambiguous."""
@@ -312,6 +486,42 @@ def linen_loss(model):
     return loss, updated["batch_stats"]
 
   return loss
+
+
+class Wide(nn.Module):
+  """Dense to as many channels as the global batch has rows, then
+  BatchNorm, synchronized over ``axis_name``."""
+
+  axis_name: str | None = None
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(BATCH)(x)
+    x = nn.BatchNorm(use_running_average=False, axis_name=self.axis_name)(x)
+    return nn.Dense(3)(jax.nn.relu(x))
+
+
+def test_linen_batch_stats_of_as_many_channels_as_rows_name_batch_specs():
+  """batch_stats of BATCH channels split like the batch: the loss fails on
+  shapes, reported naming batch_specs; with P() it is the dense step."""
+  x = RNG.standard_normal((BATCH, 5)).astype(np.float32)
+  y = RNG.integers(0, 3, BATCH)
+  variables = Wide().init(jax.random.key(0), x)
+  params, batch_stats = variables["params"], variables["batch_stats"]
+  dense = jax.grad(lambda p: linen_loss(Wide())(p, batch_stats, x, y)[0])(
+      params
+  )
+  dp = dp_of()
+  batch = put((x, y), P(AXIS))
+  loss = linen_loss(Wide(axis_name=AXIS))
+  with pytest.raises(ValueError, match="batch_stats.*batch_specs"):
+    dp.value_and_grad(loss, has_aux=True)(params, batch_stats, *batch)
+  _, grads = dp.value_and_grad(
+      loss, has_aux=True, batch_specs=(P(), None, None)
+  )(params, batch_stats, *batch)
+  chex.assert_trees_all_close(
+      mean_over_devices(grads), dense, rtol=1e-5, atol=1e-6
+  )
 
 
 def test_linen_batch_stats_argument_is_passed_whole_by_its_spec():

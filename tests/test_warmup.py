@@ -157,6 +157,16 @@ def test_each_phase_compiles_its_own_collectives_and_no_conditional(name):
     assert stats["all-reduce"].bytes == volumes[phase].total + loss, phase
 
 
+def test_at_step_inside_jit_is_refused_naming_the_loop():
+  """at_step picks the program a step compiles: it runs on the host."""
+  dp = acp_jax.DataParallel(
+      acp_jax.acp_sgd(2, warmup_steps=2), helpers.mesh()
+  )
+  state = dp.chain(optax.sgd(0.1)).init(PARAMS)
+  with pytest.raises(ValueError, match="outside jit.*dp.at_step"):
+    jax.jit(dp.at_step)(state, 1)
+
+
 def test_phase_at_and_at_step_follow_the_schedule():
   tx = acp_jax.acp_sgd(2, warmup_steps=2)
   assert [tx.phase_at(i) for i in range(6)] == [
