@@ -281,8 +281,10 @@ def _methods(compressors, torch, bandwidth, last, fastest_link_only):
       for c in compressors
       if (last or c not in fastest_link_only) and runs_on(bandwidth, c) is not None
   ]
+  # The hook's first steps all-reduce the whole model, as DDP's every step
+  # does: below DENSE_MIN_MBIT no PyTorch method runs.
   return jax + [
-      ("torch", c) for c in torch if runs_on(bandwidth, c) is not None
+      ("torch", c) for c in torch if runs_on(bandwidth, "ssgd") is not None
   ]
 
 
