@@ -117,28 +117,36 @@ def cluster(rows, path) -> None:
   for ax, (workers, group) in zip(axes[0], groups.items()):
     bandwidths = list(dict.fromkeys(r["bandwidth"] for r in group))
     systems = list(dict.fromkeys((r["system"], r["compressor"]) for r in group))
-    cell = {
-        (r["bandwidth"], r["system"], r["compressor"]): r["examples_per_sec"]
-        for r in group
-    }
+    cell = {(r["bandwidth"], r["system"], r["compressor"]): r for r in group}
     width = 0.8 / len(systems)
     for i, (system, name) in enumerate(systems):
       xs = [
           b + (i - len(systems) / 2 + 0.5) * width
           for b in range(len(bandwidths))
       ]
-      ys = [cell.get((b, system, name), 0) for b in bandwidths]
+      found = [cell.get((b, system, name), {}) for b in bandwidths]
+      ys = [r.get("examples_per_sec", 0) for r in found]
+      # The runs' range, where the record kept one.
+      spread = [
+          (
+              y - r.get("examples_per_sec_min", y),
+              r.get("examples_per_sec_max", y) - y,
+          )
+          for y, r in zip(ys, found)
+      ]
       torch = system == "torch"
       ax.bar(
           xs,
           ys,
           width,
+          yerr=list(zip(*spread)),
+          capsize=2,
           label=("PyTorch DDP " if torch else "") + LABELS[name],
           color=COLORS[name],
           hatch="//" if torch else None,
           edgecolor="white" if torch else None,
       )
-    ax.set_xticks(range(len(bandwidths)), bandwidths)
+    ax.set_xticks(range(len(bandwidths)), map(link_label, bandwidths))
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7)
     ax.set_ylabel("examples/s (all workers)")
