@@ -24,6 +24,7 @@ from benchmarks import plots
 from benchmarks import records
 from benchmarks import report_cluster
 from benchmarks import targets
+from benchmarks import thresholds
 from benchmarks import template
 from benchmarks.template import fill
 
@@ -79,7 +80,7 @@ def _comm_section(rows, out: pathlib.Path) -> list[str]:
             table=records.table(model_rows, _PER_MODEL_COLUMNS),
         )
     )
-  goal = targets.ACP_BYTES_VS_POWER_SGD
+  goal = thresholds.ACP_BYTES_VS_POWER_SGD
   acp = [r for r in rows if r["compressor"] == "acp_sgd"]
   columns = {
       "model": "model",
