@@ -210,8 +210,10 @@ def _direction(rows) -> str:
 def _convergence_section(
     finals, curves, direction, out: pathlib.Path
 ) -> list[str]:
-  plots.convergence(curves, out / "convergence.png")
   rows = convergence_summary.summarize(finals, curves)
+  # The plot and the tables below read the seeds the summary reads.
+  _, curves, left_out = convergence_summary.without_untrained(finals, curves)
+  plots.convergence(curves, out / "convergence.png")
   warmup = max(r["warmup_steps"] for r in finals)
   stalls = _stalls(curves, warmup)
   later = sorted(
@@ -233,7 +235,14 @@ def _convergence_section(
           config_seq_len=config.data.seq_len,
           steps=finals[0]["steps"],
           warmup=warmup,
-          plateau_pct=100 * convergence_summary.PLATEAU_FRACTION,
+          left_out=fill(
+              "convergence_left_out",
+              seeds=template.and_list(
+                  f"`{task}` seed {seed}" for task, seed in sorted(left_out)
+              )
+              or "none",
+              plateau_pct=100 * convergence_summary.PLATEAU_FRACTION,
+          ),
           table=records.table(rows, convergence_summary.COLUMNS),
           later=template.and_list(map(str, later)),
           stall_table=(
