@@ -242,8 +242,8 @@ def acp_sgd(
         cfg,
         params,
         {
-            "p": phase_volume(lambda spec: spec.n),
-            "q": phase_volume(lambda spec: spec.m),
+            Phase.P.value: phase_volume(lambda spec: spec.n),
+            Phase.Q.value: phase_volume(lambda spec: spec.m),
         },
     )
 

@@ -9,6 +9,7 @@ import optax
 
 from acp_jax import _checks
 from acp_jax import buckets
+from acp_jax import phase as phase_lib
 
 
 class CommVolume(NamedTuple):
@@ -30,7 +31,7 @@ class CommVolume(NamedTuple):
 
 
 # The phase of a compressor's dense warm-up steps.
-DENSE = "dense"
+DENSE = phase_lib.Phase.DENSE.value
 
 # (params or their shapes, axis size) -> {phase name: CommVolume}.
 VolumeFn = Callable[[Any, int], dict[str, CommVolume]]
@@ -39,7 +40,7 @@ PhasesFn = Callable[[Any], dict[str, Any]]
 
 
 def _one_phase(state: Any) -> dict[str, Any]:
-  return {"step": state}
+  return {phase_lib.STEP: state}
 
 
 class Compressor(optax.GradientTransformation):
@@ -87,7 +88,7 @@ class Compressor(optax.GradientTransformation):
       bucket_bytes: float = buckets.DEFAULT_BUCKET_BYTES,
       leaf_order: tuple[int, ...] | None = None,
       packed_rounds: bool | Callable[[], bool] = False,
-      cycle: Sequence[str] = ("step",),
+      cycle: Sequence[str] = (phase_lib.STEP,),
       warmup_steps: int = 0,
       to_phase: Callable[[Any, bool], Any] | None = None,
       made_by: tuple[str, dict[str, Any]] | None = None,

@@ -12,7 +12,9 @@ restore into a target of another phase then fails even with strict=False,
 which pads or truncates an array of one rank into another shape of that rank.
 A ``jax.pmap``-ed state stacks the marker on leading device axes.
 
-This module is the one place that reads a marker's shape.
+This module is the one place that reads a marker's shape, and it owns the
+phases' names, by which ``comm_bytes``, ``Compressor.phases`` and
+``Compressor.cycle`` key them.
 """
 
 from collections.abc import Callable
@@ -22,7 +24,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from acp_jax import compressor
+# The name of a single-phase compressor's one step (S-SGD's, Sign-SGD's,
+# Top-k's and Power-SGD's, whose step computes and all-reduces both
+# factors while its state holds the P marker).
+STEP = "step"
 
 
 class Phase(enum.Enum):
@@ -33,7 +38,7 @@ class Phase(enum.Enum):
 
   P = "p"
   Q = "q"
-  DENSE = compressor.DENSE
+  DENSE = "dense"
 
 
 _SHAPE = {Phase.P: (1,), Phase.Q: (2, 2), Phase.DENSE: (3, 3, 3)}
@@ -58,9 +63,10 @@ def _phase_and_lead(marker_: Any) -> tuple[Phase, tuple[int, ...]]:
   for phase, own in _SHAPE.items():
     if shape[len(shape) - len(own) :] == own:
       return phase, shape[: len(shape) - len(own)]
+  shapes = ", ".join(map(str, _SHAPE.values()))
   raise ValueError(
-      "a low-rank compressor's phase marker has shape (1,), (2, 2) or"
-      f" (3, 3, 3) (after any leading device axes), got {marker_.shape}"
+      f"a low-rank compressor's phase marker has one of the shapes {shapes}"
+      f" (after any leading device axes), got {marker_.shape}"
   )
 
 

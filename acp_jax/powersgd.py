@@ -217,14 +217,14 @@ def power_sgd(
     del num_devices
     step = lowrank.volume(cfg, params, lambda spec: spec.n + spec.m)
     return lowrank.with_warmup(
-        cfg, params, {"step": compressor.CommVolume(all_reduce=step)}
+        cfg, params, {phase_lib.STEP: compressor.CommVolume(all_reduce=step)}
     )
 
   def phases(state):
     if not cfg.warmup_steps:
-      return {"step": state}
+      return {phase_lib.STEP: state}
     return phase_lib.abstract_states(
-        state, {Phase.DENSE.value: Phase.DENSE, "step": Phase.P}
+        state, {Phase.DENSE.value: Phase.DENSE, phase_lib.STEP: Phase.P}
     )
 
   return compressor.Compressor(

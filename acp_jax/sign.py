@@ -13,6 +13,7 @@ from acp_jax import _checks
 from acp_jax import buckets
 from acp_jax import collectives
 from acp_jax import compressor
+from acp_jax import phase as phase_lib
 from acp_jax import error_feedback
 
 
@@ -179,7 +180,9 @@ def sign_sgd(
     sized = sum(math.prod(x.shape) > 0 for x in leaves)
     scales = 0 if majority_vote else 4 * sized
     return {
-        "step": compressor.CommVolume(all_gather=num_devices * (bits + scales))
+        phase_lib.STEP: compressor.CommVolume(
+            all_gather=num_devices * (bits + scales)
+        )
     }
 
   return compressor.Compressor(

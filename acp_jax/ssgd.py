@@ -7,6 +7,7 @@ from acp_jax import _checks
 from acp_jax import buckets
 from acp_jax import collectives
 from acp_jax import compressor
+from acp_jax import phase as phase_lib
 
 
 def ssgd(
@@ -71,7 +72,7 @@ def ssgd(
   def volume(params, num_devices):
     del num_devices
     step = collectives.dense_nbytes(params, comm_dtype)
-    return {"step": compressor.CommVolume(all_reduce=step)}
+    return {phase_lib.STEP: compressor.CommVolume(all_reduce=step)}
 
   return compressor.Compressor(
       init_fn,

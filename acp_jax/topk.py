@@ -12,6 +12,7 @@ from acp_jax import _checks
 from acp_jax import buckets
 from acp_jax import collectives
 from acp_jax import compressor
+from acp_jax import phase as phase_lib
 from acp_jax import error_feedback
 
 
@@ -167,7 +168,9 @@ def topk_sgd(
         _k(math.prod(x.shape), density) * (jnp.dtype(x.dtype).itemsize + 4)
         for x in jax.tree.leaves(params)
     )
-    return {"step": compressor.CommVolume(all_gather=num_devices * received)}
+    return {
+        phase_lib.STEP: compressor.CommVolume(all_gather=num_devices * received)
+    }
 
   return compressor.Compressor(
       init_fn,

@@ -40,7 +40,7 @@ from benchmarks import costmodel
 from benchmarks import launch
 from benchmarks import links
 from benchmarks import records
-from benchmarks import targets
+from benchmarks import thresholds
 from benchmarks import worker as worker_parts
 from benchmarks import workloads
 
@@ -343,7 +343,7 @@ def measure(
     fastest_link_only=FASTEST_LINK_ONLY,
     repeats: int = 3,
     warmup: int = WARMUP,
-    breakdown_links=(targets.SLOW_LINK,),
+    breakdown_links=(thresholds.SLOW_LINK,),
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
   """Cluster records (one per worker count, bandwidth, system and
   compressor), link calibration records (one per worker count, bandwidth
@@ -488,7 +488,7 @@ def add_arguments(parser) -> None:
   parser.add_argument(
       "--breakdown_links",
       type=cli.names(tuple(BANDWIDTHS), "bandwidth"),
-      default=targets.SLOW_LINK,
+      default=thresholds.SLOW_LINK,
       help="links on which one more run takes each step apart",
   )
   parser.add_argument(

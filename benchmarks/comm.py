@@ -23,7 +23,7 @@ import jax
 import acp_jax
 from benchmarks import cli
 from benchmarks import records as records_lib
-from benchmarks import targets
+from benchmarks import thresholds
 from benchmarks import workloads
 from train import experiment as experiment_lib
 from train import train
@@ -111,7 +111,7 @@ def measure(models: list[str]) -> list[dict[str, Any]]:
       )
     acp, power = rows["acp_sgd"], rows["power_sgd"]
     acp["target_bytes"] = (
-        targets.ACP_BYTES_VS_POWER_SGD * power["bytes_per_step"]
+        thresholds.ACP_BYTES_VS_POWER_SGD * power["bytes_per_step"]
         + about["dense_bytes"]
     )
     acp["meets_target"] = acp["bytes_per_step"] <= acp["target_bytes"]

@@ -34,6 +34,21 @@ def untrained_seeds(curves: list[dict[str, Any]]) -> set[tuple[str, int]]:
   return out
 
 
+def without_untrained(
+    finals: list[dict[str, Any]], curves: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], set[tuple[str, int]]]:
+  """``finals`` and ``curves`` without the seeds of an S-SGD run that did
+  not train (``untrained_seeds``), and those ``(task, seed)``: what the
+  summary, the plot and the tables of the runs all read."""
+  untrained = untrained_seeds(curves)
+  kept = lambda r: (r["task"], r["seed"]) not in untrained
+  return (
+      [r for r in finals if kept(r)],
+      [c for c in curves if kept(c)],
+      untrained,
+  )
+
+
 def summarize(
     finals: list[dict[str, Any]], curves: list[dict[str, Any]] | None = None
 ) -> list[dict[str, Any]]:
@@ -43,10 +58,9 @@ def summarize(
   steps' cost of ending behind (``steps_cost``), the seeds of
   an S-SGD run that did not train left out (``untrained_seeds``; their
   count is ``seeds_left_out``)."""
-  untrained = untrained_seeds(curves) if curves is not None else set()
-  if untrained:
-    finals = [r for r in finals if (r["task"], r["seed"]) not in untrained]
-    curves = [c for c in curves if (c["task"], c["seed"]) not in untrained]
+  untrained = set()
+  if curves is not None:
+    finals, curves, untrained = without_untrained(finals, curves)
   groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
   for r in finals:
     groups.setdefault((r["task"], r["variant"]), []).append(r)

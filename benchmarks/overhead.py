@@ -34,7 +34,7 @@ from threadpoolctl import threadpool_info
 
 import acp_jax
 from benchmarks import cli
-from benchmarks import targets
+from benchmarks import thresholds
 from benchmarks import workloads
 
 
@@ -242,7 +242,7 @@ def _compare(model: str, rows: dict[str, dict], torch_names: tuple[str, ...]):
     row["vs_ssgd"] = row["update_ms"] / base
   acp, power = rows["acp_sgd"], rows["power_sgd"]
   acp["vs_power_sgd"] = acp["update_ms"] / power["update_ms"]
-  acp["meets_target"] = acp["vs_power_sgd"] <= targets.ACP_VS_POWER_SGD
+  acp["meets_target"] = acp["vs_power_sgd"] <= thresholds.ACP_VS_POWER_SGD
   rows["ssgd"]["vs_psum"] = base / rows[PSUM]["update_ms"]
   if torch_names:
     # Against the implementation a user would otherwise pick, at its
@@ -252,7 +252,7 @@ def _compare(model: str, rows: dict[str, dict], torch_names: tuple[str, ...]):
     for name, row in (("acp_sgd", acp), ("power_sgd", power)):
       row["vs_torch"] = row["update_ms"] / torch_ms
       row["torch_reference"] = fastest
-      goal = targets.VS_TORCH[name].get(model)
+      goal = thresholds.VS_TORCH[name].get(model)
       if goal is not None:
         row["meets_torch_target"] = row["vs_torch"] <= goal
 

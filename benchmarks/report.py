@@ -24,6 +24,7 @@ from benchmarks import plots
 from benchmarks import records
 from benchmarks import report_cluster
 from benchmarks import targets
+from benchmarks import thresholds
 from benchmarks import template
 from benchmarks.template import fill
 
@@ -79,7 +80,7 @@ def _comm_section(rows, out: pathlib.Path) -> list[str]:
             table=records.table(model_rows, _PER_MODEL_COLUMNS),
         )
     )
-  goal = targets.ACP_BYTES_VS_POWER_SGD
+  goal = thresholds.ACP_BYTES_VS_POWER_SGD
   acp = [r for r in rows if r["compressor"] == "acp_sgd"]
   columns = {
       "model": "model",
@@ -209,8 +210,10 @@ def _direction(rows) -> str:
 def _convergence_section(
     finals, curves, direction, out: pathlib.Path
 ) -> list[str]:
-  plots.convergence(curves, out / "convergence.png")
   rows = convergence_summary.summarize(finals, curves)
+  # The plot and the tables below read the seeds the summary reads.
+  _, curves, left_out = convergence_summary.without_untrained(finals, curves)
+  plots.convergence(curves, out / "convergence.png")
   warmup = max(r["warmup_steps"] for r in finals)
   stalls = _stalls(curves, warmup)
   later = sorted(
@@ -232,7 +235,14 @@ def _convergence_section(
           config_seq_len=config.data.seq_len,
           steps=finals[0]["steps"],
           warmup=warmup,
-          plateau_pct=100 * convergence_summary.PLATEAU_FRACTION,
+          left_out=fill(
+              "convergence_left_out",
+              seeds=template.and_list(
+                  f"`{task}` seed {seed}" for task, seed in sorted(left_out)
+              )
+              or "none",
+              plateau_pct=100 * convergence_summary.PLATEAU_FRACTION,
+          ),
           table=records.table(rows, convergence_summary.COLUMNS),
           later=template.and_list(map(str, later)),
           stall_table=(

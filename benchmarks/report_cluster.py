@@ -18,6 +18,7 @@ from benchmarks import plots
 from benchmarks import project
 from benchmarks import records
 from benchmarks import targets
+from benchmarks import thresholds
 from benchmarks import template
 from benchmarks import workloads
 from benchmarks.template import fill
@@ -60,7 +61,7 @@ _LINKS_COLUMNS = {
 }
 _SPEEDUP_COLUMNS = {
     "bandwidth": "link",
-    **{label: f"x {label}" for label, *_ in targets.CLUSTER_SPEEDUPS},
+    **{label: f"x {label}" for label, *_ in thresholds.CLUSTER_SPEEDUPS},
     "PyTorch DDP": "x PyTorch DDP",
 }
 _AVERAGES_COLUMNS = {
@@ -160,7 +161,7 @@ def _cluster_reading(mine) -> str:
   """Where ACP-SGD's step goes on the slowest link, computed."""
   text = []
   for r in mine:
-    if r["compressor"] != "acp_sgd" or r["bandwidth"] != targets.SLOW_LINK:
+    if r["compressor"] != "acp_sgd" or r["bandwidth"] != thresholds.SLOW_LINK:
       continue
     parts = _step_parts(r)
     if parts["collectives"] == NOT_APART:
@@ -185,7 +186,7 @@ def _within(mine, key: str) -> str:
       "cluster_within",
       hits=targets.within_model_error(errors),
       steps=len(errors),
-      goal=targets.MODEL_ERROR,
+      goal=thresholds.MODEL_ERROR,
       largest=max(errors, default=0),
   )
 
@@ -198,7 +199,7 @@ def _workload(model: dict[str, Any]) -> str:
         "cluster_workload_base",
         layers=size["num_layers"],
         base_layers=base["num_layers"],
-        slow_link=plots.link_label(targets.SLOW_LINK),
+        slow_link=plots.link_label(thresholds.SLOW_LINK),
     )
   return text
 
@@ -226,7 +227,7 @@ def _per_workers(groups) -> list[str]:
                 label: targets.ratio(
                     group, ("acp_jax", "acp_sgd"), (system, name), b
                 )
-                for label, system, name, _ in targets.CLUSTER_SPEEDUPS
+                for label, system, name, _ in thresholds.CLUSTER_SPEEDUPS
             },
             "PyTorch DDP": targets.ratio(
                 group, ("acp_jax", "acp_sgd"), ("torch", "ssgd"), b

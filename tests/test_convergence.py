@@ -4,6 +4,9 @@ import pytest
 
 from benchmarks import convergence
 from benchmarks import convergence_summary
+from benchmarks import plots
+from benchmarks import records
+from benchmarks import report
 from benchmarks import targets
 from tests.conftest import NUM_DEVICES
 from train import config as config_lib
@@ -180,6 +183,31 @@ def test_a_seed_whose_ssgd_run_stays_on_its_plateau_is_left_out():
       r for r in convergence_summary.summarize(finals) if r["variant"] == "v"
   ]
   assert row["seeds"] == 2 and row["seeds_left_out"] == 0
+  kept_finals, kept_curves, left_out = convergence_summary.without_untrained(
+      finals, curves
+  )
+  assert left_out == {("t", 1)}
+  assert {r["seed"] for r in kept_finals + kept_curves} == {0}
+
+
+def test_the_report_plots_the_seeds_its_table_summarizes(monkeypatch, tmp_path):
+  finals, curves, direction = (
+      records.read(name, records.RESULTS_DIR)
+      for name in (
+          "convergence",
+          "convergence_curves",
+          "convergence_direction",
+      )
+  )
+  drawn = []
+  monkeypatch.setattr(plots, "convergence", lambda c, path: drawn.extend(c))
+  (text,) = report._convergence_section(finals, curves, direction, tmp_path)
+  left_out = convergence_summary.untrained_seeds(curves)
+  assert drawn == [c for c in curves if (c["task"], c["seed"]) not in left_out]
+  below_plot = text.split("![convergence](convergence.png)")[1]
+  assert below_plot.lstrip().startswith("Left out of the plot")
+  for task, seed in left_out:
+    assert f"`{task}` seed {seed}" in below_plot.split("\n\n")[1]
 
 
 def test_plan_runs_the_variants_asked_for_in_their_order():

@@ -122,6 +122,18 @@ def test_api_page_documents_every_public_name():
   assert wanted - _documented() == set()
 
 
+def test_the_guide_gives_the_phase_markers_shapes_of_the_code():
+  shapes = {p: phase.marker(p).shape for p in phase.Phase}
+  stated = (
+      f"zeros of shape {shapes[phase.Phase.P]} before a P-step,"
+      f" {shapes[phase.Phase.Q]} before a Q-step,"
+      f" {shapes[phase.Phase.DENSE]} during the warm-up"
+  )
+  with open(os.path.join(DOCS, "guides", "how_acp_sgd_works.md")) as f:
+    assert stated in " ".join(f.read().split())
+  assert ", ".join(map(str, shapes.values())) in " ".join(phase.__doc__.split())
+
+
 def test_mistakes_page_cites_tests_that_exist():
   with open(os.path.join(DOCS, "guides", "mistakes.md")) as f:
     cited = re.findall(r"`(tests/test_\w+\.py)::(\w+)`", f.read())

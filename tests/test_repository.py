@@ -1,10 +1,12 @@
-"""The repository stands alone: no file names a folder outside it.
+"""The repository's shape: it stands alone, and its packages import in layers.
 
 A default or a test that reads ``../something`` or an absolute folder of one
 machine works only where that folder happens to exist, and fails on a
-user's fresh clone.
+user's fresh clone. A loop of imports within a package works only for as
+long as no module in it reads another's names at import time.
 """
 
+import ast
 import pathlib
 import re
 import subprocess
@@ -97,3 +99,66 @@ def test_a_records_command_names_no_folder_of_this_machine():
   assert not outside_paths(ROOT / "x.json", command), command
   assert ".../tinyshakespeare/input.txt" in command
   assert "--out=benchmarks/results" in command
+
+
+def package_imports(package: str) -> dict[str, set[str]]:
+  """Each module of ``package`` (a folder at the root) and the modules of the
+  same package it imports, anywhere in its body."""
+  folder = ROOT / package
+  modules = {p.stem for p in folder.glob("*.py")}
+  graph = {}
+  for name in modules:
+    tree = ast.parse((folder / f"{name}.py").read_text(encoding="utf-8"))
+    found = set()
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        found.update(
+            a.name.split(".")[1]
+            for a in node.names
+            if a.name.startswith(f"{package}.")
+        )
+      elif isinstance(node, ast.ImportFrom) and node.module:
+        if node.module == package:
+          found.update(a.name for a in node.names if a.name in modules)
+        elif node.module.startswith(f"{package}."):
+          found.add(node.module.split(".")[1])
+    graph[name] = found & modules - {name}
+  return graph
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str]:
+  """One loop of imports in ``graph``, as the modules along it; [] if none."""
+  done, path = set(), []
+
+  def visit(name: str) -> list[str]:
+    if name in path:
+      return path[path.index(name) :] + [name]
+    if name in done:
+      return []
+    path.append(name)
+    for other in sorted(graph[name]):
+      if loop := visit(other):
+        return loop
+    path.pop()
+    done.add(name)
+    return []
+
+  for name in sorted(graph):
+    if loop := visit(name):
+      return loop
+  return []
+
+
+def test_the_benchmarks_have_no_import_loop():
+  loop = import_cycle(package_imports("benchmarks"))
+  assert not loop, " -> ".join(loop)
+
+
+def test_the_loop_check_sees_a_loop():
+  assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [
+      "a",
+      "b",
+      "c",
+      "a",
+  ]
+  assert not import_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}})
