@@ -196,7 +196,9 @@ def _jax_record(results, model, idle, busy) -> dict[str, Any]:
   workers = len(results)
   batch = workloads.CLUSTER_MODELS[model]["batch_size"] * workers
   rounds = [list(ws) for ws in zip(*(w["rounds"] for w in results))]
-  seconds = lambda key: [_slowest([w["seconds"] for w in r], key) for r in rounds]
+  seconds = lambda key: [
+      _slowest([w["seconds"] for w in r], key) for r in rounds
+  ]
   steps, local = seconds("step"), statistics.median(seconds("step_local"))
   step = statistics.median(steps)
   phases = results[0]["traffic"]
@@ -216,7 +218,9 @@ def _jax_record(results, model, idle, busy) -> dict[str, Any]:
       # Pages faulted in a fused step, the median on each worker, then the
       # largest: whether the allocator still maps memory afresh.
       "step_minflt": max(
-          statistics.median(t["minflt"] for r in w["rounds"] for t in r["trace"])
+          statistics.median(
+              t["minflt"] for r in w["rounds"] for t in r["trace"]
+          )
           for w in results
       ),
       "predicted_step_s": predicted,
@@ -230,7 +234,9 @@ def _jax_record(results, model, idle, busy) -> dict[str, Any]:
   }
   if "breakdown" in results[0]:
     parts = [w["breakdown"] for w in results]
-    record.update({f"{k}_s": _slowest(parts, k) for k in worker_parts.BREAKDOWN})
+    record.update(
+        {f"{k}_s": _slowest(parts, k) for k in worker_parts.BREAKDOWN}
+    )
   return record
 
 
@@ -257,7 +263,9 @@ def _torch_record(reps) -> dict[str, Any]:
   return {
       "system": "torch",
       "repeats": len(reps),
-      **records.repeated("examples_per_sec", [r[0]["examples_per_sec"] for r in reps]),
+      **records.repeated(
+          "examples_per_sec", [r[0]["examples_per_sec"] for r in reps]
+      ),
       "params_identical": all(
           len({w["params_sha256"] for w in r}) == 1 for r in reps
       ),
@@ -279,7 +287,8 @@ def _methods(compressors, torch, bandwidth, last, fastest_link_only):
   jax = [
       ("acp_jax", c)
       for c in compressors
-      if (last or c not in fastest_link_only) and runs_on(bandwidth, c) is not None
+      if (last or c not in fastest_link_only)
+      and runs_on(bandwidth, c) is not None
   ]
   # The hook's first steps all-reduce the whole model, as DDP's every step
   # does: below DENSE_MIN_MBIT no PyTorch method runs.

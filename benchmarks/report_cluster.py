@@ -389,3 +389,45 @@ def hierarchical_section(rows) -> list[str]:
       ),
       _sharded_reading(rows),
   ]
+
+
+def _method_label(system: str, name: str, rank: int) -> str:
+  """A cluster method as the README names it: ``ACP-SGD (r=4)``,
+  ``PyTorch DDP + `powerSGD_hook` (r=4)``."""
+  label = plots.LABELS[name]
+  if name in ("power_sgd", "acp_sgd"):
+    label += f" (r={rank})"
+  if system == "torch":
+    label = "PyTorch DDP" + (
+        f" + `powerSGD_hook` (r={rank})" if name == "power_sgd" else ""
+    )
+  return label
+
+
+def summary_table(rows) -> str:
+  """The README's table of one cluster run: each method's examples/s per
+  link and worker count, with its bytes per step per worker; the fastest
+  of each column in bold."""
+  rank = workloads.CLUSTER_MODELS[rows[0]["model"]]["rank"]
+  where = lambda r: (r["bandwidth"], r["workers"])
+  columns = list(dict.fromkeys(map(where, rows)))
+  fastest = {}
+  for r in rows:
+    fastest[where(r)] = max(fastest.get(where(r), 0), r["examples_per_sec"])
+  head = ["method", "bytes/step per worker"] + [
+      f"{plots.link_label(b)}, {w} workers" for b, w in columns
+  ]
+  lines = [head, ["---"] + ["---:"] * (len(head) - 1)]
+  methods = dict.fromkeys((r["system"], r["compressor"]) for r in rows)
+  for method in methods:
+    mine = {
+        where(r): r for r in rows if (r["system"], r["compressor"]) == method
+    }
+    sent = next(iter(mine.values())).get("bytes_per_step")
+    line = [_method_label(*method, rank), f"{sent:,.0f}" if sent else ""]
+    for c in columns:
+      speed = mine[c]["examples_per_sec"] if c in mine else None
+      text = "" if speed is None else f"{speed:.3g}"
+      line.append(f"**{text}**" if speed == fastest[c] else text)
+    lines.append(line)
+  return "\n".join("| " + " | ".join(line) + " |" for line in lines)

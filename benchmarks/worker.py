@@ -13,9 +13,10 @@ prints.
 
 ``parts`` times a data-parallel step, the same step on each process's
 device alone (the compute-only step the cost model starts from) and, with
-``--breakdown``, the step's parts, all in lockstep. ``psum`` times all-reduces of float32 buffers of the given
-byte sizes, on idle processes and right after a pass over memory, for
-calibrating the cost model on the links. ``nodes`` trains on ``D`` devices
+``--breakdown``, the step's parts, all in lockstep. ``psum`` times
+all-reduces of float32 buffers of the given byte sizes, on idle processes
+and right after a pass over memory, for calibrating the cost model on the
+links. ``nodes`` trains on ``D`` devices
 per process, each process a node of a (processes x D) mesh, in one of
 ``LAYOUTS``: flat (the compressor over all devices),
 hierarchical (a dense mean within the process, the compressor across
