@@ -372,3 +372,7 @@ def add_arguments(parser) -> None:
 
 def main(args) -> None:
   print(write(args.results_dir))
+  rows = records.read("cluster", args.results_dir)
+  if rows:
+    print("The README's table of the cluster run:")
+    print(report_cluster.summary_table(rows))

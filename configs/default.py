@@ -75,7 +75,7 @@ def get_config() -> ml_collections.ConfigDict:
   # exits non-zero, since what it trained is not what was asked.
   config.max_skipped_fraction = 0.1
   # A step whose training loss (the global mean) exceeds this many times
-  # the lowest loss of the steps before it has diverged: it is stopped or
+  # the loss at the start of training has diverged: it is stopped or
   # skipped as nonfinite says, though every number is finite. 0: no guard.
   config.divergence_factor = 1e3
   # Random flips and 4-pixel pad-and-crop of training images.
