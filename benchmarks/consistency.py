@@ -1,17 +1,18 @@
-"""What makes the report's records one report: one machine, the cluster's
-figures from one run, the projection's update times those of the overhead
-records beside it.
+"""What makes the report's records one report: the cluster's figures from
+one run, the projection's update times those of the overhead records beside
+it; and which machines its sections ran on.
 
 ``check`` returns a sentence per rule broken; ``report.write`` refuses to
-write a report while any is.
+write a report while any is. ``machines`` names the sections of each
+machine, which the report prints where there is more than one.
 """
 
 import re
 from typing import Any
 
 Records = dict[str, list[dict[str, Any]]]
-# Records of another machine by design (a GPU run), left out of the
-# one-machine rule.
+# Records of another machine by design (a GPU run), not named by
+# ``machines``.
 OTHER_MACHINES = ("gpu",)
 # Record files that must come from a single run each, and together: a
 # ratio of the cluster's tables divides figures of the same run.
@@ -27,20 +28,15 @@ def machine(record: dict[str, Any]) -> str:
   return re.sub(r", \d+ \w+ devices$", "", record["machine"])
 
 
-def _one_machine(found: Records) -> list[str]:
-  machines = {}
+def machines(found: Records) -> dict[str, list[str]]:
+  """The record files of each machine that made them, in order."""
+  out = {}
   for name, rows in found.items():
     if name in OTHER_MACHINES:
       continue
-    for r in rows:
-      machines.setdefault(machine(r), set()).add(name)
-  if len(machines) < 2:
-    return []
-  return [
-      "the records come from several machines: "
-      + "; ".join(f"{m} ({', '.join(sorted(n))})" for m, n in machines.items())
-      + ". Rerun the sections of the other machines on this one."
-  ]
+    for m in dict.fromkeys(map(machine, rows)):
+      out.setdefault(m, []).append(name)
+  return out
 
 
 def _one_run(found: Records) -> list[str]:
@@ -82,4 +78,4 @@ def _fresh_projection(found: Records) -> list[str]:
 
 def check(found: Records) -> list[str]:
   """A sentence per rule that ``found`` (records by file name) breaks."""
-  return _one_machine(found) + _one_run(found) + _fresh_projection(found)
+  return _one_run(found) + _fresh_projection(found)

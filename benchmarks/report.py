@@ -347,6 +347,16 @@ def write(results_dir: os.PathLike) -> str:
         + "\n- ".join(broken)
     )
   blocks = [fill("head")]
+  ran_on = consistency.machines(found)
+  if len(ran_on) > 1:
+    blocks.append(
+        fill(
+            "machines",
+            machines="\n".join(
+                f"- {m}: {', '.join(names)}" for m, names in ran_on.items()
+            ),
+        )
+    )
   if any(r.get("quick") for rows in found.values() for r in rows):
     blocks.append(fill("quick"))
   checked = [

@@ -143,11 +143,14 @@ def test_a_report_of_one_machine_and_one_cluster_run_is_consistent():
   assert consistency.check(found) == []
 
 
-def test_sections_of_another_machine_are_refused():
+def test_the_machines_of_the_sections_are_named():
   other = _row(machine="Other CPU (2 cores), jax 0.10.2, 1 cpu devices")
-  (broken,) = consistency.check({"comm": [_row()], "projection": [other]})
-  assert "several machines" in broken
-  assert "Other CPU (2 cores), jax 0.10.2 (projection)" in broken
+  found = {"comm": [_row()], "projection": [other]}
+  assert consistency.check(found) == []
+  assert consistency.machines(found) == {
+      "Some CPU (2 cores), jax 0.10.2": ["comm"],
+      "Other CPU (2 cores), jax 0.10.2": ["projection"],
+  }
 
 
 def test_cluster_ratios_of_several_runs_are_refused():
@@ -185,3 +188,11 @@ def test_the_report_refuses_records_that_do_not_make_one(committed):
   path.write_text(json.dumps(rows))
   with pytest.raises(SystemExit, match="do not make one report"):
     report.write(committed)
+
+
+def test_the_readme_table_is_the_committed_cluster_run():
+  from benchmarks import report_cluster
+
+  rows = records.read("cluster", records.RESULTS_DIR)
+  readme = (records.RESULTS_DIR.parents[1] / "README.md").read_text()
+  assert report_cluster.summary_table(rows) in readme
