@@ -28,6 +28,8 @@ from acp_jax.powersgd import PowerSgdState
 from acp_jax.sign import sign_sgd
 from acp_jax.sign import SignSgdState
 from acp_jax.ssgd import ssgd
+from acp_jax.subspace_adam import subspace_adam
+from acp_jax.subspace_adam import SubspaceAdamState
 from acp_jax.topk import topk_sgd
 from acp_jax.topk import TopkSgdState
 
@@ -46,6 +48,7 @@ __all__ = (
     "PowerSgdState",
     "ShardedDataParallel",
     "SignSgdState",
+    "SubspaceAdamState",
     "TopkSgdState",
     "acp_sgd",
     "backward_order",
@@ -56,5 +59,6 @@ __all__ = (
     "power_sgd",
     "sign_sgd",
     "ssgd",
+    "subspace_adam",
     "topk_sgd",
 )

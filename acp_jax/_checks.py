@@ -496,7 +496,8 @@ def check_not_in_conditional(caller: str) -> None:
 
 
 # States of optax transforms that precondition by moments of the gradient:
-# after compressed_adam, which is Adam already, they would scale twice.
+# after compressed_adam or subspace_adam, which are Adam already, they would
+# scale twice.
 _PRECONDITIONER_STATES = tuple(
     getattr(optax, name)
     for name in (
@@ -530,8 +531,8 @@ def check_optimizer_after(compressor_name: str, inner_state: Any) -> None:
 
   - ``optax.MultiSteps``: the compressed exchange runs before it at every
     micro-step, so a step of k micro-batches sends k times;
-  - an Adam-like preconditioner after ``compressed_adam``, whose output is
-    Adam's direction already.
+  - an Adam-like preconditioner after ``compressed_adam`` or
+    ``subspace_adam``, whose output is Adam's direction already.
   """
   if _states_of(inner_state, (optax.MultiStepsState,)):
     raise ValueError(
@@ -542,12 +543,12 @@ def check_optimizer_after(compressor_name: str, inner_state: Any) -> None:
         " k), then call the optimizer once, one compressed send per k"
         " micro-steps."
     )
-  if compressor_name != "compressed_adam":
+  if compressor_name not in ("compressed_adam", "subspace_adam"):
     return
   found = _states_of(inner_state, _PRECONDITIONER_STATES)
   if found:
     raise ValueError(
-        "DataParallel.chain(tx): the compressor is compressed_adam, which"
+        f"DataParallel.chain(tx): the compressor is {compressor_name}, which"
         " returns Adam's direction already, and tx holds"
         f" {type(found[0]).__name__}, a second preconditioner (optax.adam"
         " and its kin) that would rescale it again. Chain what follows"

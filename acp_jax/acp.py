@@ -168,70 +168,12 @@ def acp_sgd(
     _checks.check_state(state, AcpSgdState, "acp_sgd")
     s = lowrank.split(cfg, updates, state.error)
     lowrank.check_factors(cfg, s, state.q, "m")
-    phase = phase_lib.phase_of(state.phase)
-    count = state.count + 1
-    if phase is Phase.DENSE:
+    if phase_lib.phase_of(state.phase) is Phase.DENSE:
       lowrank.check_dense_step(cfg, state.count)
-      mean, error, q = lowrank.dense_step(cfg, s, state.q, axis_name)
-      return mean, state._replace(error=error, q=q, count=count)
-    # P-step: F = M B, approximation F B^T. Q-step: F^T = B^T M (kept
-    # transposed, see projection.project_transposed), approximation B F^T.
-    p_step = phase is Phase.P
-    if p_step:
-      project, expand = projection.project, (lambda f, b: f @ b.T)
-      # E' = M - F B^T
-      rank_one_terms = lambda f, b: (f, projection.transposed_rows(b))
-      previous = lowrank.start_factors(cfg, s, state.q, state.count)
-      basis = orthogonalize.orthogonalize
-    else:
-      project = projection.project_terms_transposed
-      expand = lambda ft, b: b @ ft
-      # E' = M - B F^T
-      rank_one_terms = lambda ft, b: (b, ft)
-      previous = lowrank.leaves_of(s, state.p)
-      basis = orthogonalize.orthogonalize_rows
-    bases = [basis(f) for f in previous]
-    factors = [
-        lowrank.as_sent(cfg, project(m, b)) for m, b in zip(s.matrices, bases)
-    ]
-    errors = [
-        projection.residual(m, *rank_one_terms(f, b))
-        for m, f, b in zip(s.matrices, factors, bases)
-    ]
-    # The one round: each bucket's factors and dense leaves together;
-    # packed, in one bucket, where each array would be a message of its own.
-    packed = collectives.network_sends_each_operand()
-    if packed:
-      s = s._replace(buckets=buckets.for_packed_rounds(s.buckets))
-    reduced, dense = lowrank.psum_round(
-        s,
-        factors,
-        s.dense,
-        axis_name,
-        cfg.comm_dtype,
-        packed=packed,
-        row_sums=not p_step,
-    )
-    reduced = [f / n for f in reduced]
-    dense = [x / n for x in dense]
-    applied = [expand(f, b) for f, b in zip(reduced, bases)]
-    masked = [optax.MaskedNode()] * len(s.dense)
-    reduced_tree = lowrank.merge(
-        s,
-        reduced if p_step else [ft.T for ft in reduced],
-        masked,
-        reshape=False,
-    )
-    new_state = AcpSgdState(
-        error=lowrank.errors_tree(cfg, s, errors),
-        p=reduced_tree if p_step else state.p,
-        q=state.q if p_step else reduced_tree,
-        phase=phase_lib.next_marker(
-            state.phase, Phase.Q if p_step else Phase.P
-        ),
-        count=count,
-    )
-    return lowrank.merge(s, applied, dense, reshape=True), new_state
+      mean, error, q, _ = lowrank.dense_step(cfg, s, state.q, axis_name)
+      return mean, state._replace(error=error, q=q, count=state.count + 1)
+    sent, new_state = exchange(cfg, axis_name, s, state, n)
+    return lowrank.applied(sent), new_state
 
   def volume(params, num_devices):
     del num_devices
@@ -267,3 +209,77 @@ def acp_sgd(
       to_phase=phase_lib.switch_to(Phase.P),
       made_by=("acp_sgd", {**cfg._asdict(), "axis_name": axis_name}),
   )
+
+
+def exchange(
+    cfg: lowrank.LowRank,
+    axis_name: str,
+    s: lowrank.Split,
+    state: AcpSgdState,
+    n: int,
+) -> tuple[lowrank.Round, AcpSgdState]:
+  """A P-step or a Q-step (the state's phase says which) of ``s``'s
+  matrices: their round of all-reduces, and the state after it.
+
+  P-step: the basis is orth(Q), the coordinates F = M orth(Q) (n x r), the
+  residual E' = M - F orth(Q)^T. Q-step: the basis is orth(P), the
+  coordinates F^T = orth(P)^T M (r x m, kept transposed, see
+  ``projection.project_transposed``), the residual E' = M - orth(P) F^T.
+  """
+  if phase_lib.phase_of(state.phase) is Phase.P:
+    previous = lowrank.start_factors(cfg, s, state.q, state.count)
+    bases = [orthogonalize.orthogonalize(f) for f in previous]
+    factors = [
+        lowrank.as_sent(cfg, projection.project(m, b))
+        for m, b in zip(s.matrices, bases)
+    ]
+    errors = [
+        projection.residual(m, f, projection.transposed_rows(b))
+        for m, f, b in zip(s.matrices, factors, bases)
+    ]
+    side, after = Phase.P, Phase.Q
+  else:
+    bases = [
+        orthogonalize.orthogonalize_rows(f)
+        for f in lowrank.leaves_of(s, state.p)
+    ]
+    factors = [
+        lowrank.as_sent(cfg, projection.project_terms_transposed(m, b))
+        for m, b in zip(s.matrices, bases)
+    ]
+    errors = [
+        projection.residual(m, b, ft)
+        for m, ft, b in zip(s.matrices, factors, bases)
+    ]
+    side, after = Phase.Q, Phase.P
+  # The one round: each bucket's factors and dense leaves together;
+  # packed, in one bucket, where each array would be a message of its own.
+  packed = collectives.network_sends_each_operand()
+  if packed:
+    s = s._replace(buckets=buckets.for_packed_rounds(s.buckets))
+  reduced, dense = lowrank.psum_round(
+      s,
+      factors,
+      s.dense,
+      axis_name,
+      cfg.comm_dtype,
+      packed=packed,
+      row_sums=side is Phase.Q,
+  )
+  reduced = [f / n for f in reduced]
+  masked = [optax.MaskedNode()] * len(s.dense)
+  kept = lowrank.merge(
+      s,
+      reduced if side is Phase.P else [ft.T for ft in reduced],
+      masked,
+      reshape=False,
+  )
+  new_state = AcpSgdState(
+      error=lowrank.errors_tree(cfg, s, errors),
+      p=kept if side is Phase.P else state.p,
+      q=state.q if side is Phase.P else kept,
+      phase=phase_lib.next_marker(state.phase, after),
+      count=state.count + 1,
+  )
+  sent = lowrank.Round(s, side, bases, reduced, [x / n for x in dense])
+  return sent, new_state

@@ -42,6 +42,7 @@ from acp_jax.compressed_adam import CompressedAdamState
 from acp_jax.data_parallel import DataParallelState
 from acp_jax.powersgd import PowerSgdState
 from acp_jax.sign import SignSgdState
+from acp_jax.subspace_adam import SubspaceAdamState
 from acp_jax.topk import TopkSgdState
 
 # The key of this module's record in an orbax checkpoint's custom metadata.
@@ -57,6 +58,7 @@ _COMPRESSOR_STATES = (
     DataParallelState,
     PowerSgdState,
     SignSgdState,
+    SubspaceAdamState,
     TopkSgdState,
 )
 

@@ -306,9 +306,54 @@ def errors_tree(cfg: LowRank, s: Split, errors: list[jax.Array]) -> Any:
   return merge(s, errors, masked, reshape=False)
 
 
+class Round(NamedTuple):
+  """A compressing step's exchange, before its factors are expanded: for
+  each compressed leaf an orthonormal basis, the same on every replica, and
+  the mean over devices of M's coordinates in it.
+
+  On ``side`` P the coordinates are n x r on a right basis (m x r), and the
+  approximate mean is C B^T (ACP-SGD's P-step); on side Q they are r x m on
+  a left basis (n x r), and it is B C (ACP-SGD's Q-step, Power-SGD's step).
+  """
+
+  split: Split
+  side: phase_lib.Phase
+  bases: list[jax.Array]
+  coords: list[jax.Array]
+  dense: list[jax.Array]  # the mean of each leaf sent dense
+
+
+def expand(side: phase_lib.Phase, basis: jax.Array, coords: jax.Array):
+  """The n x m matrix that ``coords`` on ``basis`` stand for (see
+  ``Round``)."""
+  return coords @ basis.T if side is phase_lib.Phase.P else basis @ coords
+
+
+def applied(r: Round) -> Any:
+  """The approximate mean gradient that a round stands for, as a tree."""
+  low_rank = [expand(r.side, b, c) for b, c in zip(r.bases, r.coords)]
+  return merge(r.split, low_rank, r.dense, reshape=True)
+
+
+def power_step(
+    means: list[jax.Array], qs: list[jax.Array]
+) -> tuple[list[jax.Array], list[jax.Array]]:
+  """One step of power iteration on each n x m matrix: the left basis
+  P = orth(M orth(Q)) and M's coordinates P^T M (r x m) in it."""
+  bases = [
+      orthogonalize.orthogonalize_rows(m @ orthogonalize.orthogonalize(q))
+      for m, q in zip(means, qs)
+  ]
+  coords = [
+      collectives.row_sum(projection.project_transposed(m, b))
+      for m, b in zip(means, bases)
+  ]
+  return bases, coords
+
+
 def dense_step(
     cfg: LowRank, s: Split, q: Any, axis_name: str
-) -> tuple[Any, Any, Any]:
+) -> tuple[Any, Any, Any, Round]:
   """A warm-up step: S-SGD's exchange, and the factors warmed on its result.
 
   Every leaf is sent whole (M = G + E for a compressed one, so whatever
@@ -320,9 +365,10 @@ def dense_step(
   projects on the mean gradient's leading subspace, not on a random one.
 
   Returns:
-    ``(mean, errors, q)``: the mean gradient tree, the residual tree (zero:
-    nothing is left unsent) and the new tree of Q factors (``q``, the
-    state's, if not warmed).
+    ``(mean, errors, q, round)``: the mean gradient tree, the residual tree
+    (zero: nothing is left unsent), the new tree of Q factors (``q``, the
+    state's, if not warmed), and the power step on the means as a side-Q
+    ``Round`` (for ``subspace_adam``; unused, it is compiled away).
   """
   leaves = _leaves(
       s, [m.dense() for m in s.matrices], s.dense, reshape=True
@@ -330,22 +376,14 @@ def dense_step(
   mean = collectives.bucketed_pmean(leaves, s.buckets, axis_name)
   tree = jax.tree.unflatten(s.treedef, mean)
   errors = errors_tree(cfg, s, [jnp.zeros_like(m.grad) for m in s.matrices])
-  if not cfg.warmup_factors:
-    return tree, errors, q
   means = [x.reshape(spec.n, spec.m) for x, spec in zip(mean, s.specs) if spec]
-  qs = [
-      collectives.row_sum(
-          projection.project_transposed(
-              m,
-              orthogonalize.orthogonalize_rows(
-                  m @ orthogonalize.orthogonalize(f)
-              ),
-          )
-      ).T
-      for m, f in zip(means, leaves_of(s, q))
-  ]
-  masked = [optax.MaskedNode()] * len(s.dense)
-  return tree, errors, merge(s, qs, masked, reshape=False)
+  bases, coords = power_step(means, leaves_of(s, q))
+  dense = [x for x, spec in zip(mean, s.specs) if spec is None]
+  power = Round(s, phase_lib.Phase.Q, bases, coords, dense)
+  if cfg.warmup_factors:
+    masked = [optax.MaskedNode()] * len(s.dense)
+    q = merge(s, [c.T for c in coords], masked, reshape=False)
+  return tree, errors, q, power
 
 
 def psum_round(

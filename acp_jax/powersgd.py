@@ -158,60 +158,12 @@ def power_sgd(
     _checks.check_state(state, PowerSgdState, "power_sgd")
     s = lowrank.split(cfg, updates, state.error)
     lowrank.check_factors(cfg, s, state.q, "m")
-    count = state.count + 1
-    masked = [optax.MaskedNode()] * len(s.dense)
     if phase_lib.phase_of(state.phase) is Phase.DENSE:
       lowrank.check_dense_step(cfg, state.count)
-      mean, error, q = lowrank.dense_step(cfg, s, state.q, axis_name)
-      return mean, state._replace(error=error, q=q, count=count)
-    s = s._replace(buckets=buckets.for_packed_rounds(s.buckets))
-    previous = lowrank.start_factors(cfg, s, state.q, state.count)
-    # The warm-start Q, a mean of M^T P, carries the gradient's scale, so
-    # M Q carries its square: in float16 that overflows (inf, then NaN) on a
-    # 512 x 512 leaf with entries near 3. Only the span of Q matters, since P
-    # is orthogonalized next; an orthonormal basis of it keeps M Q at the
-    # scale of M, as PyTorch's powerSGD_hook does.
-    qs = [orthogonalize.orthogonalize(q) for q in previous]
-    ps, dense = lowrank.psum_round(
-        s,
-        [projection.project(m, q) for m, q in zip(s.matrices, qs)],
-        s.dense,
-        axis_name,
-        cfg.comm_dtype,
-        packed=True,
-    )
-    ps = [orthogonalize.orthogonalize_rows(p) for p in ps]
-    # Q needs the reduced P: a second all-reduce per bucket that can neither
-    # fuse with the bucket's first nor start before it ends.
-    qts, _ = lowrank.psum_round(
-        s,
-        [
-            projection.project_terms_transposed(m, p)
-            for m, p in zip(s.matrices, ps)
-        ],
-        None,
-        axis_name,
-        cfg.comm_dtype,
-        packed=True,
-        row_sums=True,
-    )
-    qts = [qt / n for qt in qts]
-    approx = [p @ qt for p, qt in zip(ps, qts)]
-    dense = [x / n for x in dense]
-    new_state = PowerSgdState(
-        error=lowrank.errors_tree(
-            cfg,
-            s,
-            [
-                projection.residual(m, p, qt, product=a)
-                for m, p, qt, a in zip(s.matrices, ps, qts, approx)
-            ],
-        ),
-        q=lowrank.merge(s, [qt.T for qt in qts], masked, reshape=False),
-        phase=state.phase,
-        count=count,
-    )
-    return lowrank.merge(s, approx, dense, reshape=True), new_state
+      mean, error, q, _ = lowrank.dense_step(cfg, s, state.q, axis_name)
+      return mean, state._replace(error=error, q=q, count=state.count + 1)
+    sent, new_state = exchange(cfg, axis_name, s, state, n)
+    return lowrank.applied(sent), new_state
 
   def volume(params, num_devices):
     del num_devices
@@ -240,3 +192,61 @@ def power_sgd(
       to_phase=phase_lib.switch_to(Phase.P),
       made_by=("power_sgd", {**cfg._asdict(), "axis_name": axis_name}),
   )
+
+
+def exchange(
+    cfg: lowrank.LowRank,
+    axis_name: str,
+    s: lowrank.Split,
+    state: PowerSgdState,
+    n: int,
+) -> tuple[lowrank.Round, PowerSgdState]:
+  """A compressing step of ``s``'s matrices: its two rounds of all-reduces,
+  and the state after them. The basis is orth(P), P the sum of M orth(Q);
+  the coordinates are Q^T = orth(P)^T M (r x m) averaged; the residual is
+  E' = M - orth(P) Q^T, with the mean Q (all of it was applied)."""
+  s = s._replace(buckets=buckets.for_packed_rounds(s.buckets))
+  previous = lowrank.start_factors(cfg, s, state.q, state.count)
+  # The warm-start Q, a mean of M^T P, carries the gradient's scale, so
+  # M Q carries its square: in float16 that overflows (inf, then NaN) on a
+  # 512 x 512 leaf with entries near 3. Only the span of Q matters, since P
+  # is orthogonalized next; an orthonormal basis of it keeps M Q at the
+  # scale of M, as PyTorch's powerSGD_hook does.
+  qs = [orthogonalize.orthogonalize(q) for q in previous]
+  ps, dense = lowrank.psum_round(
+      s,
+      [projection.project(m, q) for m, q in zip(s.matrices, qs)],
+      s.dense,
+      axis_name,
+      cfg.comm_dtype,
+      packed=True,
+  )
+  ps = [orthogonalize.orthogonalize_rows(p) for p in ps]
+  # Q needs the reduced P: a second all-reduce per bucket that can neither
+  # fuse with the bucket's first nor start before it ends.
+  qts, _ = lowrank.psum_round(
+      s,
+      [
+          projection.project_terms_transposed(m, p)
+          for m, p in zip(s.matrices, ps)
+      ],
+      None,
+      axis_name,
+      cfg.comm_dtype,
+      packed=True,
+      row_sums=True,
+  )
+  qts = [qt / n for qt in qts]
+  errors = [
+      projection.residual(m, p, qt, product=p @ qt)
+      for m, p, qt in zip(s.matrices, ps, qts)
+  ]
+  masked = [optax.MaskedNode()] * len(s.dense)
+  new_state = PowerSgdState(
+      error=lowrank.errors_tree(cfg, s, errors),
+      q=lowrank.merge(s, [qt.T for qt in qts], masked, reshape=False),
+      phase=state.phase,
+      count=state.count + 1,
+  )
+  sent = lowrank.Round(s, Phase.Q, ps, qts, [x / n for x in dense])
+  return sent, new_state

@@ -17,6 +17,14 @@ from acp_jax import state_trees
 B1, B2, EPS = 0.9, 0.99, 1e-8
 # name -> compressed_adam's preconditioned.
 MOMENTUM = {"momentum": False, "momentum_preconditioned": True}
+# name -> subspace_adam's options.
+SUBSPACE = {
+    "subspace_adam": {},
+    "subspace_adam_no_feedback": {"moment_feedback": False},
+    "subspace_adam_track": {"track_momentum": True},
+    "subspace_adam_rms": {"match_rms": True},
+    "subspace_adam_track_rms": {"match_rms": True, "track_momentum": True},
+}
 # The factors' comm_dtype -> the variant name's suffix.
 COMM_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16"}
 # Below this fraction of its leaf's mean, a row's or column's second moment
@@ -110,7 +118,8 @@ class Variant:
     )
     self.geometry = None
     self.momentum = geometry in MOMENTUM
-    if geometry and not self.momentum:
+    self.subspace = geometry in SUBSPACE
+    if geometry and not (self.momentum or self.subspace):
       make, self.scaled_residual = GEOMETRY_KINDS[geometry]
       self.geometry = make()
     self.tx = getattr(acp_jax, method)(
@@ -122,6 +131,10 @@ class Variant:
     if self.momentum:
       self.tx = acp_jax.compressed_adam(
           self.tx, b1=B1, b2=B2, eps=EPS, preconditioned=MOMENTUM[geometry]
+      )
+    if self.subspace:
+      self.tx = acp_jax.subspace_adam(
+          self.tx, b1=B1, b2=B2, eps=EPS, **SUBSPACE[geometry]
       )
     self._spec = lambda x: lowrank.matrix_spec(tuple(x.shape), rank, 2.0)
 

@@ -118,20 +118,56 @@ VARIANTS = {
     "acp_sgd_2r_precond": Variant(
         "acp_sgd", 2, WARMUP_STEPS, True, "preconditioned_momentum"
     ),
+    # AdamW's moments in the coordinates the factors carry
+    # (acp_jax.subspace_adam), with and without a dense warm-up.
+    "acp_sgd_2r_subspace": Variant("acp_sgd", 2, 0, False, "subspace_adam"),
+    "acp_sgd_2r_subspace_warm": Variant(
+        "acp_sgd", 2, WARMUP_STEPS, True, "subspace_adam"
+    ),
+    "power_sgd_subspace_warm": Variant(
+        "power_sgd", 1, WARMUP_STEPS, True, "subspace_adam"
+    ),
+    # The same, the factors' power iteration run on the first moment.
+    "acp_sgd_2r_subspace_track_warm": Variant(
+        "acp_sgd", 2, WARMUP_STEPS, True, "subspace_adam_momentum"
+    ),
+    # Each step scaled to Adam's root mean square on the whole matrix.
+    "acp_sgd_2r_subspace_rms_warm": Variant(
+        "acp_sgd", 2, WARMUP_STEPS, True, "subspace_adam_rms"
+    ),
+    "acp_sgd_2r_subspace_track_rms_warm": Variant(
+        "acp_sgd", 2, WARMUP_STEPS, True, "subspace_adam_momentum_rms"
+    ),
+    "power_sgd_subspace_rms_warm": Variant(
+        "power_sgd", 1, WARMUP_STEPS, True, "subspace_adam_rms"
+    ),
 }
+SUBSPACE_VARIANTS = tuple(
+    v for v in VARIANTS if VARIANTS[v].compress.startswith("subspace_adam")
+)
 MOMENTUM_VARIANTS = tuple(
-    v for v in VARIANTS if VARIANTS[v].compress != "gradient"
+    v
+    for v in VARIANTS
+    if VARIANTS[v].compress != "gradient" and v not in SUBSPACE_VARIANTS
 )
 # Which variants each task runs, and with how many seeds: Sign-SGD and Top-k
-# are far from the targets and get one seed, the low-rank methods three.
+# are far from the targets and get one seed, the low-rank methods three;
+# the subspace variants of the 300-step char LM are a screen, one seed.
 SEEDS = 3
 ONE_SEED = ("sign_sgd", "topk_sgd")
+SCREENED = {"char_lm": SUBSPACE_VARIANTS}
 _BF16 = tuple(v for v in VARIANTS if VARIANTS[v].comm_dtype)
-_GRADIENT = tuple(v for v in VARIANTS if v not in MOMENTUM_VARIANTS + _BF16)
+_GRADIENT = tuple(
+    v
+    for v in VARIANTS
+    if v not in MOMENTUM_VARIANTS + SUBSPACE_VARIANTS + _BF16
+)
 # The bfloat16 variants at Power-SGD rank r's bytes.
 _AT_POWER_SGD_BYTES = ("power_sgd_2r_bf16_warm", "acp_sgd_4r_bf16_warm")
 TASK_VARIANTS = {
-    "char_lm": _GRADIENT + MOMENTUM_VARIANTS + _AT_POWER_SGD_BYTES,
+    "char_lm": (
+        _GRADIENT + MOMENTUM_VARIANTS + _AT_POWER_SGD_BYTES + SUBSPACE_VARIANTS
+    ),
     "char_lm_sgd": (
         "ssgd",
         "power_sgd_warm",
@@ -147,6 +183,7 @@ TASK_VARIANTS = {
         "acp_sgd_2r_momentum",
         "power_sgd_momentum",
         *_AT_POWER_SGD_BYTES,
+        "acp_sgd_2r_subspace_track_warm",
     ),
     "mnist": (
         tuple(
@@ -274,11 +311,15 @@ def run(task: str, variant: str, data_path: str, quick: bool, seed: int):
 
 
 def plan(
-    tasks: list[str], quick: bool, variants: list[str] | None = None
+    tasks: list[str],
+    quick: bool,
+    variants: list[str] | None = None,
+    seeds: list[int] | None = None,
 ) -> list[tuple[int, str, str]]:
   """``(seed, task, variant)`` of every run, a seed's runs before the next
   seed's, so that a cut run still holds every variant; with ``variants``,
-  only those, in that order.
+  only those, in that order; with ``seeds``, only those seeds (a screen at
+  one seed), else ``SEEDS`` of them.
 
   Raises:
     ValueError: if ``variants`` names an unknown variant.
@@ -292,11 +333,14 @@ def plan(
   runs = []
   if quick:  # the long task is the char LM's at more steps
     tasks = [t for t in tasks if t not in LONG_TASKS]
-  for seed in range(1 if quick else SEEDS):
+  if seeds is None:
+    seeds = range(1 if quick else SEEDS)
+  for seed in seeds:
     for task in tasks:
       own = quick_variants(task) if quick else TASK_VARIANTS[task]
       for variant in [v for v in variants if v in own] if variants else own:
-        if seed == 0 or variant not in ONE_SEED:
+        one = variant in ONE_SEED + SCREENED.get(task, ())
+        if seed == 0 or not one:
           runs.append((seed, task, variant))
   return runs
 
@@ -306,6 +350,7 @@ def measure(
     quick: bool,
     log_path: str | None = None,
     variants: list[str] | None = None,
+    seeds: list[int] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
   """Final records and curve points of every run of ``plan``.
 
@@ -315,7 +360,7 @@ def measure(
   for task, path in paths.items():
     config(task, "ssgd", path, quick)  # a missing file fails before training
   finals, curves = [], []
-  for seed, task, variant in plan(list(paths), quick, variants):
+  for seed, task, variant in plan(list(paths), quick, variants, seeds):
     final, curve = run(task, variant, paths[task], quick, seed)
     finals.append(final)
     curves.extend(curve)
@@ -352,6 +397,12 @@ def add_arguments(parser) -> None:
       " task runs (default: all of them)",
   )
   parser.add_argument(
+      "--seeds",
+      type=cli.ints_at_least(0),
+      help="comma-separated seeds to run (default: 0 to"
+      f" {SEEDS - 1}, Sign-SGD and Top-k at seed 0 only)",
+  )
+  parser.add_argument(
       "--char_lm_path",
       help="plain-text file, e.g. tiny-shakespeare (needed by the char_lm"
       " task)",
@@ -369,6 +420,7 @@ def main(args) -> None:
         args.quick,
         log_path,
         args.variants,
+        args.seeds,
     )
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}") from None

@@ -37,7 +37,14 @@ inverse square root of a running second moment (decay b2) of the
   b1 mu + (1 - b1) g; its ``adam`` that of its own update with S-SGD's;
   ``adam_shared`` does not apply (None);
 - ``momentum_preconditioned``: the same, the momentum compressed divided
-  by sqrt(v) + eps (``compressed_adam(..., preconditioned=True)``).
+  by sqrt(v) + eps (``compressed_adam(..., preconditioned=True)``);
+- ``subspace_adam``: ``acp_jax.subspace_adam``, Adam's moments kept in the
+  coordinates the compressor all-reduces; only its ``adam`` applies, the
+  cosine of its direction with S-SGD's; ``subspace_adam_no_feedback``
+  without the first moment's loss kept in the residual, ``_track`` with the
+  factors tracking the first moment, ``_rms`` with its
+  steps scaled to Adam's root mean square, ``_track_rms`` with that and
+  the factors tracking the first moment.
 
 The devices are simulated by ``jax.vmap`` over the mapped axis (see
 ``_Run``), on the default device.
@@ -75,6 +82,11 @@ GEOMETRIES = (
     "full",
     "momentum",
     "momentum_preconditioned",
+    "subspace_adam",
+    "subspace_adam_no_feedback",
+    "subspace_adam_track",
+    "subspace_adam_rms",
+    "subspace_adam_track_rms",
 )
 METRICS = ("grad", "adam", "adam_shared")
 
@@ -128,6 +140,8 @@ class _Run:
     approx = self.step(grads, step)
     if step < warmup_steps:
       return None
+    if self.variant.subspace:  # Adam's direction already, from its own moments
+      return [None, steps.cosine(approx, ref_dir), None]
     if self.variant.momentum:
       return steps.momentum_cosines(
           self.state.adam.mu, old_mu, mean, approx, ref_dir
@@ -181,6 +195,7 @@ class _Reference:
     self.adam_update = jax.jit(self.adam.update)
     self.cosines = jax.jit(self._cosines)
     self.momentum_cosines = jax.jit(_momentum_cosines)
+    self.cosine = jax.jit(_cosine)
     self.apply = jax.jit(self._apply)
 
   def _cosines(self, approx, mean, own_adam, ref_adam, ref_dir):
@@ -273,7 +288,8 @@ def measure(
           ref, grads, step, warmup_steps, mean, ref_adam, ref_dir
       )
       for key, value in zip(METRICS, cosines or ()):
-        values[run.variant.name][key].append(float(value))
+        if value is not None:
+          values[run.variant.name][key].append(float(value))
     ref_adam = ref_adam_next
     params, descent_state = ref.apply(ref_dir, descent_state, params)
     if (step + 1) % 10 == 0:
@@ -290,7 +306,7 @@ def _rows(values) -> list[dict[str, Any]]:
               k: statistics.fmean(xs) if xs else None
               for k, xs in metrics.items()
           },
-          "steps": len(metrics["grad"]),
+          "steps": len(metrics["adam"]),
       }
       for name, metrics in values.items()
   ]
@@ -309,7 +325,13 @@ def _parser() -> argparse.ArgumentParser:
       "--geometries",
       default=",".join(g or "none" for g in GEOMETRIES),
       help="comma-separated: none (the compressor as it is), "
-      + ", ".join((*adam_geometry.GEOMETRY_KINDS, *adam_geometry.MOMENTUM)),
+      + ", ".join(
+          (
+              *adam_geometry.GEOMETRY_KINDS,
+              *adam_geometry.MOMENTUM,
+              *adam_geometry.SUBSPACE,
+          )
+      ),
   )
   parser.add_argument(
       "--comm_dtypes",

@@ -113,7 +113,10 @@ def get_config() -> ml_collections.ConfigDict:
           # What it averages: "gradient"; or "momentum", AdamW's first
           # moment after its dense warm-up, the second moment frozen then,
           # or "preconditioned_momentum", that moment over sqrt(nu) + eps
-          # (acp_jax.compressed_adam; optimizer adamw, warmup_steps >= 1).
+          # (acp_jax.compressed_adam; optimizer adamw, warmup_steps >= 1);
+          # or "subspace_adam", the gradient, AdamW's moments kept in the
+          # coordinates that power_sgd or acp_sgd all-reduce
+          # (acp_jax.subspace_adam; optimizer adamw).
           "compress": "gradient",
       }
   )

@@ -233,8 +233,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   compress = compress_mode(config)
   if compress != "gradient" and config.optimizer.name != "adamw":
     raise ValueError(
-        f"config.compressor.compress={compress!r} compresses AdamW's first"
-        f" moment, but config.optimizer.name={config.optimizer.name!r}; set"
+        f"config.compressor.compress={compress!r} runs AdamW's moments in the"
+        f" compressor, but config.optimizer.name={config.optimizer.name!r}; set"
         " config.optimizer.name='adamw' or compress='gradient'"
     )
   compressor(config, "data")  # the factory checks its own arguments

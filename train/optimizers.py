@@ -21,11 +21,19 @@ COMPRESSORS = {
 # What the compressor averages: the gradient, or (AdamW only) Adam's first
 # moment, its second frozen after the compressor's dense warm-up, as it is
 # or divided by sqrt(nu) + eps (``acp_jax.compressed_adam``'s
-# ``preconditioned``), by name.
+# ``preconditioned``), by name; or, "subspace_adam" (AdamW and a low-rank
+# compressor only), the gradient, with Adam's moments kept in the
+# coordinates it all-reduces (``acp_jax.subspace_adam``), and with
+# "subspace_adam_momentum" its factors tracking the first moment
+# (``track_momentum``).
 COMPRESS = {
     "gradient": None,
     "momentum": False,
     "preconditioned_momentum": True,
+    "subspace_adam": False,
+    "subspace_adam_momentum": True,
+    "subspace_adam_rms": False,
+    "subspace_adam_momentum_rms": True,
 }
 
 
@@ -52,6 +60,13 @@ def compressor(
   if compress == "gradient":
     return made
   try:
+    if compress.startswith("subspace_adam"):
+      return acp_jax.subspace_adam(
+          made,
+          **_adam_moments(config),
+          track_momentum=COMPRESS[compress],
+          match_rms=compress.endswith("_rms"),
+      )
     return acp_jax.compressed_adam(
         made, **_adam_moments(config), preconditioned=COMPRESS[compress]
     )

@@ -1,0 +1,446 @@
+"""Adam in the subspace that a low-rank compressor all-reduces."""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from acp_jax import _checks
+from acp_jax import acp
+from acp_jax import compressor as compressor_lib
+from acp_jax import lowrank
+from acp_jax import phase as phase_lib
+from acp_jax import powersgd
+from acp_jax import state_trees
+
+Phase = phase_lib.Phase
+
+# The low-rank factories it wraps, and their compressing steps.
+_EXCHANGES = {"acp_sgd": acp.exchange, "power_sgd": powersgd.exchange}
+
+
+class Moments(NamedTuple):
+  """Adam's moments of the compressed leaves in one side's coordinates
+  (see ``lowrank.Round``), and the basis they are coordinates on; trees
+  like the params, ``MaskedNode`` at the leaves sent dense.
+
+  Attributes:
+    mu: first moment: n x r on side P, r x m on side Q.
+    nu: second moment, the same shapes.
+    basis: the orthonormal basis: m x r on side P, n x r on side Q.
+  """
+
+  mu: Any
+  nu: Any
+  basis: Any
+
+
+class SubspaceAdamState(NamedTuple):
+  """State of ``subspace_adam``.
+
+  Attributes:
+    local: the wrapped compressor's per-device fields (its residuals), in
+      the order of its ``local_fields``; they differ across devices.
+    inner: the wrapped compressor's state, None at those fields.
+    dense: Adam's moments of the leaves sent dense (``optax``'s
+      ``ScaleByAdamState``, ``MaskedNode`` at the compressed leaves); its
+      count is the steps taken.
+    on_p: the moments of the compressed leaves after a side-P step
+      (ACP-SGD's P-step; all ``MaskedNode`` for Power-SGD, which has none).
+    on_q: the moments after a side-Q step (ACP-SGD's Q-step, Power-SGD's
+      step, a dense warm-up step).
+
+  Every field but ``local`` is identical on every replica.
+  """
+
+  local: tuple
+  inner: Any
+  dense: optax.ScaleByAdamState
+  on_p: Moments
+  on_q: Moments
+
+  @property
+  def phase(self) -> jax.Array:
+    """The wrapped compressor's phase marker (see ``acp_jax.phase``)."""
+    return self.inner.phase
+
+  @property
+  def count(self) -> jax.Array:
+    """The wrapped compressor's step count."""
+    return self.inner.count
+
+
+def subspace_adam(
+    compressor: compressor_lib.Compressor,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    moment_feedback: bool = True,
+    track_momentum: bool = False,
+    match_rms: bool = False,
+) -> compressor_lib.Compressor:
+  """Adam run on the coordinates that ``compressor`` all-reduces.
+
+  A low-rank step averages, for each compressed n x m leaf, its coordinates
+  C on an orthonormal basis B that every replica shares (see
+  ``lowrank.Round``): n x r on a right basis in ACP-SGD's P-steps, r x m on
+  a left basis in its Q-steps and in Power-SGD's steps. Adam's moments live
+  in those coordinates, identical on every replica, and the update is the
+  basis times Adam's step on them::
+
+    mu, nu = carried from the last step's basis to B (below)
+    mu = b1 mu + (1 - b1) C;  nu = b2 nu + (1 - b2) C^2
+    update = B-expand(mu_hat / (sqrt(nu_hat) + eps))
+
+  with ``optax.scale_by_adam``'s bias corrections; the leaves sent dense
+  (vectors, small matrices) take Adam's own step on their mean. Nothing more
+  is sent than ``compressor`` sends, and the moments take (n + m) r floats
+  per matrix where AdamW's take 2 n m.
+
+  When the basis changes (every step), the moments are carried by the
+  projection-aware rule of LDAdam (``carry``): mu is projected onto the new
+  basis (the old n x m moment's coordinates on it, from products of r x r
+  and n x r or r x m factors, never n x m); nu is carried as the variance
+  nu_hat - mu_hat^2 transformed with the squared coefficients of that
+  change (each coordinate taken as independent), plus mu'^2. A change
+  between sides (ACP-SGD's alternation) is one more such linear map.
+
+  Error feedback keeps what each step loses: the compressor's own residual
+  (M minus what was sent) and, with ``moment_feedback``, the part of the
+  first moment that the change of basis dropped, times b1 / (1 - b1), so
+  that the next step's gradient puts it back into mu. During the
+  compressor's dense warm-up, each step is a power-iteration step on the
+  exact mean: Adam runs on its coordinates, and what lies outside the basis
+  is kept as every device's residual.
+
+  Args:
+    compressor: ``acp_jax.acp_sgd`` or ``acp_jax.power_sgd``.
+    b1: decay of the first moment, in [0, 1).
+    b2: decay of the second moment, in [0, 1).
+    eps: added to sqrt(nu_hat), > 0.
+    moment_feedback: keep the first moment's loss at a change of basis in
+      the residual (needs the compressor's ``use_error_feedback``).
+    track_momentum: the next step's basis comes from the first moment's
+      coordinates, not from the mean gradient's: the compressor's power
+      iteration then runs on the momentum, as LDAdam's does (with warm
+      start; identical on every replica, no byte more).
+    match_rms: scale each compressed leaf's step by sqrt(k / r), k the
+      dimension its basis spans (n on side Q, m on side P): Adam's step is
+      about 1 per coordinate, so k x r coordinates expanded over n x m
+      entries have a root mean square of sqrt(r / k), and this brings it to
+      Adam's on the whole matrix (GaLore's scale, set from the shapes).
+
+  Returns:
+    A ``Compressor`` whose update, inside the mapping, takes this device's
+    gradients and returns Adam's direction, the same on every replica.
+    Chain it with what follows ``scale_by_adam`` in ``optax.adamw``:
+    ``dp.chain(optax.chain(optax.add_decayed_weights(wd),
+    optax.scale_by_learning_rate(lr)))``.
+
+  Example::
+
+    dp = acp_jax.DataParallel(acp_jax.subspace_adam(acp_jax.acp_sgd(8)), mesh)
+    tx = dp.chain(optax.scale_by_learning_rate(1e-3))
+
+  .. warning::
+    Do not chain ``optax.adam`` after it: it is Adam already.
+
+  References:
+    Robert, Safaryan, Modoranu and Alistarh, "LDAdam: Adaptive Optimization
+    from Low-Dimensional Gradient Statistics", ICLR 2025.
+    https://arxiv.org/abs/2410.16103
+  """
+  _check_args(compressor, b1, b2, eps, moment_feedback)
+  for key, value in (
+      ("track_momentum", track_momentum),
+      ("match_rms", match_rms),
+  ):
+    if not isinstance(value, bool):
+      raise ValueError(f"subspace_adam: {key} must be a bool, got {value!r}")
+  made_by = compressor.made_by
+  name, args = made_by
+  cfg = lowrank.LowRank(**{f: args[f] for f in lowrank.LowRank._fields})
+  axis_name = compressor.axis_name
+  exchange = _EXCHANGES[name]
+  local_fields = compressor.local_fields
+  feedback = moment_feedback and cfg.use_error_feedback
+
+  def split(inner):
+    local = tuple(getattr(inner, f) for f in local_fields)
+    return local, inner._replace(**dict.fromkeys(local_fields))
+
+  def init_fn(params):
+    local, inner = split(compressor.init(params))
+    specs = cfg.plan(params)
+    leaves, treedef = jax.tree.flatten(params)
+    masked = optax.MaskedNode()
+
+    def tree(make_compressed, make_dense=lambda x: masked):
+      return jax.tree.unflatten(
+          treedef,
+          [
+              make_dense(x) if spec is None else make_compressed(x, spec)
+              for x, spec in zip(leaves, specs)
+          ],
+      )
+
+    zeros = lambda *shape: lambda x, spec: jnp.zeros(
+        [getattr(spec, d) if isinstance(d, str) else d for d in shape],
+        x.dtype,
+    )
+    r = "rank"
+    on_q = Moments(
+        tree(zeros(r, "m")), tree(zeros(r, "m")), tree(zeros("n", r))
+    )
+    if name == "acp_sgd":
+      on_p = Moments(
+          tree(zeros("n", r)), tree(zeros("n", r)), tree(zeros("m", r))
+      )
+    else:
+      on_p = Moments(*[tree(lambda x, spec: masked)] * 3)
+    dense_zeros = lambda x: jnp.zeros_like(x)
+    dense = optax.ScaleByAdamState(
+        count=jnp.zeros((), jnp.int32),
+        mu=tree(lambda x, spec: masked, dense_zeros),
+        nu=tree(lambda x, spec: masked, dense_zeros),
+    )
+    return SubspaceAdamState(local, inner, dense, on_p, on_q)
+
+  def update_fn(updates, state, params=None):
+    del params
+    n = _checks.begin_update(updates, axis_name, "subspace_adam")
+    _checks.check_state(state, SubspaceAdamState, "subspace_adam")
+    inner = state.inner._replace(**dict(zip(local_fields, state.local)))
+    s = lowrank.split(cfg, updates, inner.error)
+    lowrank.check_factors(cfg, s, inner.q, "m")
+    phase = phase_lib.phase_of(inner.phase)
+    # The moments are on side P after a P-step (the next step is a Q-step),
+    # else on side Q (after a Q-step, a Power-SGD step, a dense step).
+    old_side = Phase.P if phase is Phase.Q else Phase.Q
+    old = state.on_p if old_side is Phase.P else state.on_q
+    if phase is Phase.DENSE:
+      lowrank.check_dense_step(cfg, inner.count)
+      mean, errors, q, sent = lowrank.dense_step(cfg, s, inner.q, axis_name)
+      inner = inner._replace(error=errors, q=q, count=inner.count + 1)
+    else:
+      sent, inner = exchange(cfg, axis_name, s, inner, n)
+    t = state.dense.count
+    t_next = optax.safe_increment(t)
+    moments = {k: lowrank.leaves_of(s, getattr(old, k)) for k in Moments._fields}
+    low_rank, lost = [], []
+    kept = Moments([], [], [])
+    for mu, nu, basis_old, basis, coords in zip(
+        *moments.values(), sent.bases, sent.coords
+    ):
+      mu, nu, dropped = carry(
+          (old_side, basis_old, mu, nu), (sent.side, basis), t, b1, b2
+      )
+      mu = b1 * mu + (1 - b1) * coords
+      nu = b2 * nu + (1 - b2) * jnp.square(coords)
+      step = _scaled(mu, nu, t_next, b1, b2, eps)
+      if match_rms:
+        step = step * (basis.shape[0] / basis.shape[1]) ** 0.5
+      low_rank.append(lowrank.expand(sent.side, basis, step))
+      for field, x in zip(kept, (mu, nu, basis)):
+        field.append(x)
+      lost.append(dropped)
+    dense_mu = [b1 * m + (1 - b1) * g for m, g in zip(
+        _dense_leaves(s, state.dense.mu), sent.dense)]
+    dense_nu = [b2 * v + (1 - b2) * jnp.square(g) for v, g in zip(
+        _dense_leaves(s, state.dense.nu), sent.dense)]
+    direction = lowrank.merge(
+        s,
+        low_rank,
+        [_scaled(m, v, t_next, b1, b2, eps) for m, v in zip(dense_mu, dense_nu)],
+        reshape=True,
+    )
+    masked_dense = [optax.MaskedNode()] * len(s.dense)
+    masked_low = [optax.MaskedNode()] * len(s.matrices)
+    new = Moments(
+        *[lowrank.merge(s, x, masked_dense, reshape=False) for x in kept]
+    )
+    on_p, on_q = state.on_p, state.on_q
+    if sent.side is Phase.P:
+      on_p = new
+    else:
+      on_q = new
+    errors = inner.error
+    if phase is Phase.DENSE and cfg.use_error_feedback:
+      # The dense step sent everything; what Adam's basis leaves out of the
+      # exact mean stays for the next step, on every device alike.
+      errors = lowrank.errors_tree(
+          cfg,
+          s,
+          [
+              x - lowrank.expand(sent.side, b, c).reshape(x.shape)
+              for x, b, c in zip(
+                  lowrank.leaves_of(s, mean), sent.bases, sent.coords
+              )
+          ],
+      )
+    if feedback:
+      errors = lowrank.errors_tree(
+          cfg,
+          s,
+          [
+              e + (b1 / (1 - b1)) * d.reshape(e.shape)
+              for e, d in zip(lowrank.leaves_of(s, errors), lost)
+          ],
+      )
+    inner = inner._replace(error=errors)
+    if track_momentum:
+      # The factor the next step projects on: the moment's, not the mean's.
+      factor = "p" if sent.side is Phase.P else "q"
+      moment = [mu if sent.side is Phase.P else mu.T for mu in kept.mu]
+      inner = inner._replace(
+          **{factor: lowrank.merge(s, moment, masked_dense, reshape=False)}
+      )
+    dense = optax.ScaleByAdamState(
+        count=t_next,
+        mu=lowrank.merge(s, masked_low, dense_mu, reshape=False),
+        nu=lowrank.merge(s, masked_low, dense_nu, reshape=False),
+    )
+    local, inner = split(inner)
+    return direction, SubspaceAdamState(local, inner, dense, on_p, on_q)
+
+  def phases(state):
+    return {
+        phase: state._replace(inner=inner)
+        for phase, inner in compressor.phases(state.inner).items()
+    }
+
+  def to_phase(state, dense):
+    # pylint: disable-next=protected-access
+    switched = compressor._to_phase(state.inner, dense)
+    return state if switched is state.inner else state._replace(inner=switched)
+
+  return compressor_lib.Compressor(
+      init_fn,
+      update_fn,
+      compressor._volume,  # pylint: disable=protected-access
+      axis_name=axis_name,
+      local_fields=("local",),
+      phases=phases,
+      bucket_bytes=compressor.bucket_bytes,
+      leaf_order=compressor.leaf_order,
+      packed_rounds=compressor.packed_rounds,
+      cycle=compressor.cycle,
+      warmup_steps=compressor.warmup_steps,
+      to_phase=to_phase if compressor.warmup_steps else None,
+      made_by=(
+          "subspace_adam",
+          {
+              "compressor": {"name": name, "args": args},
+              "b1": b1,
+              "b2": b2,
+              "eps": eps,
+              "moment_feedback": moment_feedback,
+              "track_momentum": track_momentum,
+              "match_rms": match_rms,
+          },
+      ),
+  )
+
+
+def carry(
+    old: tuple[Phase, jax.Array, jax.Array, jax.Array],
+    new: tuple[Phase, jax.Array],
+    count: jax.Array,
+    b1: float,
+    b2: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Adam's moments of one matrix re-expressed on a new basis.
+
+  Args:
+    old: ``(side, basis, mu, nu)``: the moments' coordinates on ``basis``.
+    new: ``(side, basis)``: the basis to carry them to.
+    count: the steps the moments have taken (their bias corrections').
+    b1, b2: the moments' decays.
+
+  Returns:
+    ``(mu, nu, lost)``: the moments on the new basis, and the n x m part of
+    the first moment that the new basis leaves out.
+
+  The new coordinates of the old first moment are L mu R, with (old side,
+  new side) -> (L, R): (Q, Q) -> (B'^T B, 1), (P, P) -> (1, B^T B'),
+  (Q, P) -> (B, B'), (P, Q) -> (B'^T, B^T), for the old basis B and the new
+  B'. The variance nu_hat - mu_hat^2, its coordinates taken as independent,
+  goes through L^2 and R^2 (squared elementwise); mu'^2 is added back and
+  the bias correction restored (LDAdam's rule). No n x m matrix is formed
+  but ``lost``.
+  """
+  old_side, old_basis, mu, nu = old
+  side, basis = new
+  t = count.astype(jnp.float32)
+  # Before the first step the moments are zero: the corrections are 0/tiny.
+  c1 = jnp.maximum(1 - b1**t, 1e-30).astype(mu.dtype)
+  c2 = jnp.maximum(1 - b2**t, 1e-30).astype(mu.dtype)
+  variance = nu / c2 - jnp.square(mu / c1)
+  if old_side is side:
+    change = basis.T @ old_basis  # r x r
+    left, right = (change, None) if side is Phase.Q else (None, change.T)
+  elif side is Phase.P:
+    left, right = old_basis, basis
+  else:
+    left, right = basis.T, old_basis.T
+
+  def through(x, square):
+    f = jnp.square if square else lambda a: a
+    if side is Phase.P:  # n x r: the small product on the right first
+      x = x if right is None else x @ f(right)
+      return x if left is None else f(left) @ x
+    x = x if left is None else f(left) @ x
+    return x if right is None else x @ f(right)
+
+  new_mu = through(mu, False)
+  new_nu = jnp.abs(through(variance, True) + jnp.square(new_mu / c1)) * c2
+  lost = lowrank.expand(old_side, old_basis, mu) - lowrank.expand(
+      side, basis, new_mu
+  )
+  return new_mu, new_nu, lost
+
+
+def _scaled(mu, nu, count, b1, b2, eps):
+  """Adam's bias-corrected step from its moments after ``count`` steps."""
+  mu_hat = optax.tree.bias_correction(mu, b1, count)
+  nu_hat = optax.tree.bias_correction(nu, b2, count)
+  return mu_hat / (jnp.sqrt(nu_hat) + eps)
+
+
+def _dense_leaves(s: lowrank.Split, tree: Any) -> list[jax.Array]:
+  """Leaves of a state tree at the positions ``s`` sends dense."""
+  return [
+      x
+      for x, spec in zip(state_trees.state_leaves(tree), s.specs)
+      if spec is None
+  ]
+
+
+def _check_args(
+    compressor: Any, b1: float, b2: float, eps: float, moment_feedback: bool
+) -> None:
+  """Refuses ``subspace_adam``'s arguments where they are not usable."""
+  made_by = getattr(compressor, "made_by", None)
+  if not isinstance(compressor, compressor_lib.Compressor) or not made_by:
+    raise TypeError(
+        "subspace_adam needs a compressor made by acp_jax.power_sgd or"
+        f" acp_jax.acp_sgd, got {type(compressor).__name__}"
+    )
+  if made_by[0] not in _EXCHANGES:
+    raise ValueError(
+        f"subspace_adam takes power_sgd or acp_sgd, got {made_by[0]}: only"
+        " a low-rank compressor all-reduces coordinates on a shared basis"
+        " in which Adam's moments can live."
+    )
+  for key, value in (("b1", b1), ("b2", b2)):
+    if not 0 <= value < 1:
+      raise ValueError(f"subspace_adam: {key} must be in [0, 1), got {value!r}")
+  if not eps > 0:
+    raise ValueError(f"subspace_adam: eps must be > 0, got {eps!r}")
+  if not isinstance(moment_feedback, bool):
+    raise ValueError(
+        "subspace_adam: moment_feedback must be a bool, got"
+        f" {moment_feedback!r}"
+    )
