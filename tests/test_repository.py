@@ -169,7 +169,7 @@ def test_the_loop_check_sees_a_loop():
 # an attribute.
 INSPECTION = re.compile(
     r"\binspect\.stack\b|\bcurrentframe\b|\bsys\._getframe\b|\bf_locals\b"
-    r"|\bf_back\b|\.parent\b|\bin_tracers\b|\._trace\b"
+    r"|\bf_back\b|\.parent\b|[\"']parent[\"']|\bin_tracers\b|\._trace\b"
 )
 
 
@@ -193,6 +193,7 @@ def test_the_inspection_check_sees_each_kind():
       "frame = frame.f_back",
       "local = frame.f_locals",
       "parent = x.parent",
+      'parent = getattr(x, "parent", None)',
       "for t in parent.in_tracers:",
   ):
     assert inspections(code), code
