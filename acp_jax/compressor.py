@@ -172,19 +172,19 @@ class Compressor(optax.GradientTransformation):
   def _replace(self, **changes: Any) -> "Compressor":
     init = changes.pop("init", self.init)
     update = changes.pop("update", self.update)
-    changed = (init is not self.init or update is not self.update) or any(
-        value is not getattr(self.spec, name)
-        for name, value in changes.items()
-    )
+    spec = dataclasses.replace(self.spec, **changes)
+    changed = init is not self.init or update is not self.update
+    changed |= any(v is not getattr(self.spec, k) for k, v in changes.items())
     if changed and "made_by" not in changes:
-      changes["made_by"] = None
-    return self.from_spec(init, update, dataclasses.replace(self.spec, **changes))
+      spec = dataclasses.replace(spec, made_by=None)
+    return self.from_spec(init, update, spec)
 
   def __copy__(self) -> "Compressor":
     return self.from_spec(self.init, self.update, self.spec)
 
   def __deepcopy__(self, memo: dict) -> "Compressor":
-    return self.from_spec(self.init, self.update, copy.deepcopy(self.spec, memo))
+    spec = copy.deepcopy(self.spec, memo)
+    return self.from_spec(self.init, self.update, spec)
 
   def __reduce__(self):
     if self.made_by is None:
