@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 import contextlib
 import contextvars
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
@@ -167,6 +167,33 @@ def factory_args(caller: str, **args: Any) -> dict[str, Any]:
   value and the fix."""
   _check_static(caller, {k: v for k, v in args.items() if k in _STATIC})
   return {name: _RULES[name](value, caller) for name, value in args.items()}
+
+
+class Bucketed(NamedTuple):
+  """The checked arguments of a factory that sends its leaves in buckets."""
+
+  caller: str  # the factory's name
+  axis_name: str
+  bucket_bytes: float  # None resolved to buckets.DEFAULT_BUCKET_BYTES
+  leaf_order: tuple[int, ...] | None
+  own: dict[str, Any]  # its other arguments
+
+
+def bucketed_args(
+    caller: str, axis_name: str, bucket_bytes: Any, leaf_order: Any, **own
+) -> Bucketed:
+  """``factory_args`` of such a factory: its own arguments, then
+  ``bucket_bytes`` and ``leaf_order``."""
+  args = factory_args(
+      caller, **own, bucket_bytes=bucket_bytes, leaf_order=leaf_order
+  )
+  return Bucketed(
+      caller,
+      axis_name,
+      args.pop("bucket_bytes"),
+      args.pop("leaf_order"),
+      args,
+  )
 
 
 def _check_static(caller: str, args: dict[str, Any]) -> None:

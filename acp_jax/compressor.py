@@ -264,6 +264,51 @@ class Compressor(optax.GradientTransformation):
     return plan
 
 
+def from_parts(
+    args: _checks.Bucketed,
+    state_type: type,
+    init: Callable[[Any], Any],
+    update: Callable[[Any, Any], tuple[Any, Any]],
+    volume: VolumeFn,
+    local_fields: Sequence[str] = ("error",),
+) -> Compressor:
+  """The compressor of a factory that sends its leaves in buckets (S-SGD,
+  Sign-SGD, Top-k), from its checked ``args`` and what is its own:
+  ``init(params)`` and ``update(updates, state)``, here checked first (real
+  floating-point leaves; where the update runs and what it is given, a
+  state of ``state_type``). ``made_by`` records ``args.own`` with the axis
+  and the bucket size."""
+  name, axis_name = args.caller, args.axis_name
+
+  def init_fn(params):
+    _checks.check_float_leaves(params, name)
+    return init(params)
+
+  def update_fn(updates, state, params=None):
+    del params
+    _checks.begin_update(updates, axis_name, name)
+    _checks.check_state(state, state_type, name)
+    return update(updates, state)
+
+  return Compressor(
+      init_fn,
+      update_fn,
+      volume,
+      axis_name=axis_name,
+      local_fields=local_fields,
+      bucket_bytes=args.bucket_bytes,
+      leaf_order=args.leaf_order,
+      made_by=(
+          name,
+          {
+              **args.own,
+              "axis_name": axis_name,
+              "bucket_bytes": args.bucket_bytes,
+          },
+      ),
+  )
+
+
 def _remade(made_by: tuple[str, dict[str, Any]]) -> Compressor:
   """The compressor ``made_by`` says, made again by its registered factory
   (what a pickled compressor is)."""
