@@ -290,23 +290,16 @@ def from_parts(
     _checks.check_state(state, state_type, name)
     return update(updates, state)
 
-  return Compressor(
-      init_fn,
-      update_fn,
+  made_by = dict(args.own, axis_name=axis_name, bucket_bytes=args.bucket_bytes)
+  spec = Spec(
       volume,
-      axis_name=axis_name,
-      local_fields=local_fields,
+      axis_name,
+      local_fields,
       bucket_bytes=args.bucket_bytes,
       leaf_order=args.leaf_order,
-      made_by=(
-          name,
-          {
-              **args.own,
-              "axis_name": axis_name,
-              "bucket_bytes": args.bucket_bytes,
-          },
-      ),
+      made_by=(name, made_by),
   )
+  return Compressor.from_spec(init_fn, update_fn, spec)
 
 
 def _remade(made_by: tuple[str, dict[str, Any]]) -> Compressor:
