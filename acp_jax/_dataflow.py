@@ -8,6 +8,7 @@ folds away). They ask it of ``jax.make_jaxpr``'s jaxpr, through JAX's public
 """
 
 from collections.abc import Sequence
+import functools
 from typing import Any
 
 import jax
@@ -15,7 +16,7 @@ import jax.extend
 
 _JAXPRS = (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)
 # Equations that run their "jaxpr" parameter once on their operands.
-_CALLS = frozenset(("jit", "pjit", "shard_map", "closed_call", "remat"))
+_CALLS = frozenset(("jit", "shard_map", "closed_call", "remat"))
 # Collectives whose result is the same on every device of their axes.
 _REDUCING = frozenset(
     (
@@ -68,6 +69,9 @@ def flow(
   """
   env = dict(zip(jaxpr.invars, flags))
   marked = []
+  inner = functools.partial(
+      flow, opaque=opaque, reduced_over=reduced_over, mark=mark
+  )
 
   def read(v):
     return not isinstance(v, jax.extend.core.Literal) and env.get(v, False)
@@ -75,44 +79,42 @@ def flow(
   for eqn in jaxpr.eqns:
     ins = [read(v) for v in eqn.invars]
     name = eqn.primitive.name
-    axes = _collective_axes(eqn.params)
-    inner = eqn.params.get("jaxpr")
-    if mark is not None and name in ("jit", "pjit"):
-      if eqn.params.get("name") == mark:
-        marked.append(ins[0])
+    if mark is not None and name == "jit" and eqn.params["name"] == mark:
+      marked.append(ins[0])
+    nested = _nested(eqn)
     if name == "axis_index":
-      outs = [True] * len(eqn.outvars)
-    elif (
-        reduced_over is not None
-        and axes is not None
-        and set(reduced_over) <= set(axes)
-        and name in _REDUCING
-    ):
-      outs = [False] * len(eqn.outvars)
-    elif name in _CALLS and isinstance(inner, _JAXPRS):
-      outs, inner_marked = flow(
-          getattr(inner, "jaxpr", inner),
-          ins,
-          opaque=opaque,
-          reduced_over=reduced_over,
-          mark=mark,
-      )
+      out = True
+    elif _reduces_over(eqn, reduced_over):
+      out = False
+    elif name in _CALLS and len(nested) == 1:
+      outs, inner_marked = inner(nested[0], ins)
       marked += inner_marked
+      env.update(zip(eqn.outvars, outs))
+      continue
     else:
-      nested = [
-          getattr(j, "jaxpr", j)
-          for param in eqn.params.values()
-          for j in (param if isinstance(param, tuple) else (param,))
-          if isinstance(j, _JAXPRS)
-      ]
       for j in nested:
-        marked += flow(
-            j,
-            [opaque] * len(j.invars),
-            opaque=opaque,
-            reduced_over=reduced_over,
-            mark=mark,
-        )[1]
-      outs = [opaque if nested else any(ins)] * len(eqn.outvars)
-    env.update(zip(eqn.outvars, outs))
+        marked += inner(j, [opaque] * len(j.invars))[1]
+      out = opaque if nested else any(ins)
+    env.update((v, out) for v in eqn.outvars)
   return [read(v) for v in jaxpr.outvars], marked
+
+
+def _nested(eqn: Any) -> list[Any]:
+  """The jaxprs an equation holds (a call's, a conditional's branches)."""
+  return [
+      getattr(j, "jaxpr", j)
+      for param in eqn.params.values()
+      for j in (param if isinstance(param, tuple) else (param,))
+      if isinstance(j, _JAXPRS)
+  ]
+
+
+def _reduces_over(eqn: Any, axes: tuple[str, ...] | None) -> bool:
+  """Whether ``eqn`` is a reducing collective over all of ``axes``."""
+  over = _collective_axes(eqn.params)
+  return (
+      axes is not None
+      and over is not None
+      and set(axes) <= set(over)
+      and eqn.primitive.name in _REDUCING
+  )
