@@ -164,8 +164,8 @@ def test_the_loop_check_sees_a_loop():
   assert not import_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}})
 
 
-# Reading the Python stack or JAX's tracer internals: checks built so stop
-# checking, silently, when optax or JAX renames a frame, a local variable or
+# Reading the Python stack or JAX's tracer internals: checks built on them
+# stop checking, silently, when optax or JAX renames a frame, a local variable or
 # an attribute.
 INSPECTION = re.compile(
     r"\binspect\.stack\b|\bcurrentframe\b|\bsys\._getframe\b|\bf_locals\b"
