@@ -165,8 +165,8 @@ def test_the_loop_check_sees_a_loop():
 
 
 # Reading the Python stack or JAX's tracer internals: checks built on them
-# stop checking, silently, when optax or JAX renames a frame, a local variable or
-# an attribute.
+# stop checking, silently, when optax or JAX renames a frame, a local
+# variable or an attribute.
 INSPECTION = re.compile(
     r"\binspect\.stack\b|\bcurrentframe\b|\bsys\._getframe\b|\bf_locals\b"
     r"|\bf_back\b|\.parent\b|[\"']parent[\"']|\bin_tracers\b|\._trace\b"
