@@ -11,6 +11,7 @@ from acp_jax.acp import AcpSgdState
 from acp_jax.buckets import backward_order
 from acp_jax.compressed_adam import compressed_adam
 from acp_jax.compressed_adam import CompressedAdamState
+from acp_jax.compressor import chain
 from acp_jax.compressor import comm_bytes
 from acp_jax.compressor import CommVolume
 from acp_jax.compressor import Compressor
@@ -25,6 +26,7 @@ from acp_jax.sharded import memory_per_device
 from acp_jax.sharded import MemoryPerDevice
 from acp_jax.sharded import ShardedDataParallel
 from acp_jax.powersgd import PowerSgdState
+from acp_jax import registry  # pylint: disable=unused-import
 from acp_jax.sign import sign_sgd
 from acp_jax.sign import SignSgdState
 from acp_jax.ssgd import ssgd
@@ -52,6 +54,7 @@ __all__ = (
     "TopkSgdState",
     "acp_sgd",
     "backward_order",
+    "chain",
     "comm_bytes",
     "compressed_adam",
     "limit_lapack_threads",

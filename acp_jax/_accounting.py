@@ -6,7 +6,7 @@ import warnings
 
 import jax
 
-from acp_jax import _checks
+from acp_jax import _dataflow
 from acp_jax import _local_grads
 from acp_jax import collectives
 from acp_jax import compressor as compressor_lib
@@ -53,12 +53,14 @@ def hierarchical(
   axes = [a for a in (dp.axis_name, dp.local_axis) if a is not None]
   volumes = {axis: {} for axis in axes}
   for phase, comm in dp.phase_states(dp.abstract_comm(shapes)).items():
-    with collectives.recording(omit_folded=unused is not None) as sent:
-      if unused is None:
+    if unused is None:
+      with collectives.recording() as sent:
         jax.eval_shape(dp.compress, grads, comm)
-      else:
-        # pylint: disable-next=protected-access
-        jax.eval_shape(lambda g, c: dp._compress(g, c, unused)[:2], grads, comm)
+    else:
+      sent = collectives.recorded_unless_folded(
+          # pylint: disable-next=protected-access
+          lambda g, c: dp._compress(g, c, unused)[:2], grads, comm
+      )
     for axis in axes:
       volumes[axis][phase] = volume(sent, axis)
   if dp.local_axis is not None:
@@ -78,7 +80,8 @@ def unused_leaves(
   """For each leaf of ``params`` (a pytree, or an NNX module's
   ``nnx.Param`` state), whether the gradient of ``fun(params, *batch)`` is
   zero whatever the batch: a param the loss never reads. Traced on shapes;
-  ``jax.grad`` makes such a gradient from a zero literal."""
+  ``jax.grad`` makes such a gradient from constants only, which its jaxpr
+  shows."""
   nnx = _local_grads.flax_nnx()
   if nnx is not None and isinstance(params, nnx.Module):
     graphdef, state, rest = nnx.split(params, nnx.Param, ...)
@@ -86,16 +89,12 @@ def unused_leaves(
     params = state
   else:
     loss = fun
-  flags = []
-
-  def probe(p, *b):
-    grads = jax.grad(
-        lambda p: loss(p, *b)[0] if has_aux else loss(p, *b)
-    )(p)
-    flags.extend(_checks.is_constant(g) for g in jax.tree.leaves(grads))
-
-  jax.eval_shape(probe, params, *batch)
-  return flags
+  grad = jax.grad(lambda p, *b: loss(p, *b)[0] if has_aux else loss(p, *b))
+  jaxpr = jax.make_jaxpr(grad)(params, *batch).jaxpr
+  from_inputs = _dataflow.flow(
+      jaxpr, [True] * len(jaxpr.invars), opaque=True
+  )[0]
+  return [not f for f in from_inputs]
 
 
 def warn_if_sharded_elsewhere(

@@ -7,18 +7,19 @@ purpose: every check a compressor makes lives here, once, so that each
 factory and update calls it rather than writing its own.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+import contextlib
+import contextvars
 import os
-import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
-import jax.extend
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from acp_jax import _dataflow
 from acp_jax import buckets
 from acp_jax import collectives
 from acp_jax import state_trees
@@ -168,6 +169,33 @@ def factory_args(caller: str, **args: Any) -> dict[str, Any]:
   return {name: _RULES[name](value, caller) for name, value in args.items()}
 
 
+class Bucketed(NamedTuple):
+  """The checked arguments of a factory that sends its leaves in buckets."""
+
+  caller: str  # the factory's name
+  axis_name: str
+  bucket_bytes: float  # None resolved to buckets.DEFAULT_BUCKET_BYTES
+  leaf_order: tuple[int, ...] | None
+  own: dict[str, Any]  # its other arguments
+
+
+def bucketed_args(
+    caller: str, axis_name: str, bucket_bytes: Any, leaf_order: Any, **own
+) -> Bucketed:
+  """``factory_args`` of such a factory: its own arguments, then
+  ``bucket_bytes`` and ``leaf_order``."""
+  args = factory_args(
+      caller, **own, bucket_bytes=bucket_bytes, leaf_order=leaf_order
+  )
+  return Bucketed(
+      caller,
+      axis_name,
+      args.pop("bucket_bytes"),
+      args.pop("leaf_order"),
+      args,
+  )
+
+
 def _check_static(caller: str, args: dict[str, Any]) -> None:
   """Raises if a factory argument that fixes shapes arrived as an array.
 
@@ -254,111 +282,18 @@ def _varying_axes(x) -> frozenset | None:
   return getattr(aval, "vma", None)
 
 
-# Collectives whose result is the same on every device of their axes.
-_REDUCING = frozenset(
-    (
-        "psum",
-        "psum_invariant",
-        "pmax",
-        "pmin",
-        "all_gather",
-        "all_gather_invariant",
-    )
-)
-_LOCAL, _REDUCED, _CONSTANT = "local", "reduced", "constant"
-# How far back through the traced equations a gradient's origin is sought;
-# further back, it counts as local (the check then never raises).
-_PROVENANCE_DEPTH = 32
-
-
-def _collective_axes(params: dict) -> tuple | None:
-  axes = params.get("axes", params.get("axis_name"))
-  if axes is None:
-    return None
-  return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
-
-
-def _provenance(x: Any, axis_name: str, depth: int, memo: dict) -> str:
-  """Whether a traced value comes from a collective over ``axis_name``
-  (``_REDUCED``: identical on every device by construction), from literals
-  only (``_CONSTANT``), or possibly from device-local data (``_LOCAL``).
-
-  It follows the equations that produced ``x`` in the jaxpr being traced,
-  as varying-axis types would (they are off under ``jax.pmap`` and
-  ``check_vma=False``): a result of a reducing collective over the axis is
-  reduced, and another equation's result is as local as its most local
-  operand. Anything it cannot see through (an input, a nested jaxpr, a
-  collective that permutes, more than ``_PROVENANCE_DEPTH`` equations) is
-  local, so it errs only towards not raising.
-  """
-  key = id(x)
-  if key in memo:
-    return memo[key]
-  parent = getattr(x, "parent", None)
-  if parent is None or depth > _PROVENANCE_DEPTH:
-    literal = isinstance(getattr(x, "val", None), jax.extend.core.Literal)
-    return _CONSTANT if literal else _LOCAL
-  name = parent.primitive.name
-  axes = _collective_axes(parent.params)
-  if axes is not None and axis_name in axes:
-    kind = _REDUCED if name in _REDUCING else _LOCAL
-  elif (axes is not None and name not in _REDUCING) or any(
-      isinstance(v, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr))
-      for v in parent.params.values()
-  ):
-    kind = _LOCAL
-  else:
-    kind = _CONSTANT
-    for operand in parent.in_tracers:
-      operand_kind = _provenance(operand, axis_name, depth + 1, memo)
-      if operand_kind == _LOCAL:
-        kind = _LOCAL
-        break
-      if operand_kind == _REDUCED:
-        kind = _REDUCED
-  memo[key] = kind
-  return kind
-
-
-def is_constant(x: Any) -> bool:
-  """Whether a traced value is computed from literals only (see
-  ``_provenance``): e.g. the gradient of a param the loss never reads,
-  which ``jax.grad`` makes from a zero literal. XLA folds a collective of
-  such a value away (measured: an all-reduce of zeros or of ones, an
-  all-gather of zeros), so it sends nothing."""
-  return _provenance(x, None, 0, {}) == _CONSTANT
-
-
-def from_sources(
-    x: Any, sources: set[int], axes: tuple[str, ...], depth: int = 0
-) -> bool:
-  """Whether a traced value provably depends on one of ``sources`` (ids
-  of tracers: each device's shard of the batch) or on the device index,
-  through no reducing collective over ``axes``: then it differs across
-  devices. Like ``_provenance``, it gives up (False) at what it cannot
-  see through: a nested jaxpr, more than ``_PROVENANCE_DEPTH`` equations.
-  A value traced under ``jax.grad`` is followed through its primal."""
-  while hasattr(x, "primal"):
-    x = x.primal
-  if id(x) in sources:
-    return True
-  parent = getattr(x, "parent", None)
-  if parent is None or depth > _PROVENANCE_DEPTH:
-    return False
-  name = parent.primitive.name
-  collective = _collective_axes(parent.params)
-  if name == "axis_index":
-    return True
-  if collective is not None and set(axes) <= set(collective):
-    return name not in _REDUCING
-  if any(
-      isinstance(v, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr))
-      for v in parent.params.values()
-  ):
-    return False
-  return any(
-      from_sources(t, sources, axes, depth + 1) for t in parent.in_tracers
-  )
+def varying_outputs(
+    fun: Callable[..., Any], args: tuple, varying: list[bool], axes: tuple
+) -> list[bool]:
+  """For each output leaf of ``fun(*args)``, whether it provably depends on
+  an argument leaf flagged in ``varying`` (each device's own data) or on
+  the device index, through no reducing collective over ``axes``: then it
+  differs across devices. Read from ``fun``'s jaxpr (``jax.make_jaxpr``),
+  traced where ``axes`` are bound; what it cannot see through (``lax.cond``,
+  ``lax.scan``) counts as the same on every device, so it errs only towards
+  not raising."""
+  jaxpr = jax.make_jaxpr(fun)(*args).jaxpr
+  return _dataflow.flow(jaxpr, varying, opaque=False, reduced_over=axes)[0]
 
 
 def check_local(grads: Any, axis_name: str, caller: str) -> None:
@@ -367,132 +302,85 @@ def check_local(grads: Any, axis_name: str, caller: str) -> None:
   Under ``jax.shard_map`` (check_vma=True), ``jax.grad`` with respect to
   replicated params all-reduces the gradient densely by itself, and the
   compressor would then add its own traffic on top of a full S-SGD step.
-  Where JAX tracks varying axes, their types tell; elsewhere (``jax.pmap``,
-  ``check_vma=False``) the traced equations do: gradients computed from a
-  ``lax.psum``, ``lax.pmean`` or all-gather over the axis are refused.
+  JAX's varying-axis types tell; where it does not track them
+  (``jax.pmap``, ``check_vma=False``) nothing is checked.
   """
   leaves = jax.tree.leaves(grads)
-  if not leaves:
+  varying = _varying_axes(lax.axis_index(axis_name)) or ()
+  if not leaves or axis_name not in varying:
     return
-  if axis_name in (_varying_axes(lax.axis_index(axis_name)) or ()):
-    if not any(axis_name in _varying_axes(g) for g in leaves):
-      raise ValueError(
-          f"{caller}: the gradients are already identical across axis"
-          f" {axis_name!r}, so jax.grad all-reduced them densely before the"
-          " compressor saw them (it does so for params replicated under"
-          " jax.shard_map). Differentiate with respect to"
-          f" jax.lax.pcast(params, {axis_name!r}, to='varying') so each"
-          " device hands over its own gradient."
-      )
-    return
-  memo = {}
-  kinds = {_provenance(g, axis_name, 0, memo) for g in leaves}
-  if kinds == {_REDUCED} or kinds == {_REDUCED, _CONSTANT}:
+  if not any(axis_name in _varying_axes(g) for g in leaves):
     raise ValueError(
-        f"{caller}: the gradients were already averaged over axis"
-        f" {axis_name!r} (by lax.pmean, lax.psum or an all-gather before the"
-        " compressor), so the step would send them densely and then"
-        " compressed. Hand the compressor each device's own gradient, not"
-        " its mean: its update returns the mean."
+        f"{caller}: the gradients are already identical across axis"
+        f" {axis_name!r}, so jax.grad all-reduced them densely before the"
+        " compressor saw them (it does so for params replicated under"
+        " jax.shard_map). Differentiate with respect to"
+        f" jax.lax.pcast(params, {axis_name!r}, to='varying') so each"
+        " device hands over its own gradient."
     )
 
 
-_COMBINING = os.path.join("optax", "transforms", "_combining.py")
-_EXTRA_ARGS = os.path.join("optax", "_src", "base.py")
+# Set to 1 (an environment variable, read when a step is traced) for the
+# checks of a compressor's placement that optax and JAX give no public way
+# to make at no cost: its update then refuses to run unless a composition
+# that puts it first runs it (``acp_jax.chain``, ``DataParallel``), since
+# optax gives a transform no way to know its place in a chain; and, where
+# JAX does not track varying axes (``jax.pmap``, ``check_vma=False``), the
+# step checks when it runs that the gradients differ across devices, with
+# two collectives more, so identical batches on every device raise too.
+DEBUG_PLACEMENT = "ACP_JAX_DEBUG_PLACEMENT"
+_PLACED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "placed", default=False
+)
 
 
-def check_first_in_chain(caller: str, frame: Any) -> None:
-  """Raises if the update runs in an ``optax.chain`` after another transform.
+@contextlib.contextmanager
+def placed() -> Iterator[None]:
+  """Marks the compressor updates run within it as placed first, where
+  everything after them sees the mean (``DEBUG_PLACEMENT``)."""
+  token = _PLACED.set(True)
+  try:
+    yield
+  finally:
+    _PLACED.reset(token)
 
-  The transforms before it would see each device's own gradient, not the
-  mean (under ``jax.pmap`` or ``jax.shard_map``): Adam's moments, a clipping
-  norm or a scale computed per device, then averaged. optax gives a
-  transform no way to know its place, so the frames of the chains that call
-  this update are read (optax's ``chain`` and ``named_chain``, nested ones
-  too), from ``frame``, the update's caller; it runs only while tracing.
-  """
-  while frame is not None:
-    code = frame.f_code
-    if code.co_filename.endswith(_EXTRA_ARGS) and code.co_name == "update":
-      frame = frame.f_back  # with_extra_args_support's wrapper
-      continue
-    if not (
-        code.co_filename.endswith(_COMBINING) and code.co_name == "update_fn"
-    ):
-      return
-    local = frame.f_locals
-    if "update_fns" in local:  # optax.chain
-      position = [f is local["fn"] for f in local["update_fns"]].index(True)
-    elif "transforms" in local:  # optax.named_chain
-      tx = local["tx"]
-      position = [t is tx for _, t in local["transforms"]].index(True)
-    else:
-      return
-    if position:
+
+def check_placement(grads: Any, axis_name: str, caller: str) -> None:
+  """Where ``DEBUG_PLACEMENT`` is set: raises if the update runs outside a
+  placing composition, and, where JAX does not track varying axes, raises
+  when the step runs if the gradients are the same on every device."""
+  if os.environ.get(DEBUG_PLACEMENT) != "1":
+    return
+  if not _PLACED.get():
+    raise ValueError(
+        f"{caller}'s update ran outside acp_jax.chain and DataParallel"
+        f" ({DEBUG_PLACEMENT}=1): in an optax.chain after another"
+        " transform, that transform would see each device's own gradient,"
+        " not the mean (Adam's moments, a clipping norm computed per"
+        f" device). Compose with acp_jax.chain({caller}(...),"
+        " optax.adam(...)), which puts the compressor first, or with"
+        " DataParallel.chain."
+    )
+  leaves = jax.tree.leaves(grads)
+  tracked = axis_name in (_varying_axes(lax.axis_index(axis_name)) or ())
+  if tracked or not leaves or lax.axis_size(axis_name) == 1:
+    return
+  spread = sum(
+      jnp.sum(lax.pmax(g, axis_name) - lax.pmin(g, axis_name)) for g in leaves
+  )
+
+  def check(spread):
+    if spread == 0:
       raise ValueError(
-          f"{caller} is transform {position} of an optax.chain, after"
-          f" {position} other transform(s): those see each device's own"
-          " gradient, before it is averaged, and would compute per device"
-          " what the same loop without compression computes on the mean"
-          " (Adam's moments, a clipping norm). Put the compressor first,"
-          f" optax.chain({caller}(...), optax.adam(...)): everything after it"
-          " sees the mean gradient."
+          f"{caller}: the gradients are the same on every device of axis"
+          f" {axis_name!r} ({DEBUG_PLACEMENT}=1): averaged before the"
+          " compressor (by lax.pmean, lax.psum or an all-gather), the step"
+          " sends them densely and then compressed. Hand the compressor"
+          " each device's own gradient, not its mean: its update returns"
+          " the mean."
       )
-    frame = frame.f_back
 
-
-_CONDITIONALS = os.path.join("lax", "control_flow", "conditionals.py")
-# optax wrappers that run their inner update under lax.cond, and what to do.
-_CONDITIONAL_WRAPPERS = {
-    "MultiSteps.update": (
-        "optax.MultiSteps puts its inner update there: it would communicate"
-        " at every micro-step. To accumulate gradients, add up the local"
-        " gradients of k micro-batches from"
-        " acp_jax.DataParallel.value_and_grad and call the optimizer once:"
-        " one compressed send per k micro-steps."
-    ),
-    "apply_if_finite.<locals>.update": (
-        "optax.apply_if_finite puts its inner update there. Put it inside"
-        " instead, around the optimizer: dp.chain(optax.apply_if_finite(tx,"
-        " n)) (or optax.chain(compressor, optax.apply_if_finite(tx, n)));"
-        " DataParallel keeps the compressor's state as it was when a"
-        " gradient is not finite (its nonfinite argument)."
-    ),
-}
-
-
-def check_not_in_conditional(caller: str) -> None:
-  """Raises if the update is being traced inside a ``lax.cond`` branch.
-
-  A conditional is one HLO instruction: collectives inside it can neither
-  fuse with others nor overlap backprop, and on GPU it stalls the host once
-  per step. optax's wrappers are the usual way in: ``optax.MultiSteps`` runs
-  its inner update under ``lax.cond`` at every micro-step, so a compressor
-  would send its bytes k times per applied update (and ACP-SGD's phase,
-  chosen there by ``jnp.where``, would never advance);
-  ``optax.apply_if_finite`` runs it under ``lax.cond`` of the update's
-  finiteness. JAX offers no public query for this, so the Python stack is
-  read (JAX's own record of what each enclosing trace is for lives in its
-  private ``jax._src.core``, and the stack names the optax wrapper, which
-  the fix depends on); it runs only while tracing.
-  """
-  frame = sys._getframe(1)  # pylint: disable=protected-access
-  in_cond = False
-  while frame is not None:
-    code = frame.f_code
-    if code.co_filename.endswith(_CONDITIONALS) and code.co_name in (
-        "cond",
-        "switch",
-    ):
-      in_cond = True
-    fix = _CONDITIONAL_WRAPPERS.get(getattr(code, "co_qualname", ""))
-    if in_cond and (fix or frame.f_back is None):
-      raise ValueError(
-          f"{caller} is being traced inside a lax.cond branch. Collectives in"
-          " a conditional cannot fuse or overlap with backprop. "
-          + (fix or "Call the update outside lax.cond and lax.switch.")
-      )
-    frame = frame.f_back
+  jax.debug.callback(check, spread)
 
 
 # States of optax transforms that precondition by moments of the gradient:
@@ -562,7 +450,5 @@ def begin_update(grads: Any, axis_name: str, caller: str) -> int:
   """Checks where an update runs and what it is given; returns the axis size."""
   n = collectives.axis_size(axis_name, caller)
   check_local(grads, axis_name, caller)
-  check_not_in_conditional(caller)
-  # pylint: disable-next=protected-access
-  check_first_in_chain(caller, sys._getframe(2))
+  check_placement(grads, axis_name, caller)
   return n

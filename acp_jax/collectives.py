@@ -84,7 +84,7 @@ sums and its recording are one mechanism that every compressor calls;
 which leaves a bucket holds is ``acp_jax.buckets``.
 """
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 import contextlib
 import contextvars
 import math
@@ -93,6 +93,8 @@ from typing import Any, NamedTuple
 import jax
 from jax import lax
 import jax.numpy as jnp
+
+from acp_jax import _dataflow
 
 # Leaf indices, bucket by bucket, in the order the buckets are sent (made by
 # ``acp_jax.buckets``).
@@ -111,9 +113,10 @@ _ROW_AXIS: contextvars.ContextVar[tuple[str, int, Any] | None] = (
 _RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "record", default=None
 )
-# Whether ``recording`` leaves out the collectives that XLA folds away.
-_OMIT_FOLDED: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "omit_folded", default=False
+# Whether recorded collectives are traced as calls of ``_send``, for
+# ``recorded_unless_folded`` to find them in the jaxpr.
+_MARK_SENDS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "mark_sends", default=False
 )
 # Where the buffers that the collectives return are kept (see
 # ``receiving``).
@@ -270,7 +273,7 @@ def all_reduce(x: jax.Array, axis_name: str) -> jax.Array:
 
 
 @contextlib.contextmanager
-def recording(*, omit_folded: bool = False) -> Iterator[list[Sent]]:
+def recording() -> Iterator[list[Sent]]:
   """Lists every collective of a bucket's buffers traced within it.
 
   Example::
@@ -279,20 +282,31 @@ def recording(*, omit_folded: bool = False) -> Iterator[list[Sent]]:
       jax.eval_shape(step, *abstract_args)
     total = sum(s.nbytes for s in sent if s.axis_name == "data")
 
-  Args:
-    omit_folded: leave out the collectives of values computed from literals
-      only (e.g. the zero gradient of a param the loss never reads), which
-      XLA folds away: what the compiled step sends.
-
   Yields:
     The list that the ``Sent`` records are appended to, in tracing order.
   """
-  token = _OMIT_FOLDED.set(omit_folded)
+  with _listing(_RECORD) as sent:
+    yield sent
+
+
+def recorded_unless_folded(fun: Callable[..., Any], *args: Any) -> list[Sent]:
+  """What ``recording`` lists of ``fun(*args)`` (traced on ``args``'s
+  shapes), less the collectives that XLA folds away: of values computed
+  from constants only (e.g. the zero gradient of a param the loss never
+  reads), told by ``fun``'s jaxpr."""
+  token = _MARK_SENDS.set(True)
   try:
-    with _listing(_RECORD) as sent:
-      yield sent
+    with recording() as sent:
+      jaxpr = jax.make_jaxpr(fun)(*args).jaxpr
   finally:
-    _OMIT_FOLDED.reset(token)
+    _MARK_SENDS.reset(token)
+  sends_inputs = _dataflow.flow(
+      jaxpr,
+      [True] * len(jaxpr.invars),
+      opaque=True,
+      mark=_lax_collective.__name__,
+  )[1]
+  return [s for s, kept in zip(sent, sends_inputs, strict=True) if kept]
 
 
 @contextlib.contextmanager
@@ -333,27 +347,27 @@ def axis_size(axis_name: str, caller: str) -> int:
     ) from None
 
 
-def _folded(x: jax.Array) -> bool:
-  """Whether ``recording`` omits a collective of ``x`` as one that XLA
-  folds away: of a value computed from literals only (a gradient of a
-  param the loss never reads)."""
-  if not _OMIT_FOLDED.get():
-    return False
-  from acp_jax import _checks  # pylint: disable=import-outside-toplevel
-
-  return _checks.is_constant(x)
-
-
 def _collective(
     kind: str, x: jax.Array, axis_name: str, axis: int = 0, tiled: bool = False
 ) -> jax.Array:
   """``lax.psum`` (kind ``"all_reduce"``) or ``lax.all_gather`` of ``x``,
   listed where ``recording``."""
   record = _RECORD.get()
-  if record is not None and not _folded(x):
-    record.append(
-        Sent(kind, axis_name, axis_size(axis_name, kind), x.size, x.dtype)
+  if record is None:
+    return _lax_collective(x, kind, axis_name, axis, tiled)
+  record.append(
+      Sent(kind, axis_name, axis_size(axis_name, kind), x.size, x.dtype)
+  )
+  if _MARK_SENDS.get():
+    return jax.jit(_lax_collective, static_argnums=(1, 2, 3, 4))(
+        x, kind, axis_name, axis, tiled
     )
+  return _lax_collective(x, kind, axis_name, axis, tiled)
+
+
+def _lax_collective(
+    x: jax.Array, kind: str, axis_name: str, axis: int, tiled: bool
+) -> jax.Array:
   if kind == "all_reduce":
     return lax.psum(x, axis_name)
   return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
@@ -428,14 +442,15 @@ def _each(arrays: Sequence[jax.Array], axis_name: str) -> list[jax.Array]:
   empty one is not sent): nothing is copied into a buffer."""
   sent = [x for x in arrays if x.size]
   record = _RECORD.get()
-  if record is not None:
-    n = axis_size(axis_name, "all_reduce")
-    record.extend(
-        Sent("all_reduce", axis_name, n, x.size, x.dtype)
-        for x in sent
-        if not _folded(x)
-    )
-  summed = lax.psum(tuple(sent), axis_name)
+  if record is not None and _MARK_SENDS.get():
+    summed = [_collective("all_reduce", x, axis_name) for x in sent]
+  else:
+    if record is not None:
+      n = axis_size(axis_name, "all_reduce")
+      record.extend(
+          Sent("all_reduce", axis_name, n, x.size, x.dtype) for x in sent
+      )
+    summed = lax.psum(tuple(sent), axis_name)
   received = _RECEIVED.get()
   if received is not None:
     received.extend(summed)

@@ -170,14 +170,13 @@ def compressed_adam(
     }
 
   def to_phase(state, dense):
-    # pylint: disable-next=protected-access
-    switched = compressor._to_phase(state.inner, dense)
+    switched = compressor.to_phase(state.inner, dense)
     return state if switched is state.inner else state._replace(inner=switched)
 
   return compressor_lib.Compressor(
       init_fn,
       update_fn,
-      compressor._volume,  # pylint: disable=protected-access
+      compressor.volume,
       axis_name=compressor.axis_name,
       local_fields=("local",),
       phases=phases,

@@ -1,10 +1,11 @@
 """What every compressor shares: its type and its accounting."""
 
 from collections.abc import Callable, Sequence
+import copy
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 import optax
 
 from acp_jax import _checks
@@ -30,9 +31,6 @@ class CommVolume(NamedTuple):
     return self.all_reduce + self.all_gather
 
 
-# The phase of a compressor's dense warm-up steps.
-DENSE = phase_lib.Phase.DENSE.value
-
 # (params or their shapes, axis size) -> {phase name: CommVolume}.
 VolumeFn = Callable[[Any, int], dict[str, CommVolume]]
 # A compressor's state -> {phase name: the state before that phase's step}.
@@ -43,14 +41,14 @@ def _one_phase(state: Any) -> dict[str, Any]:
   return {phase_lib.STEP: state}
 
 
-class Compressor(optax.GradientTransformation):
-  """An ``optax.GradientTransformation`` that knows what it communicates.
-
-  It is a plain ``GradientTransformation`` to optax (``optax.chain`` and
-  friends take it as is). Beside ``init`` and ``update`` it carries what the
-  data-parallel layer and the accounting need to know about it:
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """What the data-parallel layer and the accounting need to know about a
+  compressor, beside its ``init`` and ``update``.
 
   Attributes:
+    volume: the bytes one step sends per device, by phase (what
+      ``comm_bytes`` returns).
     axis_name: the mapped axis its update communicates over.
     local_fields: names of the state's fields that differ across devices
       (the residuals); every other field is identical on every replica, so
@@ -70,10 +68,53 @@ class Compressor(optax.GradientTransformation):
     cycle: the names of the phases a compressing step runs through, in
       order (``("step",)``, or ACP-SGD's ``("p", "q")``).
     warmup_steps: how many dense steps (S-SGD, phase ``"dense"``) come
-      before the first compressed one; see ``at_step``.
+      before the first compressed one; see ``Compressor.at_step``.
+    to_phase: ``(state, dense) -> state`` switched into the dense phase or
+      out of it (``phase.switch_to``); None without a warm-up.
     made_by: ``(factory name, {argument: value})``, what made it: recorded
       in a checkpoint so that a restore into another compressor, or the same
-      one with other arguments, is refused (``acp_jax.checkpoint``).
+      one with other arguments, is refused (``acp_jax.checkpoint``), and
+      what a pickled compressor is made again from (``acp_jax.registry``).
+  """
+
+  volume: VolumeFn
+  axis_name: str
+  local_fields: tuple[str, ...] = ("error",)
+  phases: PhasesFn = _one_phase
+  bucket_bytes: float = buckets.DEFAULT_BUCKET_BYTES
+  leaf_order: tuple[int, ...] | None = None
+  packed_rounds: bool | Callable[[], bool] = False
+  cycle: tuple[str, ...] = (phase_lib.STEP,)
+  warmup_steps: int = 0
+  to_phase: Callable[[Any, bool], Any] | None = None
+  made_by: tuple[str, dict[str, Any]] | None = dataclasses.field(
+      default=None, hash=False
+  )
+
+  def __post_init__(self):
+    object.__setattr__(self, "local_fields", tuple(self.local_fields))
+    object.__setattr__(self, "cycle", tuple(self.cycle))
+
+
+_SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(Spec))
+
+
+class Compressor(optax.GradientTransformation):
+  """An ``optax.GradientTransformation`` that knows what it communicates.
+
+  It is a plain ``GradientTransformation`` to optax (``optax.chain`` and
+  friends take it as is): the pair ``(init, update)``. Beside it, ``spec``
+  (a frozen ``Spec``) holds every setting that the data-parallel layer and
+  the accounting read, each also readable as an attribute of the
+  compressor (``compressor.axis_name``, ``compressor.cycle``).
+
+  It is immutable. ``_replace`` takes ``init``, ``update`` and any field of
+  ``Spec``; a change keeps ``made_by`` only if ``made_by`` is given too,
+  since it no longer says what made the result. ``copy.copy`` and
+  ``copy.deepcopy`` give an equal compressor. Compressors made by a factory
+  are equal when ``made_by`` is, and pickle as their ``made_by``, from which
+  ``acp_jax.registry`` makes them again; others are equal when their
+  functions and ``spec`` are, and do not pickle.
   """
 
   def __new__(
@@ -93,27 +134,87 @@ class Compressor(optax.GradientTransformation):
       to_phase: Callable[[Any, bool], Any] | None = None,
       made_by: tuple[str, dict[str, Any]] | None = None,
   ):
+    spec = Spec(
+        volume,
+        axis_name,
+        local_fields,
+        phases,
+        bucket_bytes,
+        leaf_order,
+        packed_rounds,
+        cycle,
+        warmup_steps,
+        to_phase,
+        made_by,
+    )
+    return cls.from_spec(init, update, spec)
+
+  @classmethod
+  def from_spec(cls, init, update, spec: Spec) -> "Compressor":
+    """The compressor of ``init``, ``update`` and ``spec``."""
     self = super().__new__(cls, init, update)
-    self.bucket_bytes = bucket_bytes
-    self.leaf_order = leaf_order
-    self.packed_rounds = packed_rounds
-    self._volume = volume
-    self.axis_name = axis_name
-    self.local_fields = tuple(local_fields)
-    self.phases = phases
-    self.cycle = tuple(cycle)
-    self.warmup_steps = warmup_steps
-    self._to_phase = to_phase
-    self.made_by = made_by
+    object.__setattr__(self, "spec", spec)
     return self
+
+  def __getattr__(self, name: str) -> Any:
+    # Reached only for names that are not found otherwise: the settings.
+    if name in _SPEC_FIELDS and "spec" in self.__dict__:
+      return getattr(self.spec, name)
+    raise AttributeError(
+        f"{type(self).__name__!r} object has no attribute {name!r}"
+    )
+
+  def __setattr__(self, name: str, value: Any) -> None:
+    raise AttributeError(
+        f"Compressor is immutable: use compressor._replace({name}=...)"
+    )
+
+  def _replace(self, **changes: Any) -> "Compressor":
+    init = changes.pop("init", self.init)
+    update = changes.pop("update", self.update)
+    spec = dataclasses.replace(self.spec, **changes)
+    changed = init is not self.init or update is not self.update
+    changed |= any(v is not getattr(self.spec, k) for k, v in changes.items())
+    if changed and "made_by" not in changes:
+      spec = dataclasses.replace(spec, made_by=None)
+    return self.from_spec(init, update, spec)
+
+  def __copy__(self) -> "Compressor":
+    return self.from_spec(self.init, self.update, self.spec)
+
+  def __deepcopy__(self, memo: dict) -> "Compressor":
+    spec = copy.deepcopy(self.spec, memo)
+    return self.from_spec(self.init, self.update, spec)
+
+  def __reduce__(self):
+    if self.made_by is None:
+      raise TypeError(
+          "a Compressor not made by a registered factory (made_by=None) does"
+          " not pickle: its functions do not. Pickle the factory's name and"
+          " arguments instead."
+      )
+    return _remade, (self.made_by,)
+
+  def __eq__(self, other: Any) -> bool:
+    if not isinstance(other, Compressor):
+      return NotImplemented
+    if self.made_by is not None or other.made_by is not None:
+      return self.made_by == other.made_by
+    return tuple(self) == tuple(other) and self.spec == other.spec
+
+  def __ne__(self, other: Any) -> bool:
+    equal = self.__eq__(other)
+    return equal if equal is NotImplemented else not equal
+
+  def __hash__(self) -> int:
+    if self.made_by is not None:
+      return hash(self.made_by[0])
+    return hash((tuple(self), self.spec))
 
   def phase_at(self, step: int) -> str:
     """The phase that step ``step`` (counted from 0) runs: ``"dense"`` during
     the warm-up, then the ``cycle``, starting with its first phase."""
-    _checks.integer("step", step, 0, numpy=True)
-    if step < self.warmup_steps:
-      return DENSE
-    return self.cycle[(step - self.warmup_steps) % len(self.cycle)]
+    return phase_lib.phase_at(step, self.warmup_steps, self.cycle)
 
   def at_step(self, state: Any, step: int) -> Any:
     """``state``, set to run step ``step`` (counted from 0).
@@ -140,41 +241,15 @@ class Compressor(optax.GradientTransformation):
     chain (so ``state[0]`` is the compressor's state)::
 
       compressor = acp_jax.acp_sgd(4, warmup_steps=100)
-      tx = optax.chain(compressor, optax.sgd(0.1))
+      tx = acp_jax.chain(compressor, optax.sgd(0.1))
       state = jax.pmap(tx.init, axis_name="data")(stacked_params)
       for step in range(num_steps):
         state = (compressor.at_step(state[0], step), *state[1:])
         params, state = pmapped_step(params, state, batch(step))
     """
-    _checks.integer("step", step, 0, numpy=True)
-    if not self.warmup_steps:
-      return state
-    if not all(hasattr(state, f) for f in ("phase", "count")):
-      raise TypeError(
-          "at_step takes this compressor's own state, got a"
-          f" {type(state).__name__}: for optax.chain(compressor, ...), pass"
-          " state[0] and put the result back; with DataParallel, call"
-          " dp.at_step(opt_state, step)."
-      )
-    dense = self.phase_at(step) == DENSE
-    switched = self._to_phase(state, dense)
-    if switched is state:
-      return state
-    taken = _steps_taken(state)
-    if taken is None:  # abstract: nothing to read
-      return switched
-    if dense and taken >= self.warmup_steps:
-      raise ValueError(
-          f"at_step(state, {step}): step {step} is in the dense warm-up"
-          f" (warmup_steps={self.warmup_steps}), but the state has taken"
-          f" {taken} steps, past it. Pass the number of steps taken so far"
-          f" ({taken} here), counted from 0."
-      )
-    if not dense and taken < self.warmup_steps:
-      # The state is behind the loop's count (steps skipped for non-finite
-      # gradients, or a step counted from 1): its warm-up is not over yet.
-      return state
-    return switched
+    return phase_lib.at_step(
+        state, step, self.warmup_steps, self.cycle, self.to_phase
+    )
 
   def buckets(self, params: Any) -> buckets.BucketPlan:
     """The buckets in which ``update`` sends the gradients of ``params``
@@ -187,6 +262,105 @@ class Compressor(optax.GradientTransformation):
     if packed() if callable(packed) else packed:
       return buckets.for_packed_rounds(plan)
     return plan
+
+
+def from_parts(
+    args: _checks.Bucketed,
+    state_type: type,
+    init: Callable[[Any], Any],
+    update: Callable[[Any, Any], tuple[Any, Any]],
+    volume: VolumeFn,
+    local_fields: Sequence[str] = ("error",),
+) -> Compressor:
+  """The compressor of a factory that sends its leaves in buckets (S-SGD,
+  Sign-SGD, Top-k), from its checked ``args`` and what is its own:
+  ``init(params)`` and ``update(updates, state)``, here checked first (real
+  floating-point leaves; where the update runs and what it is given, a
+  state of ``state_type``). ``made_by`` records ``args.own`` with the axis
+  and the bucket size."""
+  name, axis_name = args.caller, args.axis_name
+
+  def init_fn(params):
+    _checks.check_float_leaves(params, name)
+    return init(params)
+
+  def update_fn(updates, state, params=None):
+    del params
+    _checks.begin_update(updates, axis_name, name)
+    _checks.check_state(state, state_type, name)
+    return update(updates, state)
+
+  made_by = dict(args.own, axis_name=axis_name, bucket_bytes=args.bucket_bytes)
+  spec = Spec(
+      volume,
+      axis_name,
+      local_fields,
+      bucket_bytes=args.bucket_bytes,
+      leaf_order=args.leaf_order,
+      made_by=(name, made_by),
+  )
+  return Compressor.from_spec(init_fn, update_fn, spec)
+
+
+def _remade(made_by: tuple[str, dict[str, Any]]) -> Compressor:
+  """The compressor ``made_by`` says, made again by its registered factory
+  (what a pickled compressor is)."""
+  from acp_jax import registry  # pylint: disable=import-outside-toplevel
+
+  return registry.make(*made_by)
+
+
+def chain(
+    compressor: Compressor, *transforms: optax.GradientTransformation
+) -> optax.GradientTransformationExtraArgs:
+  """``optax.chain(compressor, *transforms)``, the compressor first, for a
+  loop of one's own under ``jax.shard_map`` or ``jax.pmap``.
+
+  Everything after the compressor sees the mean gradient that its update
+  returns, as a loop without compression sees the all-reduced one:
+  clipping, weight decay and Adam's moments go in ``transforms``. The state
+  is ``optax.chain``'s, a tuple whose first element is the compressor's
+  (``compressor.at_step(state[0], step)``). ``DataParallel.chain`` places
+  the compressor so by itself.
+
+  Example::
+
+    tx = acp_jax.chain(acp_jax.power_sgd(rank=4), optax.sgd(0.1))
+    # in the mapped step, with this device's gradients:
+    updates, state = tx.update(grads, state, params)
+
+  Args:
+    compressor: made by one of this package's factories (or a
+      ``Compressor`` of one's own).
+    *transforms: the optax transforms that follow it; none a compressor.
+
+  Returns:
+    The chained transformation.
+  """
+  if not isinstance(compressor, Compressor):
+    raise TypeError(
+        "acp_jax.chain takes a compressor first (acp_jax.acp_sgd(...) and"
+        f" its kin), got {type(compressor).__name__}"
+    )
+  for i, tx in enumerate(transforms, 1):
+    if isinstance(tx, Compressor):
+      raise ValueError(
+          f"acp_jax.chain: transform {i} is a compressor too"
+          f" ({(tx.made_by or ('a Compressor',))[0]}); a step averages its"
+          " gradients once, with the first."
+      )
+  rest = optax.chain(*transforms)
+
+  def init_fn(params):
+    return (compressor.init(params), *rest.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    with _checks.placed():
+      mean, first = compressor.update(updates, state[0], params)
+    updates, others = rest.update(mean, state[1:], params, **extra_args)
+    return updates, (first, *others)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def comm_bytes(
@@ -211,17 +385,7 @@ def comm_bytes(
         " optax.chain holding it."
     )
   _checks.integer("num_devices", num_devices, 1)
-  return compressor._volume(params, num_devices)
-
-
-def _steps_taken(state: Any) -> int | None:
-  """The step count of a state (its ``count``; the first device's when
-  stacked on device axes), read from the device; None when abstract."""
-  count = state.count
-  if not isinstance(count, jax.Array):
-    return None
-  first = count.addressable_shards[0].data
-  return int(np.asarray(jax.device_get(first)).ravel()[0])
+  return compressor.volume(params, num_devices)
 
 
 # A tree of bools like the params (True: keep that leaf dense), or a function

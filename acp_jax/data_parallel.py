@@ -428,6 +428,7 @@ class DataParallel:
       with (
           collectives.split_over(self.local_axis),
           collectives.receiving() as received,
+          _checks.placed(),
       ):
         mean, state = self.compressor.update(grads, old)
       # A non-finite gradient on any device makes what it sends non-finite
@@ -485,7 +486,6 @@ class DataParallel:
       )
 
     def update_fn(updates, state, params=None, **extra_args):
-      _checks.check_not_in_conditional("DataParallel.chain")
       _checks.check_optimizer_after(name, state.inner)
       if isinstance(updates, Mapping) and set(updates) == {"stacked"}:
         raise TypeError(
@@ -695,15 +695,6 @@ def _with_replicated_aux_checked(
 
   def checked(params, *batch):
     loss, aux = fun(params, *batch)
-    sources = {
-        id(x)
-        for arg, arg_specs in zip(batch, specs)
-        for x, spec in zip(
-            jax.tree.leaves(arg),
-            jax.tree.leaves(arg_specs, is_leaf=_specs.is_spec),
-        )
-        if not _specs.is_replicated(spec)
-    }
     paired = jax.tree.map(
         lambda spec, a: [(spec, x) for x in jax.tree.leaves(a)],
         aux_specs,
@@ -711,8 +702,22 @@ def _with_replicated_aux_checked(
         is_leaf=_specs.is_spec,
     )
     pairs = jax.tree.leaves(paired, is_leaf=lambda p: isinstance(p, tuple))
-    for spec, x in pairs:
-      if spec == P() and _checks.from_sources(x, sources, axes):
+    if all(spec != P() for spec, _ in pairs):
+      return loss, aux
+    own = [False] * len(jax.tree.leaves(params))
+    for arg, arg_specs in zip(batch, specs):
+      leaves = jax.tree.leaves(arg)
+      split = [
+          not _specs.is_replicated(spec)
+          for spec in jax.tree.leaves(arg_specs, is_leaf=_specs.is_spec)
+      ]
+      own += (split + [False] * len(leaves))[: len(leaves)]
+    varying = _checks.varying_outputs(
+        lambda *args: jax.tree.leaves(fun(*args)[1]), (params, *batch), own,
+        axes,
+    )
+    for (spec, x), differs in zip(pairs, varying):
+      if spec == P() and differs:
         raise ValueError(
             "value_and_grad: aux_specs gives P() (one value for all"
             f" devices) to an aux value of shape {jnp.shape(x)} that is"

@@ -14,15 +14,19 @@ A ``jax.pmap``-ed state stacks the marker on leading device axes.
 
 This module is the one place that reads a marker's shape, and it owns the
 phases' names, by which ``comm_bytes``, ``Compressor.phases`` and
-``Compressor.cycle`` key them.
+``Compressor.cycle`` key them, and the schedule: which phase a step runs
+(``phase_at``) and the switch into and out of the warm-up (``at_step``).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 import enum
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from acp_jax import _checks
 
 # The name of a single-phase compressor's one step (S-SGD's, Sign-SGD's,
 # Top-k's and Power-SGD's, whose step computes and all-reduces both
@@ -40,6 +44,9 @@ class Phase(enum.Enum):
   Q = "q"
   DENSE = "dense"
 
+
+# The name of the dense warm-up steps' phase.
+DENSE = Phase.DENSE.value
 
 _SHAPE = {Phase.P: (1,), Phase.Q: (2, 2), Phase.DENSE: (3, 3, 3)}
 _DTYPE = jnp.uint8
@@ -104,6 +111,67 @@ def marker_as(marker_: Any, phase: Phase) -> Any:
       ),
       out_shardings=sharding if isinstance(marker_, jax.Array) else None,
   )(marker_)
+
+
+def phase_at(step: int, warmup_steps: int, cycle: Sequence[str]) -> str:
+  """The name of the phase that step ``step`` (counted from 0) runs:
+  ``"dense"`` during the first ``warmup_steps``, then ``cycle``'s, starting
+  with its first."""
+  _checks.integer("step", step, 0, numpy=True)
+  if step < warmup_steps:
+    return DENSE
+  return cycle[(step - warmup_steps) % len(cycle)]
+
+
+def at_step(
+    state: Any,
+    step: int,
+    warmup_steps: int,
+    cycle: Sequence[str],
+    to_phase: Callable[[Any, bool], Any] | None,
+) -> Any:
+  """``Compressor.at_step``: ``state`` switched by ``to_phase`` into the
+  dense phase before ``warmup_steps`` and out of it from then on, as the
+  state's own step count allows; ``state`` itself without a warm-up."""
+  _checks.integer("step", step, 0, numpy=True)
+  if not warmup_steps:
+    return state
+  if not all(hasattr(state, f) for f in ("phase", "count")):
+    raise TypeError(
+        "at_step takes this compressor's own state, got a"
+        f" {type(state).__name__}: for optax.chain(compressor, ...), pass"
+        " state[0] and put the result back; with DataParallel, call"
+        " dp.at_step(opt_state, step)."
+    )
+  dense = phase_at(step, warmup_steps, cycle) == DENSE
+  switched = to_phase(state, dense)
+  if switched is state:
+    return state
+  taken = _steps_taken(state)
+  if taken is None:  # abstract: nothing to read
+    return switched
+  if dense and taken >= warmup_steps:
+    raise ValueError(
+        f"at_step(state, {step}): step {step} is in the dense warm-up"
+        f" (warmup_steps={warmup_steps}), but the state has taken"
+        f" {taken} steps, past it. Pass the number of steps taken so far"
+        f" ({taken} here), counted from 0."
+    )
+  if not dense and taken < warmup_steps:
+    # The state is behind the loop's count (steps skipped for non-finite
+    # gradients, or a step counted from 1): its warm-up is not over yet.
+    return state
+  return switched
+
+
+def _steps_taken(state: Any) -> int | None:
+  """The step count of a state (its ``count``; the first device's when
+  stacked on device axes), read from the device; None when abstract."""
+  count = state.count
+  if not isinstance(count, jax.Array):
+    return None
+  first = count.addressable_shards[0].data
+  return int(np.asarray(jax.device_get(first)).ravel()[0])
 
 
 def switch_to(compressing: Phase) -> Callable[[Any, bool], Any]:

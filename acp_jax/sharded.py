@@ -68,17 +68,14 @@ from jax.sharding import PartitionSpec as P
 import optax
 
 from acp_jax import _accounting
+from acp_jax import _checks
 from acp_jax import _specs
 from acp_jax import collectives
 from acp_jax import compressor as compressor_lib
 from acp_jax import data_parallel
 from acp_jax import phase as phase_lib
+from acp_jax import registry
 
-# The compressors whose update on blocks of rows is the whole leaves' one:
-# their only sums over a leaf's rows go through ``collectives.row_sum``, its
-# mean through ``collectives.leaf_mean``, its selection through
-# ``collectives.row_gather``.
-ROW_SHARDED = ("ssgd", "sign_sgd", "topk_sgd", "power_sgd", "acp_sgd")
 
 
 class ShardedDataParallel(data_parallel.DataParallel):
@@ -86,8 +83,9 @@ class ShardedDataParallel(data_parallel.DataParallel):
   within each node (see the module's docstring).
 
   Args:
-    compressor: made by one of ``ROW_SHARDED`` (the library's five); its
-      ``axis_name`` is the node axis of ``mesh``.
+    compressor: made by a registered factory that is ``row_sharded``
+      (``acp_jax.registry``; the library's five); its ``axis_name`` is the
+      node axis of ``mesh``.
     mesh: nodes x devices per node.
     local_axis: the axis of a node's devices, over which the model is
       sharded and gradients are summed densely.
@@ -123,9 +121,10 @@ class ShardedDataParallel(data_parallel.DataParallel):
         compressor, mesh, local_axis=local_axis, nonfinite=nonfinite
     )
     made_by = (compressor.made_by or ("a custom compressor",))[0]
-    if made_by not in ROW_SHARDED:
+    row_sharded = [n for n in registry.names() if registry.get(n).row_sharded]
+    if made_by not in row_sharded:
       raise ValueError(
-          f"ShardedDataParallel runs {', '.join(ROW_SHARDED)} on blocks of"
+          f"ShardedDataParallel runs {', '.join(row_sharded)} on blocks of"
           f" rows, not {made_by}, whose sums over a leaf it cannot know; use"
           " DataParallel(compressor, mesh, local_axis=...) for it"
       )
@@ -247,6 +246,7 @@ class ShardedDataParallel(data_parallel.DataParallel):
       with (
           collectives.row_shards(local, parts, rows=real_rows),
           collectives.receiving() as received,
+          _checks.placed(),
       ):
         mean, state = self.compressor.update(blocks, old)
       finite = data_parallel._all_finite(

@@ -109,16 +109,15 @@ def sign_sgd(
     Bernstein et al., "signSGD with Majority Vote is Communication Efficient
     and Fault Tolerant", ICLR 2019. https://arxiv.org/abs/1810.05291
   """
-  args = _checks.factory_args(
+  args = _checks.bucketed_args(
       "sign_sgd",
+      axis_name,
+      bucket_bytes,
+      leaf_order,
       majority_vote=majority_vote,
-      bucket_bytes=bucket_bytes,
-      leaf_order=leaf_order,
   )
-  bucket_bytes, leaf_order = args["bucket_bytes"], args["leaf_order"]
 
-  def init_fn(params):
-    _checks.check_float_leaves(params, "sign_sgd")
+  def init(params):
     if majority_vote:
       return SignSgdState(
           error=jax.tree.map(lambda _: optax.MaskedNode(), params)
@@ -130,7 +129,7 @@ def sign_sgd(
     leaves, treedef = jax.tree.flatten(updates)
     gathered = collectives.bucketed_all_gather(
         [[_pack_signs(g)] for g in leaves],
-        buckets.leaf_plan(leaves, bucket_bytes, leaf_order),
+        buckets.leaf_plan(leaves, args.bucket_bytes, args.leaf_order),
         axis_name,
     )
     votes = [
@@ -148,7 +147,7 @@ def sign_sgd(
     ]
     gathered = collectives.bucketed_all_gather(
         [[_pack_signs(p), scale] for p, scale in zip(ps, scales)],
-        buckets.leaf_plan(ps, bucket_bytes, leaf_order),
+        buckets.leaf_plan(ps, args.bucket_bytes, args.leaf_order),
         axis_name,
         row_sums=[(False, True)] * len(ps),  # a block's signs, the leaf's scale
     )
@@ -162,10 +161,7 @@ def sign_sgd(
       mean.append((total / all_bits.shape[0]).astype(p.dtype))
     return sent, mean
 
-  def update_fn(updates, state, params=None):
-    del params
-    _checks.begin_update(updates, axis_name, "sign_sgd")
-    _checks.check_state(state, SignSgdState, "sign_sgd")
+  def update(updates, state):
     if majority_vote:
       return vote(updates, state)
     mean, error = error_feedback.apply(
@@ -185,19 +181,4 @@ def sign_sgd(
         )
     }
 
-  return compressor.Compressor(
-      init_fn,
-      update_fn,
-      volume,
-      axis_name=axis_name,
-      bucket_bytes=bucket_bytes,
-      made_by=(
-          "sign_sgd",
-          {
-              "majority_vote": majority_vote,
-              "axis_name": axis_name,
-              "bucket_bytes": bucket_bytes,
-          },
-      ),
-      leaf_order=leaf_order,
-  )
+  return compressor.from_parts(args, SignSgdState, init, update, volume)

@@ -44,26 +44,19 @@ def ssgd(
 
     tx = optax.chain(acp_jax.ssgd(comm_dtype=jnp.bfloat16), optax.sgd(0.1))
   """
-  args = _checks.factory_args(
-      "ssgd",
-      comm_dtype=comm_dtype,
-      bucket_bytes=bucket_bytes,
-      leaf_order=leaf_order,
+  args = _checks.bucketed_args(
+      "ssgd", axis_name, bucket_bytes, leaf_order, comm_dtype=comm_dtype
   )
-  bucket_bytes, leaf_order = args["bucket_bytes"], args["leaf_order"]
 
-  def init_fn(params):
-    _checks.check_float_leaves(params, "ssgd")
+  def init(params):
+    del params
     return optax.EmptyState()
 
-  def update_fn(updates, state, params=None):
-    del params
-    _checks.begin_update(updates, axis_name, "ssgd")
-    _checks.check_state(state, optax.EmptyState, "ssgd")
+  def update(updates, state):
     leaves, treedef = jax.tree.flatten(updates)
     mean = collectives.bucketed_pmean(
         leaves,
-        buckets.leaf_plan(leaves, bucket_bytes, leaf_order),
+        buckets.leaf_plan(leaves, args.bucket_bytes, args.leaf_order),
         axis_name,
         comm_dtype,
     )
@@ -74,20 +67,6 @@ def ssgd(
     step = collectives.dense_nbytes(params, comm_dtype)
     return {phase_lib.STEP: compressor.CommVolume(all_reduce=step)}
 
-  return compressor.Compressor(
-      init_fn,
-      update_fn,
-      volume,
-      axis_name=axis_name,
-      local_fields=(),
-      bucket_bytes=bucket_bytes,
-      made_by=(
-          "ssgd",
-          {
-              "axis_name": axis_name,
-              "comm_dtype": comm_dtype,
-              "bucket_bytes": bucket_bytes,
-          },
-      ),
-      leaf_order=leaf_order,
+  return compressor.from_parts(
+      args, optax.EmptyState, init, update, volume, local_fields=()
   )

@@ -92,17 +92,12 @@ def topk_sgd(
 
   Args:
     density: fraction of each leaf's elements to send, in (0, 1].
-    axis_name: the mapped axis over which devices hold their data shards.
-    bucket_bytes: uncompressed gradient bytes per bucket, each bucket
-      all-gathered on its own (its values and its indices); None for 25 MiB
-      (PyTorch DDP's default), ``math.inf`` for one bucket.
-    leaf_order: the leaves' indices in the order backprop produces their
-      gradients, from ``acp_jax.backward_order(loss, params, batch)``; the
-      buckets are cut in that order. None for the reverse of the leaf order.
+    axis_name, bucket_bytes, leaf_order: as for ``sign_sgd``; each bucket's
+      values and indices are all-gathered on their own.
 
   Returns:
-    A ``Compressor``; its update runs inside ``jax.shard_map`` or ``jax.pmap``
-    over ``axis_name``.
+    A ``Compressor``, whose update runs under ``jax.shard_map`` or
+    ``jax.pmap`` over ``axis_name``.
 
   Example::
 
@@ -118,16 +113,11 @@ def topk_sgd(
     Stich et al., "Sparsified SGD with Memory", NeurIPS 2018.
     https://arxiv.org/abs/1809.07599
   """
-  args = _checks.factory_args(
-      "topk_sgd",
-      density=density,
-      bucket_bytes=bucket_bytes,
-      leaf_order=leaf_order,
+  args = _checks.bucketed_args(
+      "topk_sgd", axis_name, bucket_bytes, leaf_order, density=density
   )
-  bucket_bytes, leaf_order = args["bucket_bytes"], args["leaf_order"]
 
-  def init_fn(params):
-    _checks.check_float_leaves(params, "topk_sgd")
+  def init(params):
     return TopkSgdState(error=error_feedback.zeros_like(params))
 
   def compress(ps):
@@ -138,7 +128,7 @@ def topk_sgd(
     ]
     gathered = collectives.bucketed_all_gather(
         [list(c) for c in chosen],
-        buckets.leaf_plan(ps, bucket_bytes, leaf_order),
+        buckets.leaf_plan(ps, args.bucket_bytes, args.leaf_order),
         axis_name,
         row_sums=[True] * len(ps),
     )
@@ -154,10 +144,7 @@ def topk_sgd(
       mean.append((total / all_v.shape[0]).astype(p.dtype).reshape(p.shape))
     return sent, mean
 
-  def update_fn(updates, state, params=None):
-    del params
-    _checks.begin_update(updates, axis_name, "topk_sgd")
-    _checks.check_state(state, TopkSgdState, "topk_sgd")
+  def update(updates, state):
     mean, error = error_feedback.apply(
         updates, state.error, compress, "topk_sgd"
     )
@@ -172,19 +159,4 @@ def topk_sgd(
         phase_lib.STEP: compressor.CommVolume(all_gather=num_devices * received)
     }
 
-  return compressor.Compressor(
-      init_fn,
-      update_fn,
-      volume,
-      axis_name=axis_name,
-      bucket_bytes=bucket_bytes,
-      made_by=(
-          "topk_sgd",
-          {
-              "density": density,
-              "axis_name": axis_name,
-              "bucket_bytes": bucket_bytes,
-          },
-      ),
-      leaf_order=leaf_order,
-  )
+  return compressor.from_parts(args, TopkSgdState, init, update, volume)

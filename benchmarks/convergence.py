@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import ml_collections
 
+from acp_jax import registry
 from benchmarks import cli
 from benchmarks import convergence_summary
 from benchmarks import workloads
@@ -79,11 +80,11 @@ class Variant(NamedTuple):
 
 
 VARIANTS = {
-    "ssgd": Variant("ssgd", None, 0, False),
-    "sign_sgd": Variant("sign_sgd", None, 0, False),
-    "topk_sgd": Variant("topk_sgd", None, 0, False),
-    "power_sgd": Variant("power_sgd", 1, 0, False),
-    "acp_sgd": Variant("acp_sgd", 1, 0, False),
+    # Each compressor as the config gives it, at the config's rank.
+    **{
+        n: Variant(n, 1 if registry.get(n).low_rank else None, 0, False)
+        for n in registry.names()
+    },
     "acp_sgd_2r": Variant("acp_sgd", 2, 0, False),
     "power_sgd_warm": Variant("power_sgd", 1, WARMUP_STEPS, True),
     "acp_sgd_warm": Variant("acp_sgd", 1, WARMUP_STEPS, True),

@@ -7,22 +7,13 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
 
+from acp_jax import registry
 from benchmarks import workloads
 
-LABELS = {
-    "ssgd": "S-SGD",
-    "sign_sgd": "Sign-SGD",
-    "topk_sgd": "Top-k",
-    "power_sgd": "Power-SGD",
-    "acp_sgd": "ACP-SGD",
-}
-COLORS = {
-    "ssgd": "#4c4c4c",
-    "sign_sgd": "#e69f00",
-    "topk_sgd": "#56b4e9",
-    "power_sgd": "#009e73",
-    "acp_sgd": "#d55e00",
-}
+# How the figures name and colour each compressor (acp_jax.registry).
+LABELS = {n: registry.get(n).label for n in registry.names()}
+COLORS = {n: registry.get(n).color for n in registry.names()}
+
 
 def link_label(bandwidth: str) -> str:
   """``1gbit`` as ``1 Gb/s``, ``100mbit`` as ``100 Mb/s``; a name of

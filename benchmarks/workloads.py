@@ -18,10 +18,12 @@ import ml_collections
 import acp_jax
 from acp_jax import collectives
 from acp_jax import lowrank
+from acp_jax import registry
 from train import experiment as experiment_lib
 from train import optimizers
 
-COMPRESSORS = ("ssgd", "sign_sgd", "topk_sgd", "power_sgd", "acp_sgd")
+COMPRESSORS = registry.names()
+LOW_RANK = tuple(n for n in COMPRESSORS if registry.get(n).low_rank)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +84,7 @@ def load_config(
 def _compressing(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """``cfg`` without its dense warm-up: the benchmarks measure the steps
   that compress."""
-  for low_rank in ("power_sgd", "acp_sgd"):
+  for low_rank in LOW_RANK:
     cfg.compressor[low_rank].warmup_steps = 0
   return cfg
 
@@ -197,8 +199,7 @@ def cluster_config(
           ),
           ("per_device_batch_size", m["batch_size"]),
           ("compressor.name", compressor),
-          ("compressor.power_sgd.rank", m["rank"]),
-          ("compressor.acp_sgd.rank", m["rank"]),
+          *((f"compressor.{n}.rank", m["rank"]) for n in LOW_RANK),
           ("num_train_steps", steps),
           ("log_every_steps", steps),
           ("eval_every_steps", 0),

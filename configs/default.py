@@ -7,30 +7,17 @@ starts from this one and overrides what differs.
 import ml_collections
 from ml_collections import config_dict
 
-
-def _dtype():
-  # e.g. --config.compressor.ssgd.comm_dtype=bfloat16; None: the gradients'.
-  return config_dict.placeholder(str)
+from acp_jax import registry
 
 
-def _bucket_bytes():
-  # Uncompressed gradient bytes per bucket; None: 25 MiB, PyTorch DDP's.
-  return config_dict.placeholder(float)
-
-
-def _low_rank():
-  """Power-SGD's and ACP-SGD's arguments (see their factories), a fresh
-  dict for each, so that setting one leaves the other as it is."""
+def _compressor_args(name: str) -> dict:
+  """Compressor ``name``'s factory arguments (``acp_jax.registry``), a fresh
+  dict for each, so that setting one leaves the others as they are; None
+  stands for the factory's default, typed so that an override parses (e.g.
+  --config.compressor.ssgd.comm_dtype=bfloat16)."""
   return {
-      "rank": 4,
-      "min_compression_rate": 2.0,
-      "use_error_feedback": True,
-      "warm_start": True,
-      "comm_dtype": _dtype(),
-      "warmup_steps": 0,  # dense S-SGD steps first: set by dense_warmup
-      "warmup_factors": True,
-      "seed": 0,  # the initial factors (the same on every replica)
-      "bucket_bytes": _bucket_bytes(),
+      key: config_dict.placeholder(value) if isinstance(value, type) else value
+      for key, value in registry.get(name).config.items()
   }
 
 
@@ -43,8 +30,9 @@ def dense_warmup(config: ml_collections.ConfigDict) -> None:
   measured effect). A config that changes ``schedule.warmup_steps`` calls
   this again."""
   steps = round(1.2 * config.schedule.warmup_steps)
-  for name in ("power_sgd", "acp_sgd"):
-    config.compressor[name].warmup_steps = steps
+  for name in registry.names():
+    if registry.get(name).low_rank:
+      config.compressor[name].warmup_steps = steps
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -102,14 +90,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.compressor = ml_collections.ConfigDict(
       {
           "name": "acp_sgd",
-          "ssgd": {"comm_dtype": _dtype(), "bucket_bytes": _bucket_bytes()},
-          "sign_sgd": {
-              "majority_vote": False,
-              "bucket_bytes": _bucket_bytes(),
-          },
-          "topk_sgd": {"density": 0.01, "bucket_bytes": _bucket_bytes()},
-          "power_sgd": _low_rank(),
-          "acp_sgd": _low_rank(),
+          **{name: _compressor_args(name) for name in registry.names()},
           # What it averages: "gradient"; or "momentum", AdamW's first
           # moment after its dense warm-up, the second moment frozen then,
           # or "preconditioned_momentum", that moment over sqrt(nu) + eps

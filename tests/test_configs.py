@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from acp_jax import registry
 from configs import default
 from tests import datafiles
 from train import config as config_lib
@@ -233,8 +234,8 @@ def test_the_default_config_holds_every_compressor_argument():
   a function of the params, which no flag can hold; the trainer reads
   leaf_order from the model's loss)."""
   config = get_config("default")
-  for name, factory in optimizers.COMPRESSORS.items():
-    arguments = set(inspect.signature(factory).parameters)
+  for name in registry.names():
+    arguments = set(inspect.signature(registry.get(name).factory).parameters)
     assert arguments - {"axis_name", "keep_dense", "leaf_order"} == set(
         config.compressor[name]
     ), name

@@ -363,12 +363,17 @@ def test_multisteps_inside_chain_is_refused(nested):
     dp.chain(tx).init(params)
 
 
-def test_a_raw_compressor_under_multisteps_is_refused():
+def test_a_raw_compressor_under_multisteps_is_refused_when_debugging(
+    monkeypatch,
+):
+  """With the placement debug flag, a compressor that no placing
+  composition runs is refused: here inside optax.MultiSteps's lax.cond."""
+  monkeypatch.setenv("ACP_JAX_DEBUG_PLACEMENT", "1")
   tx = optax.MultiSteps(
       optax.chain(acp_jax.power_sgd(2), optax.sgd(0.1)), every_k_schedule=2
   )
   update = helpers.mapped(tx.update, "shard_map")
-  with pytest.raises(ValueError, match="lax.cond"):
+  with pytest.raises(ValueError, match="outside acp_jax.chain"):
     update(
         helpers.random_grads(0, helpers.MIXED),
         helpers.replicate(tx.init(helpers.MIXED)),

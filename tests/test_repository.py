@@ -162,3 +162,39 @@ def test_the_loop_check_sees_a_loop():
       "a",
   ]
   assert not import_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}})
+
+
+# Reading the Python stack or JAX's tracer internals: checks built on them
+# stop checking, silently, when optax or JAX renames a frame, a local
+# variable or an attribute.
+INSPECTION = re.compile(
+    r"\binspect\.stack\b|\bcurrentframe\b|\bsys\._getframe\b|\bf_locals\b"
+    r"|\bf_back\b|\.parent\b|[\"']parent[\"']|\bin_tracers\b|\._trace\b"
+)
+
+
+def inspections(text: str) -> list[str]:
+  return [m.group() for m in INSPECTION.finditer(text)]
+
+
+def test_the_library_reads_no_stack_and_no_tracer_internals():
+  found = {
+      str(path.relative_to(ROOT)): inspections(path.read_text())
+      for path in sorted((ROOT / "acp_jax").rglob("*.py"))
+  }
+  assert not {name: hits for name, hits in found.items() if hits}
+
+
+def test_the_inspection_check_sees_each_kind():
+  for code in (
+      "inspect.stack()",
+      "frame = sys._getframe(1)",
+      "inspect.currentframe()",
+      "frame = frame.f_back",
+      "local = frame.f_locals",
+      "parent = x.parent",
+      'parent = getattr(x, "parent", None)',
+      "for t in parent.in_tracers:",
+  ):
+    assert inspections(code), code
+  assert not inspections("root = path.parents[1]; tx.parent_state")

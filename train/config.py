@@ -14,11 +14,12 @@ from typing import Any
 
 import ml_collections
 
+from acp_jax import registry
+
 from train import checks
 from train import models
 from train import pipeline
 from train.optimizers import COMPRESS
-from train.optimizers import COMPRESSORS
 from train.optimizers import compress_mode
 from train.optimizers import compressor
 from train.optimizers import optimizer
@@ -223,11 +224,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _check_numbers(config)
   global_batch_size(config, num_devices)
   pipeline.check(config.data_workers, config.data_prefetch)
-  _check_choice("config.compressor.name", config.compressor.name, COMPRESSORS)
+  _check_choice(
+      "config.compressor.name", config.compressor.name, registry.names()
+  )
   _check_keys(
       "config.compressor",
       set(config.compressor) - {"name", "compress"},
-      COMPRESSORS,
+      registry.names(),
   )
   _check_choice("config.compressor.compress", compress_mode(config), COMPRESS)
   compress = compress_mode(config)

@@ -125,7 +125,7 @@ class Experiment:
     dense = min(steps, self.compressor.warmup_steps)
     cycle = self.bytes_per_step()
     full, part = divmod(steps - dense, len(cycle))
-    warmup = by_phase.get(acp_jax.compressor.DENSE, 0)
+    warmup = by_phase.get(acp_jax.phase.DENSE, 0)
     return dense * warmup + full * sum(cycle) + sum(cycle[:part])
 
 

@@ -9,14 +9,7 @@ import ml_collections
 import optax
 
 import acp_jax
-
-COMPRESSORS = {
-    "ssgd": acp_jax.ssgd,
-    "sign_sgd": acp_jax.sign_sgd,
-    "topk_sgd": acp_jax.topk_sgd,
-    "power_sgd": acp_jax.power_sgd,
-    "acp_sgd": acp_jax.acp_sgd,
-}
+from acp_jax import registry
 
 # What the compressor averages: the gradient, or (AdamW only) Adam's first
 # moment, its second frozen after the compressor's dense warm-up, as it is
@@ -51,7 +44,7 @@ def compressor(
   if leaf_order is not None:
     args.setdefault("leaf_order", leaf_order)
   try:
-    made = COMPRESSORS[name](axis_name=axis_name, **args)
+    made = registry.get(name).factory(axis_name=axis_name, **args)
   except TypeError as e:  # an argument the factory does not take
     raise ValueError(f"config.compressor.{name}: {e}") from None
   except ValueError as e:

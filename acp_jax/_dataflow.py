@@ -1,0 +1,120 @@
+"""What a traced function's values depend on, read from its jaxpr.
+
+The trace-time checks and the accounting ask a step which of its values
+come from which inputs: an aux value computed from this device's shard of
+the batch, a gradient or a buffer computed from constants only (which XLA
+folds away). They ask it of ``jax.make_jaxpr``'s jaxpr, through JAX's public
+``jax.extend.core`` types, and of nothing else.
+"""
+
+from collections.abc import Sequence
+import functools
+from typing import Any
+
+import jax
+import jax.extend
+
+_JAXPRS = (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)
+# Equations that run their "jaxpr" parameter once on their operands.
+_CALLS = frozenset(("jit", "shard_map", "closed_call", "remat"))
+# Collectives whose result is the same on every device of their axes.
+_REDUCING = frozenset(
+    (
+        "psum",
+        "psum_invariant",
+        "pmax",
+        "pmin",
+        "all_gather",
+        "all_gather_invariant",
+    )
+)
+
+
+def _collective_axes(params: dict) -> tuple | None:
+  axes = params.get("axes", params.get("axis_name"))
+  if axes is None:
+    return None
+  return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+
+
+def flow(
+    jaxpr: Any,
+    flags: Sequence[bool],
+    *,
+    opaque: bool,
+    reduced_over: tuple[str, ...] | None = None,
+    mark: str | None = None,
+) -> tuple[list[bool], list[bool]]:
+  """Carries a flag per input of ``jaxpr`` to its outputs.
+
+  An equation's results are flagged if one of its operands is, or if it is
+  ``lax.axis_index``; a reducing collective over all of ``reduced_over``
+  clears them (its result is the same on every device). Literals and
+  captured constants are not flagged. A plain call (a nested ``jit``,
+  ``shard_map``) is followed inside; the results of another equation that
+  holds a jaxpr (``lax.cond``, ``lax.scan``) are flagged ``opaque``.
+
+  Args:
+    jaxpr: a ``jax.extend.core.Jaxpr`` (``jax.make_jaxpr(f)(*args).jaxpr``).
+    flags: one per input of ``jaxpr``, in the order of its flattened args.
+    opaque: the flag of what cannot be seen through, the one that errs
+      towards not raising (or towards counting).
+    reduced_over: the axes whose reducing collectives clear the flags, or
+      None for no clearing.
+    mark: a function name: the flag of the operand of each ``jax.jit`` of a
+      function of that name is listed, in trace order.
+
+  Returns:
+    The flags of the outputs, and those of the marked calls' operands.
+  """
+  env = dict(zip(jaxpr.invars, flags))
+  marked = []
+  inner = functools.partial(
+      flow, opaque=opaque, reduced_over=reduced_over, mark=mark
+  )
+
+  def read(v):
+    return not isinstance(v, jax.extend.core.Literal) and env.get(v, False)
+
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    name = eqn.primitive.name
+    if mark is not None and name == "jit" and eqn.params["name"] == mark:
+      marked.append(ins[0])
+    nested = _nested(eqn)
+    if name == "axis_index":
+      out = True
+    elif _reduces_over(eqn, reduced_over):
+      out = False
+    elif name in _CALLS and len(nested) == 1:
+      outs, inner_marked = inner(nested[0], ins)
+      marked += inner_marked
+      env.update(zip(eqn.outvars, outs))
+      continue
+    else:
+      for j in nested:
+        marked += inner(j, [opaque] * len(j.invars))[1]
+      out = opaque if nested else any(ins)
+    env.update((v, out) for v in eqn.outvars)
+  return [read(v) for v in jaxpr.outvars], marked
+
+
+def _nested(eqn: Any) -> list[Any]:
+  """The jaxprs an equation holds (a call's, a conditional's branches)."""
+  return [
+      getattr(j, "jaxpr", j)
+      for param in eqn.params.values()
+      for j in (param if isinstance(param, tuple) else (param,))
+      if isinstance(j, _JAXPRS)
+  ]
+
+
+def _reduces_over(eqn: Any, axes: tuple[str, ...] | None) -> bool:
+  """Whether ``eqn`` is a reducing collective over all of ``axes``."""
+  over = _collective_axes(eqn.params)
+  return (
+      axes is not None
+      and over is not None
+      and set(axes) <= set(over)
+      and eqn.primitive.name in _REDUCING
+  )

@@ -1,0 +1,187 @@
+"""The compressors by name: each factory and what the rest of the project
+knows of it.
+
+The package, ``ShardedDataParallel``, the trainer's configs and the
+benchmarks read this table, and a pickled compressor is made again from it
+(``Compressor.made_by``). A compressor added here with ``register`` is one
+that all of them take.
+"""
+
+from collections.abc import Callable
+import dataclasses
+from typing import Any
+
+from acp_jax import compressor as compressor_lib
+from acp_jax.acp import acp_sgd
+from acp_jax.compressed_adam import compressed_adam
+from acp_jax.powersgd import power_sgd
+from acp_jax.sign import sign_sgd
+from acp_jax.ssgd import ssgd
+from acp_jax.topk import topk_sgd
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """A compressor's factory and its facts.
+
+  Attributes:
+    name: the factory's name, as ``made_by`` records it and a config names
+      it (``--config.compressor.name``).
+    factory: ``(**arguments) -> Compressor``, taking ``axis_name``.
+    label: how tables and plots name it.
+    color: its colour in plots.
+    config: its factory's arguments in a training config, each settable
+      from the command line; a type stands for None (the factory's
+      default) of that type, so that an override parses. Readers copy it.
+    low_rank: whether it has a ``rank`` and a dense warm-up
+      (``warmup_steps``), as Power-SGD and ACP-SGD do.
+    row_sharded: whether ``ShardedDataParallel`` can run it on blocks of
+      rows: it sums over a leaf only through ``collectives.leaf_mean`` and
+      selects through ``collectives.row_gather``.
+    standalone: False for a wrapper of another compressor
+      (``compressed_adam``), which ``names`` leaves out.
+    remake: ``made_by``'s arguments -> the compressor; None: the factory
+      called with them.
+  """
+
+  name: str
+  factory: Callable[..., compressor_lib.Compressor]
+  label: str = ""
+  color: str = ""
+  config: dict[str, Any] = dataclasses.field(default_factory=dict)
+  low_rank: bool = False
+  row_sharded: bool = False
+  standalone: bool = True
+  remake: Callable[[dict[str, Any]], compressor_lib.Compressor] | None = None
+
+
+_ENTRIES: dict[str, Entry] = {}
+
+
+def register(entry: Entry) -> Entry:
+  """Adds ``entry``; raises if its name is taken."""
+  if entry.name in _ENTRIES:
+    raise ValueError(f"a compressor named {entry.name!r} is registered")
+  _ENTRIES[entry.name] = entry
+  return entry
+
+
+def unregister(name: str) -> None:
+  """Removes the compressor ``name`` (a test's own, once it is done)."""
+  get(name)
+  del _ENTRIES[name]
+
+
+def names() -> tuple[str, ...]:
+  """The compressors' names, in the order they were registered."""
+  return tuple(n for n, e in _ENTRIES.items() if e.standalone)
+
+
+def get(name: str) -> Entry:
+  """The entry of compressor ``name``; raises naming the registered ones."""
+  if name not in _ENTRIES:
+    raise ValueError(
+        f"no compressor named {name!r}; registered: {', '.join(_ENTRIES)}"
+    )
+  return _ENTRIES[name]
+
+
+def make(name: str, args: dict[str, Any]) -> compressor_lib.Compressor:
+  """The compressor that ``made_by == (name, args)`` records."""
+  entry = get(name)
+  if entry.remake is not None:
+    return entry.remake(args)
+  return entry.factory(**args)
+
+
+def _low_rank_remade(factory):
+  # Their made_by holds the factory's name as "caller" besides its arguments.
+  def remade(args):
+    return factory(**{k: v for k, v in args.items() if k != "caller"})
+
+  return remade
+
+
+def _adam_remade(args: dict[str, Any]) -> compressor_lib.Compressor:
+  inner = args["compressor"]
+  rest = {k: v for k, v in args.items() if k != "compressor"}
+  return compressed_adam(make(inner["name"], inner["args"]), **rest)
+
+
+# Every argument but keep_dense (a tree or a function) and leaf_order (the
+# trainer reads it from the model's loss). comm_dtype None: the gradients';
+# bucket_bytes None: 25 MiB, PyTorch DDP's.
+_LOW_RANK_CONFIG = {
+    "rank": 4,
+    "min_compression_rate": 2.0,
+    "use_error_feedback": True,
+    "warm_start": True,
+    "comm_dtype": str,
+    "warmup_steps": 0,  # dense S-SGD steps first (configs' dense_warmup)
+    "warmup_factors": True,
+    "seed": 0,  # the initial factors (the same on every replica)
+    "bucket_bytes": float,
+}
+
+register(
+    Entry(
+        "ssgd",
+        ssgd,
+        "S-SGD",
+        "#4c4c4c",
+        {"comm_dtype": str, "bucket_bytes": float},
+        row_sharded=True,
+    )
+)
+register(
+    Entry(
+        "sign_sgd",
+        sign_sgd,
+        "Sign-SGD",
+        "#e69f00",
+        {"majority_vote": False, "bucket_bytes": float},
+        row_sharded=True,
+    )
+)
+register(
+    Entry(
+        "topk_sgd",
+        topk_sgd,
+        "Top-k",
+        "#56b4e9",
+        {"density": 0.01, "bucket_bytes": float},
+        row_sharded=True,
+    )
+)
+register(
+    Entry(
+        "power_sgd",
+        power_sgd,
+        "Power-SGD",
+        "#009e73",
+        _LOW_RANK_CONFIG,
+        low_rank=True,
+        row_sharded=True,
+        remake=_low_rank_remade(power_sgd),
+    )
+)
+register(
+    Entry(
+        "acp_sgd",
+        acp_sgd,
+        "ACP-SGD",
+        "#d55e00",
+        _LOW_RANK_CONFIG,
+        low_rank=True,
+        row_sharded=True,
+        remake=_low_rank_remade(acp_sgd),
+    )
+)
+register(
+    Entry(
+        "compressed_adam",
+        compressed_adam,
+        standalone=False,
+        remake=_adam_remade,
+    )
+)

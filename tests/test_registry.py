@@ -1,0 +1,191 @@
+"""The compressor as a value, and the registry of compressors.
+
+Every factory's result copies, replaces, compares and pickles as a value
+does; a compressor registered through ``acp_jax.registry`` alone is one
+that ``DataParallel`` and the trainer's config take.
+"""
+
+import copy
+import dataclasses
+import pickle
+
+import chex
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
+import pytest
+
+import acp_jax
+from acp_jax import collectives
+from acp_jax import registry
+from tests import helpers
+from configs import default
+from tests.conftest import NUM_DEVICES
+from train import optimizers
+
+# Every factory with arguments that make it differ from its defaults.
+MADE = {
+    "ssgd": lambda: acp_jax.ssgd(bucket_bytes=1024),
+    "sign_sgd": lambda: acp_jax.sign_sgd(majority_vote=True),
+    "topk_sgd": lambda: acp_jax.topk_sgd(0.25),
+    "power_sgd": lambda: acp_jax.power_sgd(2, warmup_steps=1),
+    "acp_sgd": lambda: acp_jax.acp_sgd(2, seed=3),
+    "compressed_adam": lambda: acp_jax.compressed_adam(
+        acp_jax.acp_sgd(2, warmup_steps=1), b1=0.8
+    ),
+}
+
+
+def test_every_registered_factory_is_covered():
+  assert set(registry.names()) | {"compressed_adam"} == set(MADE)
+
+
+def one_update(tx):
+  """``tx``'s update of fixed gradients, from its init, on every device."""
+  grads = helpers.random_grads(0, helpers.MIXED)
+  state = helpers.replicate(tx.init(helpers.MIXED))
+  return helpers.to_numpy(helpers.mapped(tx.update, "shard_map")(grads, state))
+
+
+@pytest.mark.parametrize("name", sorted(MADE))
+def test_copies_and_pickles_are_equal_and_update_alike(name):
+  made = MADE[name]()
+  copies = {
+      "copy": copy.copy(made),
+      "deepcopy": copy.deepcopy(made),
+      "pickle": pickle.loads(pickle.dumps(made)),
+  }
+  for how, c in copies.items():
+    assert isinstance(c, acp_jax.Compressor), how
+    assert c == made and hash(c) == hash(made), how
+    assert c.spec.made_by == made.made_by, how
+    assert (c.cycle, c.warmup_steps, c.bucket_bytes) == (
+        made.cycle,
+        made.warmup_steps,
+        made.bucket_bytes,
+    ), how
+  assert copies["copy"].init is made.init
+  if name in ("sign_sgd", "ssgd"):  # one update of each is enough here
+    chex.assert_trees_all_equal(one_update(copies["pickle"]), one_update(made))
+
+
+@pytest.mark.parametrize("name", sorted(MADE))
+def test_replace_keeps_every_setting_and_what_made_it_only_unchanged(name):
+  made = MADE[name]()
+  same = made._replace(init=made.init)
+  assert isinstance(same, acp_jax.Compressor)
+  assert same == made and same.spec == made.spec
+  changed = made._replace(warmup_steps=made.warmup_steps + 2)
+  assert changed.warmup_steps == made.warmup_steps + 2
+  assert changed.cycle == made.cycle and changed.axis_name == made.axis_name
+  # It is no longer what the factory made: a checkpoint must not say so.
+  assert changed.made_by is None and changed != made
+  spec = dataclasses.replace(made.spec, bucket_bytes=512)
+  rebuilt = acp_jax.Compressor.from_spec(made.init, made.update, spec)
+  assert rebuilt.bucket_bytes == 512 and rebuilt.made_by == made.made_by
+  with pytest.raises(TypeError, match="cylce"):
+    made._replace(cylce=("p",))
+  with pytest.raises(AttributeError, match="immutable"):
+    made.cycle = ("p",)
+
+
+def test_compressors_of_other_arguments_differ():
+  assert acp_jax.acp_sgd(2) == acp_jax.acp_sgd(2)
+  assert acp_jax.acp_sgd(2) != acp_jax.acp_sgd(3)
+  assert acp_jax.acp_sgd(2) != acp_jax.power_sgd(2)
+  assert acp_jax.acp_sgd(2) != optax.sgd(0.1)
+
+
+def test_a_compressor_built_by_hand_copies_but_does_not_pickle():
+  mine = acp_jax.ssgd()
+  custom = acp_jax.Compressor(
+      mine.init, mine.update, mine.volume, axis_name="data"
+  )
+  assert copy.copy(custom) == custom and copy.deepcopy(custom) == custom
+  assert custom != mine
+  with pytest.raises(TypeError, match="made_by=None"):
+    pickle.dumps(custom)
+
+
+def mean_sgd(*, axis_name="data", scale=1.0):
+  """A toy compressor: the dense mean times ``scale``."""
+
+  def init_fn(params):
+    del params
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None):
+    del params
+    n = lax.axis_size(axis_name)
+    mean = jax.tree.map(
+        lambda g: collectives.all_reduce(g, axis_name) * (scale / n), updates
+    )
+    return mean, state
+
+  def volume(params, num_devices):
+    del num_devices
+    nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    return {acp_jax.phase.STEP: acp_jax.CommVolume(all_reduce=nbytes)}
+
+  return acp_jax.Compressor(
+      init_fn,
+      update_fn,
+      volume,
+      axis_name=axis_name,
+      local_fields=(),
+      made_by=("mean_sgd", {"axis_name": axis_name, "scale": scale}),
+  )
+
+
+@pytest.fixture(name="toy")
+def _toy():
+  registry.register(
+      registry.Entry("mean_sgd", mean_sgd, "mean", "#000000", {"scale": 1.0})
+  )
+  yield
+  registry.unregister("mean_sgd")
+
+
+def mlp_loss(params, x, y):
+  logits = jnp.tanh(x @ params["w"]) @ params["v"]
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def test_a_compressor_registered_alone_trains_through_data_parallel(toy):
+  del toy
+  assert "mean_sgd" in registry.names()
+  config = default.get_config()
+  config.compressor.name = "mean_sgd"
+  config.compressor.mean_sgd.scale = 0.5
+  made = optimizers.compressor(config, "data")
+  assert made == mean_sgd(scale=0.5)
+  assert pickle.loads(pickle.dumps(made)) == made
+  rng = np.random.default_rng(0)
+  params = {
+      "w": rng.standard_normal((12, 16)).astype(np.float32),
+      "v": rng.standard_normal((16, 5)).astype(np.float32),
+  }
+  x = rng.standard_normal((4 * NUM_DEVICES, 12)).astype(np.float32)
+  y = rng.integers(0, 5, 4 * NUM_DEVICES)
+  dp = acp_jax.DataParallel(made, helpers.mesh())
+  tx = dp.chain(optax.sgd(1.0))
+  params = jax.device_put(params, NamedSharding(dp.mesh, P()))
+  x, y = jax.device_put((x, y), NamedSharding(dp.mesh, P("data")))
+
+  @jax.jit
+  def step(params, state, x, y):
+    _, grads = dp.value_and_grad(mlp_loss)(params, x, y)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates)
+
+  got = step(params, tx.init(params), x, y)
+  dense = jax.grad(mlp_loss)(params, x, y)
+  want = jax.tree.map(lambda p, g: p - 0.5 * g, params, dense)
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+  assert dp.comm_bytes(params)["data"]["step"].all_reduce == 4 * (
+      12 * 16 + 16 * 5
+  )
