@@ -124,11 +124,11 @@ def acp_sgd(
 
   Example::
 
-    tx = optax.chain(acp_jax.acp_sgd(rank=4), optax.sgd(0.1, momentum=0.9))
+    tx = acp_jax.chain(acp_jax.acp_sgd(rank=4), optax.sgd(0.1, momentum=0.9))
 
   .. warning::
-    Put it first in the chain: it must see each device's own gradients, or
-    use ``acp_jax.DataParallel``. The shape of the state's ``phase`` array
+    Put it first in the chain (``acp_jax.chain`` does): it must see each
+    device's own gradients, or use ``acp_jax.DataParallel``. The shape of the state's ``phase`` array
     alternates, so a ``lax.scan`` over steps must take two steps per
     iteration. With ``warmup_steps``, call ``at_step`` before every step, or
     the warm-up never ends.
@@ -207,7 +207,7 @@ def acp_sgd(
       cycle=(Phase.P.value, Phase.Q.value),
       warmup_steps=cfg.warmup_steps,
       to_phase=phase_lib.switch_to(Phase.P),
-      made_by=("acp_sgd", {**cfg._asdict(), "axis_name": axis_name}),
+      made_by=("acp_sgd", lowrank.made_by(cfg, axis_name)),
   )
 
 

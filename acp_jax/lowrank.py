@@ -140,6 +140,21 @@ def settings(
   )
 
 
+def made_by(cfg: LowRank, axis_name: str) -> dict[str, Any]:
+  """The factory's arguments that made ``cfg``, as ``Compressor.made_by``
+  records them."""
+  return {
+      **{k: v for k, v in cfg._asdict().items() if k != "caller"},
+      "axis_name": axis_name,
+  }
+
+
+def from_made_by(name: str, args: dict[str, Any]) -> LowRank:
+  """The settings that ``made_by = (name, args)`` records."""
+  fields = [f for f in LowRank._fields if f != "caller"]
+  return LowRank(caller=name, **{f: args[f] for f in fields})
+
+
 def matrix_spec(
     shape: tuple[int, ...], rank: int, min_compression_rate: float
 ) -> projection.MatrixSpec | None:

@@ -117,12 +117,12 @@ def power_sgd(
 
   Example::
 
-    tx = optax.chain(acp_jax.power_sgd(rank=4), optax.sgd(0.1))
+    tx = acp_jax.chain(acp_jax.power_sgd(rank=4), optax.sgd(0.1))
 
   .. warning::
-    Put it first in the chain: it must see each device's own gradients. With
-    ``warmup_steps``, call ``at_step`` before every step, or the warm-up
-    never ends.
+    Put it first in the chain (``acp_jax.chain`` does): it must see each
+    device's own gradients. With ``warmup_steps``, call ``at_step`` before
+    every step, or the warm-up never ends.
 
   References:
     Vogels et al., "PowerSGD: Practical Low-Rank Gradient Compression for
@@ -190,7 +190,7 @@ def power_sgd(
       packed_rounds=True,
       warmup_steps=cfg.warmup_steps,
       to_phase=phase_lib.switch_to(Phase.P),
-      made_by=("power_sgd", {**cfg._asdict(), "axis_name": axis_name}),
+      made_by=("power_sgd", lowrank.made_by(cfg, axis_name)),
   )
 
 

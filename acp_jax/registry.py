@@ -17,6 +17,7 @@ from acp_jax.compressed_adam import compressed_adam
 from acp_jax.powersgd import power_sgd
 from acp_jax.sign import sign_sgd
 from acp_jax.ssgd import ssgd
+from acp_jax.subspace_adam import subspace_adam
 from acp_jax.topk import topk_sgd
 
 
@@ -94,18 +95,15 @@ def make(name: str, args: dict[str, Any]) -> compressor_lib.Compressor:
   return entry.factory(**args)
 
 
-def _low_rank_remade(factory):
-  # Their made_by holds the factory's name as "caller" besides its arguments.
-  def remade(args):
-    return factory(**{k: v for k, v in args.items() if k != "caller"})
+def _wrapper_remade(wrapper):
+  # A wrapper's made_by holds the wrapped compressor's beside its own
+  # arguments.
+  def remade(args: dict[str, Any]) -> compressor_lib.Compressor:
+    inner = args["compressor"]
+    rest = {k: v for k, v in args.items() if k != "compressor"}
+    return wrapper(make(inner["name"], inner["args"]), **rest)
 
   return remade
-
-
-def _adam_remade(args: dict[str, Any]) -> compressor_lib.Compressor:
-  inner = args["compressor"]
-  rest = {k: v for k, v in args.items() if k != "compressor"}
-  return compressed_adam(make(inner["name"], inner["args"]), **rest)
 
 
 # Every argument but keep_dense (a tree or a function) and leaf_order (the
@@ -162,7 +160,6 @@ register(
         _LOW_RANK_CONFIG,
         low_rank=True,
         row_sharded=True,
-        remake=_low_rank_remade(power_sgd),
     )
 )
 register(
@@ -174,7 +171,6 @@ register(
         _LOW_RANK_CONFIG,
         low_rank=True,
         row_sharded=True,
-        remake=_low_rank_remade(acp_sgd),
     )
 )
 register(
@@ -182,6 +178,14 @@ register(
         "compressed_adam",
         compressed_adam,
         standalone=False,
-        remake=_adam_remade,
+        remake=_wrapper_remade(compressed_adam),
+    )
+)
+register(
+    Entry(
+        "subspace_adam",
+        subspace_adam,
+        standalone=False,
+        remake=_wrapper_remade(subspace_adam),
     )
 )

@@ -161,7 +161,7 @@ def subspace_adam(
       raise ValueError(f"subspace_adam: {key} must be a bool, got {value!r}")
   made_by = compressor.made_by
   name, args = made_by
-  cfg = lowrank.LowRank(**{f: args[f] for f in lowrank.LowRank._fields})
+  cfg = lowrank.from_made_by(name, args)
   axis_name = compressor.axis_name
   exchange = _EXCHANGES[name]
   local_fields = compressor.local_fields
@@ -312,14 +312,13 @@ def subspace_adam(
     }
 
   def to_phase(state, dense):
-    # pylint: disable-next=protected-access
-    switched = compressor._to_phase(state.inner, dense)
+    switched = compressor.to_phase(state.inner, dense)
     return state if switched is state.inner else state._replace(inner=switched)
 
   return compressor_lib.Compressor(
       init_fn,
       update_fn,
-      compressor._volume,  # pylint: disable=protected-access
+      compressor.volume,
       axis_name=axis_name,
       local_fields=("local",),
       phases=phases,
