@@ -207,6 +207,66 @@ def _direction(rows) -> str:
   )
 
 
+# Each subspace variant of the convergence runs, by the Adam-after variant
+# with its compressor, rank and warm-up, and its direction benchmark name.
+_SUBSPACE_PAIRS = {
+    "acp_sgd_2r_subspace_warm": ("acp_sgd_2r_warm", "acp_sgd_r8_subspace_adam"),
+    "acp_sgd_2r_subspace_track_warm": (
+        "acp_sgd_2r_warm",
+        "acp_sgd_r8_subspace_adam_track",
+    ),
+    "acp_sgd_2r_subspace_rms_warm": (
+        "acp_sgd_2r_warm",
+        "acp_sgd_r8_subspace_adam_rms",
+    ),
+    "acp_sgd_2r_subspace_track_rms_warm": (
+        "acp_sgd_2r_warm",
+        "acp_sgd_r8_subspace_adam_track_rms",
+    ),
+    "acp_sgd_2r_subspace": ("acp_sgd_2r", None),
+    "power_sgd_subspace_warm": ("power_sgd_warm", "power_sgd_r4_subspace_adam"),
+}
+
+
+def _subspace(finals, direction) -> str:
+  """``subspace_adam``'s runs beside the runs of Adam after the same
+  compressor (same task, seed, rank and warm-up), with the direction
+  benchmark's cosine of each update with S-SGD's."""
+  loss = {(r["task"], r["variant"], r["seed"]): r for r in finals}
+  cosine = {r["variant"]: r["adam"] for r in direction}
+  rows = []
+  for (task, variant, seed), r in sorted(loss.items()):
+    if variant not in _SUBSPACE_PAIRS:
+      continue
+    plain, name = _SUBSPACE_PAIRS[variant]
+    other = loss.get((task, plain, seed))
+    ssgd = loss.get((task, "ssgd", seed))
+    if other is None or ssgd is None:
+      continue
+    base = name and name.split("_subspace")[0]
+    rows.append(
+        {
+            "task": task,
+            "seed": seed,
+            "variant": variant,
+            "held-out loss": round(r["eval_loss"], 4),
+            "Adam after it": f"{plain} {other['eval_loss']:.4f}",
+            "S-SGD": round(ssgd["eval_loss"], 4),
+            "update cosine vs S-SGD's": (
+                f"{cosine[name]:.3f} (Adam after it {cosine[base]:.3f})"
+                if name in cosine and base in cosine
+                else ""
+            ),
+        }
+    )
+  if not rows:
+    return ""
+  return fill(
+      "convergence_subspace",
+      table=records.table(rows, {k: k for k in rows[0]}),
+  )
+
+
 def _convergence_section(
     finals, curves, direction, out: pathlib.Path
 ) -> list[str]:
@@ -254,6 +314,7 @@ def _convergence_section(
           sgd_lr=dict(convergence.SGD)["optimizer.learning_rate"],
           reading=_convergence_reading(rows, curves, warmup),
           direction=_direction(direction),
+          subspace=_subspace(finals, direction),
           minutes=sum(r["wall_seconds"] for r in finals) / 60,
           runs=len(finals),
       )
