@@ -8,6 +8,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -130,6 +131,43 @@ def _not_joined(coordinator_address, num_processes, process_id, timeout_s):
       flush=True,
   )
   os._exit(EXIT_NOT_JOINED)  # the main thread is blocked inside JAX
+
+
+# Exit status of a process whose peer stopped during the run.
+EXIT_PEER_LOST = 76  # sysexits' EX_PROTOCOL: the remote side failed
+# What a collective between processes raises when a peer is gone: gloo's
+# (CPU) or NCCL's (GPU) error, or the socket's.
+_PEER_FAILURE = re.compile(r"\b(Gloo|NCCL)\b[^\n]* failed|by peer")
+
+
+class PeerLost(Exception):
+  """A collective failed during ``step`` because another process of the run
+  stopped (killed, or its machine lost); ``checkpoint`` is the step of the
+  newest checkpoint known good, or None."""
+
+  def __init__(self, step: int, checkpoint: int | None, cause: str):
+    resume = (
+        f"resumes from checkpoint {checkpoint}"
+        if checkpoint is not None
+        else "starts over: no checkpoint was saved"
+    )
+    super().__init__(
+        f"process {jax.process_index()} of {jax.process_count()}: another"
+        f" process of the run stopped during step {step} ({cause}), so this"
+        " one stops too. Run the same command again in every process: the"
+        f" run {resume}."
+    )
+
+
+def peer_lost(
+    error: Exception, step: int, checkpoint: int | None
+) -> PeerLost | None:
+  """``PeerLost`` if ``error``, raised by JAX in a run of several
+  processes, is a collective's failure to reach a peer, else None."""
+  text = str(error)
+  if jax.process_count() == 1 or not _PEER_FAILURE.search(text):
+    return None
+  return PeerLost(step, checkpoint, text.strip().splitlines()[0])
 
 
 def new_run_id() -> str:
