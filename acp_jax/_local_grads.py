@@ -51,7 +51,13 @@ class _LocalGradsType(type):
   """
 
   def __eq__(cls, other: Any) -> bool:
-    if isinstance(other, type) and other is not cls:
+    # Only the containers that params come in, found by identity alone:
+    # typing (Union[LocalGrads, ...]) compares types with == too.
+    if isinstance(other, type) and any(
+        base is container
+        for base in other.__mro__
+        for container in (dict, list, tuple, Mapping)
+    ):
       raise LocalGradsError(
           "acp_jax.LocalGrads met a tree of another structure (a"
           f" {other.__name__}): a transform outside DataParallel.chain(tx)"

@@ -1,6 +1,7 @@
 """acp_jax.DataParallel in users' own loops: Flax NNX, optax wrappers, orbax."""
 
 import re
+import typing
 
 import chex
 import jax
@@ -376,6 +377,16 @@ def test_a_wrapper_around_chain_is_refused_naming_what_to_do(wrap, fix):
   first = str(error.value).splitlines()[0]
   assert "outside DataParallel.chain(tx)" in first
   assert re.search(fix, first), first
+
+
+def test_local_grads_in_type_annotations_compare_as_types():
+  """The refusal above rides on comparing LocalGrads with a container type;
+  typing compares types with == too, and must still work."""
+  assert typing.Optional[acp_jax.LocalGrads] == typing.Union[
+      acp_jax.LocalGrads, None
+  ]
+  assert acp_jax.LocalGrads | dict != dict
+  assert acp_jax.LocalGrads == acp_jax.LocalGrads != int
 
 
 def test_masked_inside_chain_masks_the_mean():
