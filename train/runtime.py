@@ -2,6 +2,7 @@
 and what the processes of a run settle at its start: one config, one
 workdir that no other run uses, where to stop on a signal."""
 
+import contextlib
 import datetime
 import errno
 import fcntl
@@ -107,14 +108,20 @@ def _join_cluster(
         num_processes=num_processes,
         process_id=process_id,
         initialization_timeout=timeout_s + JOIN_GRACE_S,
-        heartbeat_timeout_seconds=timeout_s,
+        heartbeat_timeout_seconds=timeout_s + JOIN_GRACE_S,
     )
   finally:
     watchdog.cancel()
+  global _silent_peer_s
+  _silent_peer_s = timeout_s
 
 
-# Seconds JAX's own join timeout runs past the trainer's watchdog.
+# Seconds JAX's own timeouts (to join, and a peer's heartbeat) run past the
+# trainer's watchdogs.
 JOIN_GRACE_S = 30
+# Seconds a step may wait on the other processes: --distributed_timeout_s,
+# set once this process has joined them; None in a single process.
+_silent_peer_s = None
 # Exit status of a process whose peers did not all join.
 EXIT_NOT_JOINED = 69  # sysexits' EX_UNAVAILABLE
 
@@ -168,6 +175,33 @@ def peer_lost(
   if jax.process_count() == 1 or not _PEER_FAILURE.search(text):
     return None
   return PeerLost(step, checkpoint, text.strip().splitlines()[0])
+
+
+@contextlib.contextmanager
+def waiting_on_peers(step: int, checkpoint: int | None):
+  """A block that waits for ``step``'s collectives: if it waits longer than
+  --distributed_timeout_s, the process ends with ``PeerLost``'s line and
+  ``EXIT_PEER_LOST``. A peer killed mid-step can leave a collective waiting
+  without an error (gloo does not always see the connection go), until
+  JAX's heartbeat aborts the process; this watchdog ends it first."""
+  if _silent_peer_s is None:
+    yield
+    return
+  cause = f"this step waited {_silent_peer_s} s (--distributed_timeout_s)"
+  watchdog = threading.Timer(
+      _silent_peer_s, _peer_silent, (PeerLost(step, checkpoint, cause),)
+  )
+  watchdog.daemon = True
+  watchdog.start()
+  try:
+    yield
+  finally:
+    watchdog.cancel()
+
+
+def _peer_silent(lost: PeerLost) -> None:
+  print(lost, file=sys.stderr, flush=True)
+  os._exit(EXIT_PEER_LOST)  # the main thread is blocked inside JAX
 
 
 def new_run_id() -> str:

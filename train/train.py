@@ -164,7 +164,8 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
         )
         loss_start = metrics["loss_start"]
         if wait:
-          jax.block_until_ready(state)
+          with runtime.waiting_on_peers(step, checkpoints.last_good):
+            jax.block_until_ready(state)
           timer.completed(step)
         steps.push(step, metrics)
         stop = stops.should_stop(step)
