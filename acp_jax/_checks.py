@@ -12,6 +12,7 @@ import contextlib
 import contextvars
 import os
 from typing import Any, NamedTuple
+import warnings
 
 import jax
 from jax import lax
@@ -68,8 +69,10 @@ def choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
   return value
 
 
-def comm_dtype(value: Any) -> Any:
-  """``value``; raises unless it is None or a floating dtype."""
+def comm_dtype(value: Any, caller: str) -> Any:
+  """``value``; raises unless it is None or a floating dtype, and warns of
+  one with a narrower exponent than float32's (float16, float8): a sum over
+  the devices of gradients or factors past its largest value is inf."""
   if value is None:
     return None
   try:
@@ -79,6 +82,18 @@ def comm_dtype(value: Any) -> Any:
   if not floating:
     raise ValueError(
         f"comm_dtype must be a floating dtype or None, got {value!r}"
+    )
+  info = jnp.finfo(value)
+  if info.maxexp < jnp.finfo(jnp.float32).maxexp:
+    warnings.warn(
+        f"{caller}: comm_dtype={info.dtype.name} holds no value past"
+        f" {float(info.max):g}: a value sent, or its sum over the devices,"
+        " beyond it (a large gradient, a loss spike) becomes inf, and the"
+        " params NaN."
+        " bfloat16 sends as many bytes with float32's range:"
+        " comm_dtype=jnp.bfloat16.",
+        UserWarning,
+        stacklevel=2,
     )
   return value
 
@@ -145,7 +160,7 @@ _RULES: dict[str, Callable[[Any, str], Any]] = {
     "warm_start": lambda v, _: flag("warm_start", v),
     "warmup_factors": lambda v, _: flag("warmup_factors", v),
     "majority_vote": lambda v, _: flag("majority_vote", v),
-    "comm_dtype": lambda v, _: comm_dtype(v),
+    "comm_dtype": comm_dtype,
     "bucket_bytes": bucket_bytes,
     "leaf_order": leaf_order,
 }

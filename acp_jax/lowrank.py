@@ -7,6 +7,7 @@ and ``projection``.
 """
 
 from collections.abc import Callable
+import logging
 import math
 from typing import Any, NamedTuple
 import warnings
@@ -24,6 +25,12 @@ from acp_jax import state_trees
 from acp_jax import orthogonalize
 from acp_jax import phase as phase_lib
 from acp_jax import projection
+
+
+def _not_a_dense_step_error(record: logging.LogRecord) -> bool:
+  """False for JAX's log of ``check_dense_step``'s error (see there)."""
+  error = record.exc_info[1] if record.exc_info else None
+  return not getattr(error, "from_check_dense_step", False)
 
 
 def check_dense_step(cfg: "LowRank", count: jax.Array) -> None:
@@ -47,15 +54,23 @@ def check_dense_step(cfg: "LowRank", count: jax.Array) -> None:
   def check(taken):
     taken = int(np.asarray(taken))
     if taken >= cfg.warmup_steps:
-      raise ValueError(
-          f"{cfg.caller}: a dense warm-up step ran after {taken} steps, but"
-          f" warmup_steps={cfg.warmup_steps}: the warm-up should have ended."
-          " Call opt_state = dp.at_step(opt_state, step) (or"
+      error = ValueError(
+          f"{cfg.caller}: at_step was not called before this step, or its"
+          f" result was not used: a dense warm-up step ran after {taken}"
+          f" steps, but warmup_steps={cfg.warmup_steps}: the warm-up should"
+          " have ended. Call opt_state = dp.at_step(opt_state, step) (or"
           " compressor.at_step) before every step, with the number of steps"
           " taken, and use the state it returns (an nnx.Optimizer is"
           " switched in place)."
       )
+      error.from_check_dense_step = True
+      raise error
 
+  # Every device's callback raises (one that went on would wait for the
+  # others in the step's all-reduce until XLA aborts the process), and JAX
+  # logs each before failing the step with one of them: the step's error
+  # says it once, so the devices' copies are not logged.
+  logging.getLogger("jax._src.debugging").addFilter(_not_a_dense_step_error)
   jax.debug.callback(check, count)
 
 

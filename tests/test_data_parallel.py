@@ -1,5 +1,8 @@
 """acp_jax.DataParallel in users' own loops: Flax NNX, optax wrappers, orbax."""
 
+import re
+import typing
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -332,20 +335,81 @@ def test_comm_bytes_given_the_loss_equal_the_compiled_step_with_an_unused_layer(
     )
 
 
-def test_multisteps_is_refused_with_the_accumulation_path():
+@pytest.mark.parametrize(
+    "wrap, fix",
+    [
+        (
+            lambda tx, params: optax.MultiSteps(tx, every_k_schedule=2),
+            "add their local gradients with +",
+        ),
+        (
+            lambda tx, params: optax.masked(
+                tx, jax.tree.map(lambda _: True, params)
+            ),
+            r"dp\.chain\(optax\.masked\(tx, mask\)\)",
+        ),
+        (
+            lambda tx, params: optax.masked(
+                tx, lambda p: jax.tree.map(lambda _: True, p)
+            ),
+            r"dp\.chain\(optax\.masked\(tx, mask\)\)",
+        ),
+    ],
+    ids=["multisteps", "masked", "masked_by_a_function"],
+)
+def test_a_wrapper_around_chain_is_refused_naming_what_to_do(wrap, fix):
+  """optax.MultiSteps(dp.chain(tx)) or optax.masked(dp.chain(tx), m) gave
+  JAX's pytree structure error, naming LocalGrads with no fix."""
+  from acp_jax._local_grads import LocalGradsError
+
   dp = dp_of(acp_jax.acp_sgd(2))
   graphdef, params = nnx.split(Mlp(nnx.Rngs(0)))
   params = nnx.to_pure_dict(params)
-  tx = optax.MultiSteps(dp.chain(optax.sgd(0.1)), every_k_schedule=2)
+  tx = wrap(dp.chain(optax.sgd(0.1)), params)
 
   @jax.jit
   def step(params, state, x, y):
     _, grads = dp.value_and_grad(pure_loss(graphdef))(params, x, y)
     return tx.update(grads, state, params)
 
-  # Its accumulator has the params' structure, not the local gradients'.
-  with pytest.raises(ValueError, match="LocalGrads"):
+  with pytest.raises(LocalGradsError) as error:
     step(params, tx.init(params), *batch())
+  first = str(error.value).splitlines()[0]
+  assert "outside DataParallel.chain(tx)" in first
+  assert re.search(fix, first), first
+
+
+def test_local_grads_in_type_annotations_compare_as_types():
+  """The refusal above rides on comparing LocalGrads with a container type;
+  typing compares types with == too, and must still work."""
+  assert typing.Optional[acp_jax.LocalGrads] == typing.Union[
+      acp_jax.LocalGrads, None
+  ]
+  assert acp_jax.LocalGrads | dict != dict
+  assert acp_jax.LocalGrads == acp_jax.LocalGrads != int
+
+
+def test_masked_inside_chain_masks_the_mean():
+  """The fix the refusal names: the mask applies to the compressed mean."""
+  dp = dp_of(acp_jax.ssgd())
+  graphdef, params = nnx.split(Mlp(nnx.Rngs(0)))
+  params = nnx.to_pure_dict(params)
+  mask = jax.tree.map(lambda p: p.ndim == 2, params)
+  masked = dp.chain(optax.masked(optax.sgd(0.1), mask))
+  plain = dp.chain(optax.sgd(0.1))
+
+  @jax.jit
+  def updates(params, x, y):
+    _, grads = dp.value_and_grad(pure_loss(graphdef))(params, x, y)
+    return (
+        masked.update(grads, masked.init(params), params)[0],
+        plain.update(grads, plain.init(params), params)[0],
+    )
+
+  got, sgd = updates(params, *batch())
+  for is_masked, u, p in zip(*map(jax.tree.leaves, (mask, got, sgd))):
+    # Unmasked leaves pass the mean through: sgd's update over -0.1.
+    np.testing.assert_allclose(u, p if is_masked else -p / 0.1, rtol=1e-5)
 
 
 @pytest.mark.parametrize("nested", [False, True])

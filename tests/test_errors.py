@@ -5,6 +5,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -59,6 +60,52 @@ def test_density_must_be_in_unit_interval(density):
 def test_bad_options(make, message):
   with pytest.raises(ValueError, match=re.escape(message)):
     make()
+
+
+def _power_sgd_mean(grads, comm_dtype):
+  """Power-SGD's mean of the devices' ``grads``, factors in ``comm_dtype``."""
+  tx = acp_jax.power_sgd(1, comm_dtype=comm_dtype, warm_start=False)
+  params = {"w": jnp.zeros(grads["w"].shape[1:], jnp.float32)}
+  update = helpers.mapped(tx.update, "shard_map")
+  mean, _ = update(helpers.shard(grads), helpers.replicate(tx.init(params)))
+  return np.asarray(mean["w"][0])
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [
+        acp_jax.ssgd,
+        lambda **options: acp_jax.power_sgd(4, **options),
+        lambda **options: acp_jax.acp_sgd(4, **options),
+    ],
+    ids=["ssgd", "power_sgd", "acp_sgd"],
+)
+def test_a_float16_comm_dtype_warns_of_overflow_naming_bfloat16(factory):
+  """Factors all-reduced in float16 overflowed to inf and the params went
+  NaN, with nothing naming comm_dtype; bfloat16 has float32's range."""
+  message = (
+      r"comm_dtype=float16 holds no value past 65504: a value sent, or its"
+      r" sum over the devices, beyond it .* becomes inf.*"
+      r" comm_dtype=jnp\.bfloat16"
+  )
+  with pytest.warns(UserWarning, match=message):
+    factory(comm_dtype=jnp.float16)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    factory(comm_dtype=jnp.bfloat16)
+    factory(comm_dtype=jnp.float32)
+
+
+def test_the_float16_overflow_warned_of_is_real_and_bfloat16_holds():
+  """A rank-one gradient of entries 3000 on 64 x 64, as a loss spike gives:
+  the factors' entries (64 of them along a unit vector) reach thousands,
+  and their sum over the 8 devices passes 65504 in float16."""
+  grads = {"w": np.full((helpers.NUM_DEVICES, 64, 64), 3000.0, np.float32)}
+  with pytest.warns(UserWarning, match="comm_dtype=float16"):
+    assert not np.all(np.isfinite(_power_sgd_mean(grads, jnp.float16)))
+  np.testing.assert_allclose(
+      _power_sgd_mean(grads, jnp.bfloat16), grads["w"][0], rtol=1e-2
+  )
 
 
 @all_compressors

@@ -264,6 +264,56 @@ def test_a_missing_peer_fails_within_the_timeout(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "signum, cause",
+    [
+        (signal.SIGKILL, "Gloo"),  # the collective fails
+        (signal.SIGSTOP, "this step waited 30 s"),  # it would wait forever
+    ],
+    ids=["killed", "stopped"],
+)
+def test_a_peer_killed_mid_run_ends_the_other_with_its_own_line(
+    signum, cause, tmp_path
+):
+  """The survivor aborted inside gloo (rc -6), with JAX's dumps and no word
+  of the checkpoint a rerun resumes from. (Process 0 killed takes the
+  coordination service with it: JAX's client then aborts the others from
+  its own thread, which no line of the trainer can precede.)"""
+  workdir = str(tmp_path / "multi")
+  address = f"127.0.0.1:{helpers.free_port()}"
+  procs = [
+      _multi(
+          workdir,
+          address,
+          i,
+          "--config.checkpoint_every_steps=5",
+          "--distributed_timeout_s=30",
+      )
+      for i in range(2)
+  ]
+  try:
+    _wait_for_step(workdir, 7, procs)
+  finally:
+    procs[1].send_signal(signum)
+  sent = time.monotonic()
+  try:
+    ((_, err),) = helpers.finish(procs[:1], timeout=120)
+  finally:
+    procs[1].kill()
+    procs[1].communicate()
+  assert procs[0].returncode == runtime.EXIT_PEER_LOST, err[-3000:]
+  assert time.monotonic() - sent < 90
+  # The trainer's own last line, not JAX's abort.
+  last = err.strip().splitlines()[-1]
+  assert last.startswith(
+      "process 0 of 2: another process of the run stopped during step "
+  ), last
+  assert cause in last and "Run the same command again" in last
+  resumed = int(last.split("resumes from checkpoint ")[1].rstrip("."))
+  assert resumed >= 5 and resumed in saved_steps(workdir)
+
+
+@pytest.mark.slow
 def test_a_workdir_per_process_is_refused_at_start(tmp_path):
   address = f"127.0.0.1:{helpers.free_port()}"
   procs = [_multi(str(tmp_path / f"p{i}"), address, i, steps=4) for i in range(2)]

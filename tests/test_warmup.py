@@ -2,6 +2,8 @@
 factors warmed on the mean gradient, then compression, switched by the host
 (``at_step``) with one program per phase."""
 
+import logging
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -291,6 +293,16 @@ def test_a_warmup_that_does_not_end_raises_at_its_first_extra_step(
   with pytest.raises(Exception, match="warm-up should have ended") as error:
     _loop(LOW_RANK[name](2, warmup_steps=WARMUP), STEPS, at_step)
   assert f"after {WARMUP} steps" in str(error.value)
+
+
+def test_a_warmup_that_does_not_end_is_reported_once_not_per_device(caplog):
+  """Each device's check raised, and JAX logged the 8 tracebacks before the
+  step failed with one of them."""
+  with caplog.at_level(logging.ERROR):
+    with pytest.raises(Exception, match="at_step was not called") as error:
+      _loop(acp_jax.acp_sgd(2, warmup_steps=WARMUP), STEPS, lambda r, i: None)
+  assert str(error.value).count("the warm-up should have ended") == 1
+  assert [r.name for r in caplog.records] == []
 
 
 @pytest.mark.parametrize("name", sorted(LOW_RANK))

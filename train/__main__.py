@@ -135,6 +135,13 @@ def main(argv):
   except runtime.Interrupted as e:
     print(e, file=sys.stderr)
     sys.exit(EXIT_INTERRUPTED)
+  except runtime.PeerLost as e:
+    print(e, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # JAX's exit hooks would wait on the failed collective and on the peer,
+    # then abort: the run ends here, as a peer that never joins ends it.
+    os._exit(runtime.EXIT_PEER_LOST)
   except loop.TooManySkipped as e:
     print(metrics_lib.format_summary(e.summary))
     print(e, file=sys.stderr)

@@ -2,12 +2,14 @@
 and what the processes of a run settle at its start: one config, one
 workdir that no other run uses, where to stop on a signal."""
 
+import contextlib
 import datetime
 import errno
 import fcntl
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -106,14 +108,20 @@ def _join_cluster(
         num_processes=num_processes,
         process_id=process_id,
         initialization_timeout=timeout_s + JOIN_GRACE_S,
-        heartbeat_timeout_seconds=timeout_s,
+        heartbeat_timeout_seconds=timeout_s + JOIN_GRACE_S,
     )
   finally:
     watchdog.cancel()
+  global _silent_peer_s
+  _silent_peer_s = timeout_s
 
 
-# Seconds JAX's own join timeout runs past the trainer's watchdog.
+# Seconds JAX's own timeouts (to join, and a peer's heartbeat) run past the
+# trainer's watchdogs.
 JOIN_GRACE_S = 30
+# Seconds a step may wait on the other processes: --distributed_timeout_s,
+# set once this process has joined them; None in a single process.
+_silent_peer_s = None
 # Exit status of a process whose peers did not all join.
 EXIT_NOT_JOINED = 69  # sysexits' EX_UNAVAILABLE
 
@@ -130,6 +138,70 @@ def _not_joined(coordinator_address, num_processes, process_id, timeout_s):
       flush=True,
   )
   os._exit(EXIT_NOT_JOINED)  # the main thread is blocked inside JAX
+
+
+# Exit status of a process whose peer stopped during the run.
+EXIT_PEER_LOST = 76  # sysexits' EX_PROTOCOL: the remote side failed
+# What a collective between processes raises when a peer is gone: gloo's
+# (CPU) or NCCL's (GPU) error, or the socket's.
+_PEER_FAILURE = re.compile(r"\b(Gloo|NCCL)\b[^\n]* failed|by peer")
+
+
+class PeerLost(Exception):
+  """A collective failed during ``step`` because another process of the run
+  stopped (killed, or its machine lost); ``checkpoint`` is the step of the
+  newest checkpoint known good, or None."""
+
+  def __init__(self, step: int, checkpoint: int | None, cause: str):
+    resume = (
+        f"resumes from checkpoint {checkpoint}"
+        if checkpoint is not None
+        else "starts over: no checkpoint was saved"
+    )
+    super().__init__(
+        f"process {jax.process_index()} of {jax.process_count()}: another"
+        f" process of the run stopped during step {step} ({cause}), so this"
+        " one stops too. Run the same command again in every process: the"
+        f" run {resume}."
+    )
+
+
+def peer_lost(
+    error: Exception, step: int, checkpoint: int | None
+) -> PeerLost | None:
+  """``PeerLost`` if ``error``, raised by JAX in a run of several
+  processes, is a collective's failure to reach a peer, else None."""
+  text = str(error)
+  if jax.process_count() == 1 or not _PEER_FAILURE.search(text):
+    return None
+  return PeerLost(step, checkpoint, text.strip().splitlines()[0])
+
+
+@contextlib.contextmanager
+def waiting_on_peers(step: int, checkpoint: int | None):
+  """A block that waits for ``step``'s collectives: if it waits longer than
+  --distributed_timeout_s, the process ends with ``PeerLost``'s line and
+  ``EXIT_PEER_LOST``. A peer killed mid-step can leave a collective waiting
+  without an error (gloo does not always see the connection go), until
+  JAX's heartbeat aborts the process; this watchdog ends it first."""
+  if _silent_peer_s is None:
+    yield
+    return
+  cause = f"this step waited {_silent_peer_s} s (--distributed_timeout_s)"
+  watchdog = threading.Timer(
+      _silent_peer_s, _peer_silent, (PeerLost(step, checkpoint, cause),)
+  )
+  watchdog.daemon = True
+  watchdog.start()
+  try:
+    yield
+  finally:
+    watchdog.cancel()
+
+
+def _peer_silent(lost: PeerLost) -> None:
+  print(lost, file=sys.stderr, flush=True)
+  os._exit(EXIT_PEER_LOST)  # the main thread is blocked inside JAX
 
 
 def new_run_id() -> str:

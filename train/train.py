@@ -151,27 +151,35 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
             prefetch=config.data_prefetch,
         )
     )
-    for index, batch in zip(range(start, config.num_train_steps), batches):
-      step = index + 1
-      # Out of a compressor's dense warm-up when it ends (else a no-op).
-      state = state._replace(
-          opt_state=experiment.dp.at_step(state.opt_state, index)
-      )
-      state, metrics = train_fn(
-          state, put_batch(experiment, batch), loss_start=loss_start
-      )
-      loss_start = metrics["loss_start"]
-      if wait:
-        jax.block_until_ready(state)
-        timer.completed(step)
-      steps.push(step, metrics)
-      stop = stops.should_stop(step)
-      _between_steps(
-          step, state, stop, steps, evaluation, log, checkpoints, timer
-      )
-      if stop:
-        raise runtime.Interrupted(stops.signal_name, step)
-    steps.flush()
+    step = start
+    try:
+      for index, batch in zip(range(start, config.num_train_steps), batches):
+        step = index + 1
+        # Out of a compressor's dense warm-up when it ends (else a no-op).
+        state = state._replace(
+            opt_state=experiment.dp.at_step(state.opt_state, index)
+        )
+        state, metrics = train_fn(
+            state, put_batch(experiment, batch), loss_start=loss_start
+        )
+        loss_start = metrics["loss_start"]
+        if wait:
+          with runtime.waiting_on_peers(step, checkpoints.last_good):
+            jax.block_until_ready(state)
+          timer.completed(step)
+        steps.push(step, metrics)
+        stop = stops.should_stop(step)
+        _between_steps(
+            step, state, stop, steps, evaluation, log, checkpoints, timer
+        )
+        if stop:
+          raise runtime.Interrupted(stops.signal_name, step)
+      steps.flush()
+    except jax.errors.JaxRuntimeError as e:
+      lost = runtime.peer_lost(e, step, checkpoints.last_good)
+      if lost is None:
+        raise
+      raise lost from e
   summary = _summary(experiment, state, steps.latest, evaluation, timer)
   if config.nonfinite == "skip":
     summary["skipped_steps"] = steps.policy.skipped
