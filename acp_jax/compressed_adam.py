@@ -10,6 +10,7 @@ from optax._src import numerics
 from acp_jax import _checks
 from acp_jax import compressor as compressor_lib
 from acp_jax import phase as phase_lib
+from acp_jax import wrapped
 
 # The factories whose compressors it wraps: S-SGD (every step dense, so it
 # is Adam itself) and the low-rank ones, whose dense warm-up feeds Adam's
@@ -116,24 +117,19 @@ def compressed_adam(
     https://arxiv.org/abs/2102.02888
   """
   _check_args(compressor, b1, b2, eps, preconditioned)
-  made_by = compressor.made_by
-  name = made_by[0]
+  name = compressor.made_by[0]
   adam = optax.scale_by_adam(b1, b2, eps)
-  local_fields = compressor.local_fields
-
-  def split(inner):
-    local = tuple(getattr(inner, f) for f in local_fields)
-    return local, inner._replace(**dict.fromkeys(local_fields))
+  local = wrapped.Local(compressor)
 
   def init_fn(params):
-    local, inner = split(compressor.init(params))
-    return CompressedAdamState(local=local, inner=inner, adam=adam.init(params))
+    fields, inner = local.split(compressor.init(params))
+    return CompressedAdamState(fields, inner, adam.init(params))
 
   def update_fn(updates, state, params=None):
     del params
     _checks.begin_update(updates, compressor.axis_name, "compressed_adam")
     _checks.check_state(state, CompressedAdamState, "compressed_adam")
-    inner = state.inner._replace(**dict(zip(local_fields, state.local)))
+    inner = local.join(state)
     if (
         name == _EXACT
         or phase_lib.phase_of(inner.phase) is phase_lib.Phase.DENSE
@@ -160,42 +156,15 @@ def compressed_adam(
             jnp.divide, optax.tree.bias_correction(mu, b1, count), scale
         )
       moments = state.adam._replace(count=count, mu=mu)
-    local, inner = split(inner)
-    return direction, CompressedAdamState(local, inner, moments)
+    fields, inner = local.split(inner)
+    return direction, CompressedAdamState(fields, inner, moments)
 
-  def phases(state):
-    return {
-        phase: state._replace(inner=inner)
-        for phase, inner in compressor.phases(state.inner).items()
-    }
-
-  def to_phase(state, dense):
-    switched = compressor.to_phase(state.inner, dense)
-    return state if switched is state.inner else state._replace(inner=switched)
-
-  return compressor_lib.Compressor(
+  return wrapped.around(
+      compressor,
       init_fn,
       update_fn,
-      compressor.volume,
-      axis_name=compressor.axis_name,
-      local_fields=("local",),
-      phases=phases,
-      bucket_bytes=compressor.bucket_bytes,
-      leaf_order=compressor.leaf_order,
-      packed_rounds=compressor.packed_rounds,
-      cycle=compressor.cycle,
-      warmup_steps=compressor.warmup_steps,
-      to_phase=to_phase if compressor.warmup_steps else None,
-      made_by=(
-          "compressed_adam",
-          {
-              "compressor": {"name": name, "args": made_by[1]},
-              "b1": b1,
-              "b2": b2,
-              "eps": eps,
-              "preconditioned": preconditioned,
-          },
-      ),
+      "compressed_adam",
+      {"b1": b1, "b2": b2, "eps": eps, "preconditioned": preconditioned},
   )
 
 
@@ -204,34 +173,20 @@ def _check_args(
 ) -> None:
   """Refuses ``compressed_adam``'s arguments where they are not usable: a
   compressor without a dense warm-up, moments' rates outside [0, 1)."""
-  made_by = getattr(compressor, "made_by", None)
-  if not isinstance(compressor, compressor_lib.Compressor) or not made_by:
-    raise TypeError(
-        "compressed_adam needs a compressor made by acp_jax.ssgd,"
-        f" power_sgd or acp_sgd, got {type(compressor).__name__}"
-    )
-  name = made_by[0]
-  if name not in (_EXACT, *_WITH_WARMUP):
-    raise ValueError(
-        f"compressed_adam takes ssgd, power_sgd or acp_sgd, got {name}: the"
-        " others have no dense warm-up on which Adam's second moment could"
-        " be estimated."
-    )
+  name = wrapped.check_args(
+      "compressed_adam",
+      compressor,
+      (_EXACT, *_WITH_WARMUP),
+      "the others have no dense warm-up on which Adam's second moment could"
+      " be estimated.",
+      b1,
+      b2,
+      eps,
+      preconditioned=preconditioned,
+  )
   if name != _EXACT and not compressor.warmup_steps:
     raise ValueError(
         f"compressed_adam: {name} has warmup_steps={compressor.warmup_steps};"
         " Adam's second moment is estimated on the dense warm-up steps and"
         f" then frozen, so make it with {name}(..., warmup_steps=N), N >= 1."
-    )
-  for key, value in (("b1", b1), ("b2", b2)):
-    if not 0 <= value < 1:
-      raise ValueError(
-          f"compressed_adam: {key} must be in [0, 1), got {value!r}"
-      )
-  if not eps > 0:
-    raise ValueError(f"compressed_adam: eps must be > 0, got {eps!r}")
-  if not isinstance(preconditioned, bool):
-    raise ValueError(
-        "compressed_adam: preconditioned must be a bool, got"
-        f" {preconditioned!r}"
     )

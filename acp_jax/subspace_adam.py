@@ -13,6 +13,7 @@ from acp_jax import lowrank
 from acp_jax import phase as phase_lib
 from acp_jax import powersgd
 from acp_jax import state_trees
+from acp_jax import wrapped
 
 Phase = phase_lib.Phase
 
@@ -152,27 +153,27 @@ def subspace_adam(
     from Low-Dimensional Gradient Statistics", ICLR 2025.
     https://arxiv.org/abs/2410.16103
   """
-  _check_args(compressor, b1, b2, eps, moment_feedback)
-  for key, value in (
-      ("track_momentum", track_momentum),
-      ("match_rms", match_rms),
-  ):
-    if not isinstance(value, bool):
-      raise ValueError(f"subspace_adam: {key} must be a bool, got {value!r}")
-  made_by = compressor.made_by
-  name, args = made_by
-  cfg = lowrank.from_made_by(name, args)
+  name = wrapped.check_args(
+      "subspace_adam",
+      compressor,
+      tuple(_EXCHANGES),
+      "only a low-rank compressor all-reduces coordinates on a shared basis"
+      " in which Adam's moments can live.",
+      b1,
+      b2,
+      eps,
+      moment_feedback=moment_feedback,
+      track_momentum=track_momentum,
+      match_rms=match_rms,
+  )
+  cfg = lowrank.from_made_by(name, compressor.made_by[1])
   axis_name = compressor.axis_name
   exchange = _EXCHANGES[name]
-  local_fields = compressor.local_fields
+  local = wrapped.Local(compressor)
   feedback = moment_feedback and cfg.use_error_feedback
 
-  def split(inner):
-    local = tuple(getattr(inner, f) for f in local_fields)
-    return local, inner._replace(**dict.fromkeys(local_fields))
-
   def init_fn(params):
-    local, inner = split(compressor.init(params))
+    fields, inner = local.split(compressor.init(params))
     specs = cfg.plan(params)
     leaves, treedef = jax.tree.flatten(params)
     masked = optax.MaskedNode()
@@ -206,13 +207,13 @@ def subspace_adam(
         mu=tree(lambda x, spec: masked, dense_zeros),
         nu=tree(lambda x, spec: masked, dense_zeros),
     )
-    return SubspaceAdamState(local, inner, dense, on_p, on_q)
+    return SubspaceAdamState(fields, inner, dense, on_p, on_q)
 
   def update_fn(updates, state, params=None):
     del params
     n = _checks.begin_update(updates, axis_name, "subspace_adam")
     _checks.check_state(state, SubspaceAdamState, "subspace_adam")
-    inner = state.inner._replace(**dict(zip(local_fields, state.local)))
+    inner = local.join(state)
     s = lowrank.split(cfg, updates, inner.error)
     lowrank.check_factors(cfg, s, inner.q, "m")
     phase = phase_lib.phase_of(inner.phase)
@@ -302,44 +303,22 @@ def subspace_adam(
         mu=lowrank.merge(s, masked_low, dense_mu, reshape=False),
         nu=lowrank.merge(s, masked_low, dense_nu, reshape=False),
     )
-    local, inner = split(inner)
-    return direction, SubspaceAdamState(local, inner, dense, on_p, on_q)
+    fields, inner = local.split(inner)
+    return direction, SubspaceAdamState(fields, inner, dense, on_p, on_q)
 
-  def phases(state):
-    return {
-        phase: state._replace(inner=inner)
-        for phase, inner in compressor.phases(state.inner).items()
-    }
-
-  def to_phase(state, dense):
-    switched = compressor.to_phase(state.inner, dense)
-    return state if switched is state.inner else state._replace(inner=switched)
-
-  return compressor_lib.Compressor(
+  return wrapped.around(
+      compressor,
       init_fn,
       update_fn,
-      compressor.volume,
-      axis_name=axis_name,
-      local_fields=("local",),
-      phases=phases,
-      bucket_bytes=compressor.bucket_bytes,
-      leaf_order=compressor.leaf_order,
-      packed_rounds=compressor.packed_rounds,
-      cycle=compressor.cycle,
-      warmup_steps=compressor.warmup_steps,
-      to_phase=to_phase if compressor.warmup_steps else None,
-      made_by=(
-          "subspace_adam",
-          {
-              "compressor": {"name": name, "args": args},
-              "b1": b1,
-              "b2": b2,
-              "eps": eps,
-              "moment_feedback": moment_feedback,
-              "track_momentum": track_momentum,
-              "match_rms": match_rms,
-          },
-      ),
+      "subspace_adam",
+      {
+          "b1": b1,
+          "b2": b2,
+          "eps": eps,
+          "moment_feedback": moment_feedback,
+          "track_momentum": track_momentum,
+          "match_rms": match_rms,
+      },
   )
 
 
@@ -415,31 +394,3 @@ def _dense_leaves(s: lowrank.Split, tree: Any) -> list[jax.Array]:
       for x, spec in zip(state_trees.state_leaves(tree), s.specs)
       if spec is None
   ]
-
-
-def _check_args(
-    compressor: Any, b1: float, b2: float, eps: float, moment_feedback: bool
-) -> None:
-  """Refuses ``subspace_adam``'s arguments where they are not usable."""
-  made_by = getattr(compressor, "made_by", None)
-  if not isinstance(compressor, compressor_lib.Compressor) or not made_by:
-    raise TypeError(
-        "subspace_adam needs a compressor made by acp_jax.power_sgd or"
-        f" acp_jax.acp_sgd, got {type(compressor).__name__}"
-    )
-  if made_by[0] not in _EXCHANGES:
-    raise ValueError(
-        f"subspace_adam takes power_sgd or acp_sgd, got {made_by[0]}: only"
-        " a low-rank compressor all-reduces coordinates on a shared basis"
-        " in which Adam's moments can live."
-    )
-  for key, value in (("b1", b1), ("b2", b2)):
-    if not 0 <= value < 1:
-      raise ValueError(f"subspace_adam: {key} must be in [0, 1), got {value!r}")
-  if not eps > 0:
-    raise ValueError(f"subspace_adam: eps must be > 0, got {eps!r}")
-  if not isinstance(moment_feedback, bool):
-    raise ValueError(
-        "subspace_adam: moment_feedback must be a bool, got"
-        f" {moment_feedback!r}"
-    )
