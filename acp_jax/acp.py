@@ -166,14 +166,7 @@ def acp_sgd(
     del params
     n = _checks.begin_update(updates, axis_name, "acp_sgd")
     _checks.check_state(state, AcpSgdState, "acp_sgd")
-    s = lowrank.split(cfg, updates, state.error)
-    lowrank.check_factors(cfg, s, state.q, "m")
-    if phase_lib.phase_of(state.phase) is Phase.DENSE:
-      lowrank.check_dense_step(cfg, state.count)
-      mean, error, q, _ = lowrank.dense_step(cfg, s, state.q, axis_name)
-      return mean, state._replace(error=error, q=q, count=state.count + 1)
-    sent, new_state = exchange(cfg, axis_name, s, state, n)
-    return lowrank.applied(sent), new_state
+    return lowrank.step(cfg, axis_name, n, updates, state, exchange)
 
   def volume(params, num_devices):
     del num_devices

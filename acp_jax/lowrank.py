@@ -327,6 +327,34 @@ def split(cfg: LowRank, grads: Any, errors: Any) -> Split:
   )
 
 
+def split_state(cfg: LowRank, grads: Any, state: Any) -> Split:
+  """``split`` of ``grads`` against a low-rank state, whose factors are
+  checked to have this compressor's rank."""
+  s = split(cfg, grads, state.error)
+  check_factors(cfg, s, state.q, "m")
+  return s
+
+
+def step(
+    cfg: LowRank,
+    axis_name: str,
+    n: int,
+    grads: Any,
+    state: Any,
+    exchange: Callable[..., tuple["Round", Any]],
+) -> tuple[Any, Any]:
+  """A low-rank compressor's update of ``grads``: a dense warm-up step
+  (``dense_step``) or a compressing one, ``exchange(cfg, axis_name, split,
+  state, n)``, expanded to the approximate mean."""
+  s = split_state(cfg, grads, state)
+  if phase_lib.phase_of(state.phase) is phase_lib.Phase.DENSE:
+    check_dense_step(cfg, state.count)
+    mean, error, q, _ = dense_step(cfg, s, state.q, axis_name)
+    return mean, state._replace(error=error, q=q, count=state.count + 1)
+  sent, new_state = exchange(cfg, axis_name, s, state, n)
+  return applied(sent), new_state
+
+
 def errors_tree(cfg: LowRank, s: Split, errors: list[jax.Array]) -> Any:
   """The state's residual tree: ``errors`` (in the leaves' shapes) at the
   compressed leaves, or all ``MaskedNode`` without error feedback."""

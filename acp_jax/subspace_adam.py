@@ -214,8 +214,7 @@ def subspace_adam(
     n = _checks.begin_update(updates, axis_name, "subspace_adam")
     _checks.check_state(state, SubspaceAdamState, "subspace_adam")
     inner = local.join(state)
-    s = lowrank.split(cfg, updates, inner.error)
-    lowrank.check_factors(cfg, s, inner.q, "m")
+    s = lowrank.split_state(cfg, updates, inner)
     phase = phase_lib.phase_of(inner.phase)
     # The moments are on side P after a P-step (the next step is a Q-step),
     # else on side Q (after a Q-step, a Power-SGD step, a dense step).
