@@ -20,6 +20,7 @@ from acp_jax.data_parallel import DataParallelState
 from acp_jax.data_parallel import LocalGrads
 from acp_jax import hlo  # pylint: disable=unused-import
 from acp_jax.lapack import limit_lapack_threads
+from acp_jax.lowrank import Options as LowRankOptions
 from acp_jax.phase import Phase
 from acp_jax.powersgd import power_sgd
 from acp_jax.sharded import memory_per_device
@@ -45,6 +46,7 @@ __all__ = (
     "DataParallel",
     "DataParallelState",
     "LocalGrads",
+    "LowRankOptions",
     "MemoryPerDevice",
     "Phase",
     "PowerSgdState",

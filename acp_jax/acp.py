@@ -48,16 +48,8 @@ def acp_sgd(
     rank: int,
     *,
     axis_name: str = "data",
-    min_compression_rate: float = 2.0,
-    seed: int = 0,
-    keep_dense: compressor.KeepDense = None,
-    bucket_bytes: float | None = None,
-    use_error_feedback: bool = True,
-    warm_start: bool = True,
-    comm_dtype=None,
-    warmup_steps: int | None = None,
-    warmup_factors: bool = True,
-    leaf_order=None,
+    options: lowrank.Options | None = None,
+    **settings,
 ) -> compressor.Compressor:
   """ACP-SGD: alternate compressed Power-SGD, one all-reduce a step.
 
@@ -87,35 +79,10 @@ def acp_sgd(
   Args:
     rank: rank r of the factors, clipped per leaf to min(n, m).
     axis_name: the mapped axis over which devices hold their data shards.
-    min_compression_rate: a matrix is compressed only if the factors are at
-      least this many times smaller than it (PyTorch's default, 2).
-    seed: seed of the initial Q, the same on every replica.
-    keep_dense: a tree of bools like the params, or a function of the params
-      returning one, marking leaves to send uncompressed.
-    bucket_bytes: uncompressed gradient bytes per bucket, so a bucket's
-      factors take about this divided by the compression ratio (the paper's
-      scaled fusion buffer); None for 25 MiB (PyTorch DDP's default),
-      ``math.inf`` for one all-reduce per dtype.
-    use_error_feedback: keep each device's residual E and add it to the next
-      gradient (PyTorch's name); without it M = G and no residual is stored.
-    warm_start: project each P-step on the last Q-step's Q (PyTorch's
-      name); without it, on a fresh random Q drawn from ``seed`` and the
-      step count, the same on every replica. A Q-step always projects on
-      the P-step's P: that is the alternation itself.
-    comm_dtype: floating dtype the factors are all-reduced in (e.g.
-      ``jnp.bfloat16``), or None for the leaves' dtype. The residual stays in
-      the gradient's dtype and takes the rounding too; leaves sent dense go
-      in their own dtype.
-    warmup_steps: number of dense S-SGD steps before compression starts
-      (PyTorch's ``start_powerSGD_iter``); None (so that
-      ``optax.inject_hyperparams`` leaves it static) or 0 compresses from the
-      first step.
-    warmup_factors: during the warm-up, take a power-iteration step on the
-      mean gradient for each Q (no extra bytes), so that compression starts
-      from the gradient's leading subspace rather than a random one.
-    leaf_order: the leaves' indices in the order backprop produces their
-      gradients, from ``acp_jax.backward_order(loss, params, batch)``; the
-      buckets are cut in that order. None for the reverse of the leaf order.
+    options: the settings Power-SGD and ACP-SGD share
+      (``acp_jax.LowRankOptions``: error feedback, warm start, dense warm-up,
+      buckets, the factors' dtype...); None for their defaults.
+    **settings: any of those settings by name, replacing ``options``'.
 
   Returns:
     A ``Compressor`` whose update, called inside ``jax.shard_map`` or
@@ -137,20 +104,7 @@ def acp_sgd(
     Zhang et al., "Evaluation and Optimization of Gradient Compression for
     Distributed Deep Learning", ICDCS 2023. https://arxiv.org/abs/2306.08881
   """
-  cfg = lowrank.settings(
-      rank,
-      min_compression_rate,
-      keep_dense,
-      seed,
-      "acp_sgd",
-      bucket_bytes,
-      use_error_feedback=use_error_feedback,
-      warm_start=warm_start,
-      comm_dtype=comm_dtype,
-      warmup_steps=warmup_steps,
-      warmup_factors=warmup_factors,
-      leaf_order=leaf_order,
-  )
+  cfg = lowrank.settings("acp_sgd", rank, options, settings)
 
   def init_fn(params):
     error, p, q = lowrank.init_trees(cfg, params)

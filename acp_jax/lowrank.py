@@ -7,6 +7,7 @@ and ``projection``.
 """
 
 from collections.abc import Callable
+import dataclasses
 import logging
 import math
 from typing import Any, NamedTuple
@@ -120,38 +121,85 @@ class LowRank(NamedTuple):
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """The settings Power-SGD and ACP-SGD share (``acp_jax.LowRankOptions``).
+
+  Either factory takes them as ``options=`` or as keywords of the same
+  names, which replace ``options``' (``acp_sgd(4, warmup_steps=100)``).
+
+  Attributes:
+    min_compression_rate: a matrix is compressed only if the factors are at
+      least this many times smaller than it (PyTorch's default, 2).
+    seed: seed of the initial Q, the same on every replica.
+    keep_dense: a tree of bools like the params, or a function of the params
+      returning one, marking leaves to send uncompressed.
+    bucket_bytes: uncompressed gradient bytes per bucket, so a bucket's
+      factors take about this divided by the compression ratio (the paper's
+      scaled fusion buffer); None for 25 MiB (PyTorch DDP's default),
+      ``math.inf`` for one all-reduce per round and dtype.
+    use_error_feedback: keep each device's residual E and add it to the next
+      gradient (PyTorch's name); without it M = G and no residual is stored.
+    warm_start: start each projection on Q from the last Q that was
+      all-reduced (PyTorch's name); without it, from a fresh random Q drawn
+      from ``seed`` and the step count, the same on every replica.
+      ACP-SGD's Q-step always projects on the P-step's P: that is the
+      alternation itself.
+    comm_dtype: floating dtype the factors are all-reduced in (e.g.
+      ``jnp.bfloat16``), or None for the leaves' dtype. The residual stays in
+      the gradient's dtype and takes the rounding too; leaves sent dense go
+      in their own dtype.
+    warmup_steps: number of dense S-SGD steps before compression starts
+      (PyTorch's ``start_powerSGD_iter``); None (so that
+      ``optax.inject_hyperparams`` leaves it static) or 0 compresses from the
+      first step.
+    warmup_factors: during the warm-up, take a power-iteration step on the
+      mean gradient for each Q (no extra bytes), so that compression starts
+      from the gradient's leading subspace rather than a random one.
+    leaf_order: the leaves' indices in the order backprop produces their
+      gradients, from ``acp_jax.backward_order(loss, params, batch)``; the
+      buckets are cut in that order. None for the reverse of the leaf order.
+  """
+
+  min_compression_rate: float = 2.0
+  seed: int = 0
+  keep_dense: compressor.KeepDense = None
+  bucket_bytes: float | None = None
+  use_error_feedback: bool = True
+  warm_start: bool = True
+  comm_dtype: Any = None
+  warmup_steps: int | None = None
+  warmup_factors: bool = True
+  leaf_order: Any = None
+
+
 def settings(
-    rank: Any,
-    min_compression_rate: Any,
-    keep_dense: compressor.KeepDense,
-    seed: int,
     caller: str,
-    bucket_bytes: float | None = None,
-    *,
-    use_error_feedback: Any = True,
-    warm_start: Any = True,
-    comm_dtype: Any = None,
-    warmup_steps: Any = None,
-    warmup_factors: Any = True,
-    leaf_order: Any = None,
+    rank: Any,
+    options: Options | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> LowRank:
-  """Checks a low-rank factory's arguments."""
+  """Checks a low-rank factory's arguments: its rank, and ``options`` with
+  the keywords in ``overrides`` replacing its fields."""
+  options = options or Options()
+  if not isinstance(options, Options):
+    raise TypeError(
+        f"{caller}: options must be an acp_jax.LowRankOptions, got"
+        f" {type(options).__name__}"
+    )
+  fields = [f.name for f in dataclasses.fields(Options)]
+  unknown = sorted(set(overrides or ()) - set(fields))
+  if unknown:
+    raise TypeError(
+        f"{caller}() got an unexpected keyword argument {unknown[0]!r}; its"
+        f" settings are those of acp_jax.LowRankOptions: {', '.join(fields)}"
+    )
+  options = dataclasses.replace(options, **(overrides or {}))
+  checked = {f: getattr(options, f) for f in fields if f != "keep_dense"}
   return LowRank(
-      keep_dense=keep_dense,
+      keep_dense=options.keep_dense,
       caller=caller,
-      **_checks.factory_args(
-          caller,
-          rank=rank,
-          min_compression_rate=min_compression_rate,
-          seed=seed,
-          bucket_bytes=bucket_bytes,
-          warmup_steps=warmup_steps,
-          use_error_feedback=use_error_feedback,
-          warm_start=warm_start,
-          warmup_factors=warmup_factors,
-          comm_dtype=comm_dtype,
-          leaf_order=leaf_order,
-      ),
+      **_checks.factory_args(caller, rank=rank, **checked),
   )
 
 

@@ -128,11 +128,9 @@ def describe(name: str) -> dict[str, Any]:
   params = experiment(name).abstract_params
   low_rank = cfg.compressor.acp_sgd
   plan = lowrank.settings(
-      low_rank.rank,
-      low_rank.min_compression_rate,
-      None,
-      0,
       "benchmarks",
+      low_rank.rank,
+      lowrank.Options(min_compression_rate=low_rank.min_compression_rate),
   ).plan(params)
   leaves = jax.tree.leaves(params)
   return {

@@ -168,7 +168,7 @@ def test_compiled_bytes_equal_accounting_with_zero_size_leaves(name, params):
 
 
 def dense_bytes(params, rank):
-  specs = lowrank.settings(rank, 2.0, None, 0, "test").plan(params)
+  specs = lowrank.settings("test", rank).plan(params)
   return collectives.dense_nbytes(
       [x for x, spec in zip(jax.tree.leaves(params), specs) if spec is None]
   )

@@ -163,3 +163,20 @@ def test_bf16_factors_train_close_to_fp32_and_keep_residuals_in_fp32(name):
 def test_bad_options_raise_naming_the_argument(name, kwargs, message):
   with pytest.raises(ValueError, match=message):
     LOW_RANK[name](2, **kwargs)
+
+
+@pytest.mark.parametrize("factory", [acp_jax.acp_sgd, acp_jax.power_sgd])
+def test_options_and_keywords_are_one_set_of_settings(factory):
+  options = acp_jax.LowRankOptions(warmup_steps=3, seed=7)
+  by_options = factory(4, options=options)
+  by_keywords = factory(4, warmup_steps=3, seed=7)
+  assert by_options.made_by == by_keywords.made_by
+  # A keyword replaces the option's field, and the rest stand.
+  both = factory(4, options=options, seed=1)
+  assert both.made_by[1]["seed"] == 1 and both.made_by[1]["warmup_steps"] == 3
+  with pytest.raises(TypeError, match="'warmup'.*LowRankOptions"):
+    factory(4, warmup=3)
+  with pytest.raises(TypeError, match="options must be an acp_jax"):
+    factory(4, options={"seed": 1})
+  with pytest.raises(ValueError, match="min_compression_rate"):
+    factory(4, options=acp_jax.LowRankOptions(min_compression_rate=-1))
