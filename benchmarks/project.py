@@ -29,8 +29,8 @@ import jax
 import numpy as np
 
 import acp_jax
+from acp_jax import costmodel
 from benchmarks import cli
-from benchmarks import costmodel
 from benchmarks import launch
 from benchmarks import overhead
 from benchmarks import records as records_lib
@@ -90,16 +90,9 @@ def traffic(model: str, compressor: str, p: int) -> list[costmodel.Traffic]:
   """Each phase's bytes on ``p`` workers, fused into the method's rounds."""
   tx = workloads.compressor(model, compressor)
   params = workloads.experiment(model).abstract_params
-  rounds = costmodel.ROUNDS.get(compressor, 1)
-  return [
-      costmodel.Traffic(
-          v.all_reduce,
-          rounds if v.all_reduce else 0,
-          v.all_gather,
-          int(v.all_gather > 0),
-      )
-      for v in acp_jax.comm_bytes(tx, params, num_devices=p).values()
-  ]
+  return costmodel.traffic(
+      acp_jax.comm_bytes(tx, params, num_devices=p), compressor
+  )
 
 
 def project(
