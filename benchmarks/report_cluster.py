@@ -12,8 +12,8 @@ import re
 import statistics
 from typing import Any
 
+from acp_jax import costmodel
 from benchmarks import cluster
-from benchmarks import costmodel
 from benchmarks import plots
 from benchmarks import project
 from benchmarks import records
