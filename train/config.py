@@ -226,7 +226,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _check_choice("config.compressor.name", config.compressor.name, COMPRESSORS)
   _check_keys(
       "config.compressor",
-      set(config.compressor) - {"name", "compress"},
+      set(config.compressor) - {"name", "compress", "auto"},
       COMPRESSORS,
   )
   _check_choice("config.compressor.compress", compress_mode(config), COMPRESS)

@@ -1,0 +1,167 @@
+"""``config.compressor.name = "auto"``: the trainer asks ``acp_jax.advise``.
+
+At a fresh start the advice is read from ``config.compressor.auto.advice``
+(a file that ``python -m benchmarks advise --json`` or an earlier run wrote)
+or measured on this config's model, batches and the link of
+``config.compressor.auto``; its table is logged and it is saved in the
+workdir (``ADVICE_FILE``). The run then trains with the pick, as if the
+config had named it: the compressor's name and arguments in every
+checkpoint's record are the pick's, and the advice's reasons are saved
+beside them (``settings``).
+
+A resume reuses the advice saved in the workdir and measures nothing, so it
+cannot pick another compressor on a noisier measurement. A resume given
+another advice file whose pick differs is refused, naming both picks; a
+workdir whose saved advice was removed is advised afresh, and a checkpoint
+of another pick is then refused by its record.
+"""
+
+import json
+import logging
+import os
+from typing import Any
+
+from flax import nnx
+import jax
+import ml_collections
+import numpy as np
+
+from acp_jax import advice as advice_lib
+from train import config as config_lib
+from train import data as data_lib
+from train import experiment as experiment_lib
+from train import loss as loss_lib
+
+AUTO = "auto"
+# The advice a run trains with, in its workdir.
+ADVICE_FILE = "advice.json"
+
+
+def inputs(config: ml_collections.ConfigDict, workers: int, steps: int):
+  """``config``'s per-worker loss, initial params and first ``steps``
+  global batches (its global batch on ``workers`` devices): what
+  ``acp_jax.advise`` measures on."""
+  config = ml_collections.ConfigDict(config.to_dict())
+  config.compressor.name = "ssgd"
+  experiment = experiment_lib.build(config)
+  graphdef, params, batch_stats = jax.jit(
+      lambda: nnx.split(experiment.create_model(), nnx.Param, nnx.BatchStat)
+  )()
+  params = nnx.to_pure_dict(params)
+  batch_stats = nnx.to_pure_dict(batch_stats)
+
+  def loss_fn(params, batch):
+    model = nnx.merge(graphdef, params, batch_stats)
+    logits = model(
+        batch["inputs"], train=True, rngs=nnx.Rngs(dropout=jax.random.key(0))
+    )
+    return loss_lib.mean_loss(logits, batch)
+
+  loader = data_lib.Loader(
+      experiment.dataset.train,
+      global_batch=config_lib.global_batch_size(config, workers),
+      seed=config.seed,
+  )
+  batches = [
+      {k: np.asarray(v) for k, v in loader.batch(step).items()}
+      for step in range(steps)
+  ]
+  return loss_fn, params, batches
+
+
+def _measured(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The advice measured on ``config``'s model and ``auto``'s link."""
+  auto = config.compressor.auto
+  if auto.bandwidth is None:
+    raise ValueError(
+        "config.compressor.name='auto' needs config.compressor.auto.bandwidth"
+        " (bytes per second; inf for none) or config.compressor.auto.advice"
+        " (a saved advice file), got neither"
+    )
+  workers = auto.workers or jax.device_count()
+  loss_fn, params, batches = inputs(config, workers, auto.steps)
+  advice = advice_lib.advise(
+      loss_fn,
+      params,
+      batches,
+      workers=workers,
+      link=advice_lib.Link(auto.bandwidth, auto.latency),
+      max_gap=auto.max_gap,
+      progress=lambda line: logging.info("advice: %s", line),
+  )
+  logging.info("advice:\n%s", advice.table())
+  return advice.to_record()
+
+
+def _read(path: str) -> dict[str, Any]:
+  with open(path) as f:
+    return json.load(f)
+
+
+def _pick(record: dict[str, Any]) -> str:
+  return record["pick"]["name"]
+
+
+def _advice(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """The advice this run trains with: the workdir's, else the config's
+  file, else a fresh measurement; saved in the workdir."""
+  saved_path = os.path.join(workdir, ADVICE_FILE)
+  given_path = config.compressor.auto.advice
+  given = _read(given_path) if given_path else None
+  if os.path.exists(saved_path):
+    saved = _read(saved_path)
+    if given is not None and _pick(given) != _pick(saved):
+      raise ValueError(
+          f"config.compressor.auto.advice={given_path!r} picks"
+          f" {_pick(given)}, but this workdir's run trains with"
+          f" {_pick(saved)} ({saved_path}): a resume keeps its compressor."
+          " Drop the advice file to resume, or use another workdir"
+      )
+    logging.info("advice: resuming with %s (%s)", _pick(saved), saved_path)
+    return saved
+  record = given if given is not None else _measured(config)
+  os.makedirs(workdir, exist_ok=True)
+  with open(saved_path, "w") as f:
+    json.dump(record, f, indent=1)
+  logging.info("advice: training with %s (%s)", _pick(record), saved_path)
+  return record
+
+
+def resolve(
+    config: ml_collections.ConfigDict, workdir: str
+) -> ml_collections.ConfigDict:
+  """``config`` as it is, or, for ``compressor.name = "auto"``, a copy that
+  names the advised compressor and records the advice in
+  ``compressor.auto.picked`` (see ``settings``)."""
+  if config.compressor.name != AUTO:
+    return config
+  record = _advice(config, workdir)
+  pick = record["pick"]
+  resolved = ml_collections.ConfigDict(config.to_dict())
+  resolved.compressor.name = pick["method"]
+  if pick["rank"] is not None:
+    resolved.compressor[pick["method"]].rank = pick["rank"]
+    resolved.compressor[pick["method"]].comm_dtype = pick["comm_dtype"]
+  resolved.compressor.auto.picked = json.dumps(_reasons(record))
+  return resolved
+
+
+def _reasons(record: dict[str, Any]) -> dict[str, Any]:
+  """The pick and what it rests on, as a checkpoint's record keeps it."""
+  return {
+      "pick": _pick(record),
+      "workers": record["workers"],
+      "bandwidth": record["bandwidth"],  # bytes/s; None: infinite
+      "latency": record["latency"],
+      "predicted_step_s": record["pick"]["step_s"],
+      "cosine": record["pick"]["cosine"],
+      "threshold": record["threshold"],
+      "calibration": record["calibration"],
+  }
+
+
+def settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The advice a resolved ``auto`` config trains with, for the
+  checkpoints' records; {} for a config that named its compressor."""
+  picked = config.compressor.get(AUTO, {}).get("picked")
+  return {"advice": json.loads(picked)} if picked else {}
