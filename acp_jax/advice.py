@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from acp_jax import _checks
 from acp_jax import compressor as compressor_lib
@@ -323,13 +324,12 @@ class Advice:
     )
     return "\n".join(lines)
 
-  def to_record(self) -> dict[str, Any]:
-    """The advice as JSON-serializable dicts (an infinite bandwidth is
-    written as None)."""
+  def to_record(self) -> list[dict[str, Any]]:
+    """The advice as flat JSON-serializable rows, one a candidate, fastest
+    first, the pick's ``picked`` true, each with what the advice rests on
+    (an infinite bandwidth is written as None)."""
     bandwidth = self.link.bandwidth
-    return {
-        "pick": self.pick.as_dict(),
-        "rows": [r.as_dict() for r in self.rows],
+    advice = {
         "workers": self.workers,
         "bandwidth": None if math.isinf(bandwidth) else bandwidth,
         "latency": self.link.latency,
@@ -339,6 +339,9 @@ class Advice:
         "max_gap": self.calibration.max_gap,
         "calibration": self.calibration.describe(),
     }
+    return [
+        {**r.as_dict(), "picked": r is self.pick, **advice} for r in self.rows
+    ]
 
 
 def recommend(
@@ -420,24 +423,42 @@ def _split(batch: Any, workers: int) -> Any:
   return jax.tree.map(split, batch)
 
 
-def _seconds(call: Callable[[], Any]) -> float:
-  start = time.perf_counter()
-  jax.block_until_ready(call())
-  return time.perf_counter() - start
+_cosine = jax.jit(simulated.cosine)
 
 
-def _update_seconds(
-    devices: simulated.Devices, grads: Any, phases: int, repeats: int
-) -> float:
-  """The mean over ``phases`` of the median time of ``devices``' update,
-  each phase timed ``repeats`` times, after a call of each (which compiles
-  it, if the cosines' steps did not)."""
-  for _ in range(phases):
-    jax.block_until_ready(devices(grads))
-  times = [[] for _ in range(phases)]
-  for call in range(phases * repeats):
-    times[call % phases].append(_seconds(lambda: devices(grads)))
-  return statistics.fmean(statistics.median(t) for t in times)
+def _measure_one(
+    tx: compressor_lib.Compressor,
+    params: Any,
+    grads: Sequence[Any],
+    means: Sequence[Any],
+    workers: int,
+    warmup: int,
+    repeats: int,
+) -> tuple[float, float]:
+  """``tx``'s mean cosine with the true ``means`` over the steps after
+  ``warmup``, and its update's seconds on one worker.
+
+  The simulated devices take the stacked ``grads`` in turn, then more of
+  them until each phase's update has run ``repeats`` times after its first
+  call (which compiles it); those later calls are timed, and the mean over
+  the phases of their medians is divided by ``workers``, as the simulated
+  update computes every worker's part.
+  """
+  state = jax.jit(tx.init)(params)
+  devices = simulated.Devices(
+      tx.update, state, simulated.device_axes(tx, state), tx.axis_name, workers
+  )
+  phases = len(tx.cycle)
+  cosines, times = [], [[] for _ in range(phases)]
+  for call in range(max(len(grads), phases * (repeats + 1))):
+    start = time.perf_counter()
+    mean = jax.block_until_ready(devices(grads[call % len(grads)]))
+    if call >= phases:
+      times[call % phases].append(time.perf_counter() - start)
+    if warmup <= call < len(grads):
+      cosines.append(_cosine(mean, means[call]))
+  update = statistics.fmean(statistics.median(t) for t in times)
+  return statistics.fmean(float(c) for c in cosines), update / workers
 
 
 def measure(
@@ -448,7 +469,7 @@ def measure(
     *,
     workers: int,
     warmup: int = 1,
-    repeats: int = 3,
+    repeats: int = 1,
     progress: Callable[[str], None] | None = None,
 ) -> Measurements:
   """Measures on this device what ``recommend`` needs.
@@ -463,7 +484,8 @@ def measure(
     candidates: the compressors to measure.
     workers: how many workers to simulate.
     warmup: steps before the cosines are taken.
-    repeats: timed calls of each program (the median is kept).
+    repeats: timed calls of each program after the one that compiles it
+      (the median is kept).
     progress: called with a line before each measurement.
   """
   _checks.integer("workers", workers, 1)
@@ -477,38 +499,30 @@ def measure(
   stacked = [_split(b, workers) for b in batches]
   say(f"forward and backward on one worker's share of {workers}")
   grad = jax.jit(jax.grad(loss_fn))
-  one = jax.tree.map(lambda x: x[0], stacked[0])
-  jax.block_until_ready(grad(params, one))  # compiles
-  forward_backward = statistics.median(
-      _seconds(lambda: grad(params, one)) for _ in range(repeats)
-  )
-  per_worker = jax.jit(jax.vmap(jax.grad(loss_fn), in_axes=(None, 0)))
-  grads = [per_worker(params, b) for b in stacked]
+  one = lambda b, i: jax.tree.map(lambda x: x[i], b)
+  times = []
+  for _ in range(repeats + 1):  # the first call compiles
+    start = time.perf_counter()
+    jax.block_until_ready(grad(params, one(stacked[0], 0)))
+    times.append(time.perf_counter() - start)
+  forward_backward = statistics.median(times[1:])
+  # Each worker's gradients by the program just timed, stacked.
+  grads = [
+      jax.tree.map(
+          lambda *g: jnp.stack(g),
+          *(grad(params, one(b, i)) for i in range(workers)),
+      )
+      for b in stacked
+  ]
   means = [jax.tree.map(lambda g: g.mean(0), g) for g in grads]
-  cosine = jax.jit(simulated.cosine)
   update, cosines = {}, {}
   for i, c in enumerate(candidates):
     say(f"[{i + 1}/{len(candidates)}] {c.name}")
-    tx = c.make()
-    state = tx.init(params)
-    devices = simulated.Devices(
-        tx.update,
-        state,
-        simulated.device_axes(tx, state),
-        tx.axis_name,
-        workers,
+    cosines[c.name], update[c.name] = _measure_one(
+        c.make(), params, grads, means, workers, warmup, repeats
     )
-    values = [cosine(devices(g), m) for g, m in zip(grads, means)]
-    # S-SGD is the reference: its cosine is 1 by definition.
-    cosines[c.name] = (
-        1.0
-        if c.method == "ssgd"
-        else statistics.fmean(float(v) for v in values[warmup:])
-    )
-    # The simulated devices' update computes every worker's part.
-    seconds = _update_seconds(devices, grads[-1], len(tx.cycle), repeats)
-    update[c.name] = seconds / workers
-    del devices  # one candidate's state alive at a time
+  # S-SGD is the reference: its cosine is 1 by definition.
+  cosines.update({c.name: 1.0 for c in candidates if c.method == "ssgd"})
   return Measurements(forward_backward, update, cosines)
 
 

@@ -2,7 +2,7 @@
 (``acp_jax.advise``): measured on this device, predicted for the link.
 
   python -m benchmarks advise --model bert_base_2l --workers 4 \\
-      --bandwidth 125e6 --latency 5e-5 [--json advice.json]
+      --bandwidth 125e6 --latency 5e-5 [--json [FOLDER]]
 
 The model is a training config of ``configs/`` (``--config``, with
 ``--set key=value`` overrides) or a workload of ``benchmarks.workloads``
@@ -170,7 +170,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       default=[],
       help="with --config: a dotted key=value override (repeatable)",
   )
-  parser.add_argument("--workers", type=cli.int_at_least(1), default=None)
+  parser.add_argument(
+      "--workers",
+      type=cli.ints_at_least(1),
+      help="comma-separated worker counts, an advice for each",
+  )
   parser.add_argument(
       "--bandwidth",
       type=_bandwidth,
@@ -209,7 +213,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       action="store_true",
       help="the runtime hides communication behind backprop (GPUs)",
   )
-  parser.add_argument("--json", help="write the advice to this file")
+  parser.add_argument(
+      "--json",
+      nargs="?",
+      const="",
+      help="write the advice as records into this folder (advice.json;"
+      " without a folder, --results_dir)",
+  )
   parser.add_argument(
       "--calibrate",
       action="store_true",
@@ -253,29 +263,28 @@ def main(args) -> None:
     )
   # One device: the workers are simulated by vmap (acp_jax.simulated).
   meta = cli.start(args, None if args.measure_link else 1)
-  link, workers = _link(args)
-  loss_fn, params, batches = _inputs(args, workers)
-  advice = advice_lib.advise(
-      loss_fn,
-      params,
-      batches,
-      workers=workers,
-      link=link,
-      candidates=advice_lib.default_candidates(ranks=args.ranks),
-      max_gap=args.max_gap,
-      overlap=args.overlap,
-      progress=_progress(start),
-  )
-  wall = time.perf_counter() - start
-  print(advice.table())
-  print(f"advice took {wall:.1f} s")
-  if args.json:
-    record = {
-        **advice.to_record(),
-        "model": args.model or args.config,
-        "wall_s": wall,
-        **meta,
-    }
-    pathlib.Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {args.json}")
-
+  link, measured_workers = _link(args)
+  rows = []
+  for workers in args.workers or [measured_workers]:
+    loss_fn, params, batches = _inputs(args, workers)
+    advice = advice_lib.advise(
+        loss_fn,
+        params,
+        batches,
+        workers=workers,
+        link=link,
+        candidates=advice_lib.default_candidates(ranks=args.ranks),
+        max_gap=args.max_gap,
+        overlap=args.overlap,
+        progress=_progress(start),
+    )
+    wall = time.perf_counter() - start
+    print(advice.table())
+    print(f"advice took {wall:.1f} s since the start")
+    model = args.model or args.config
+    rows += [{**r, "model": model, "wall_s": wall} for r in advice.to_record()]
+  if args.json is not None:
+    path = records.write(
+        "advice", [{**r, **meta} for r in rows], args.json or args.results_dir
+    )
+    print(f"wrote {path}")

@@ -69,7 +69,11 @@ def inputs(config: ml_collections.ConfigDict, workers: int, steps: int):
   return loss_fn, params, batches
 
 
-def _measured(config: ml_collections.ConfigDict) -> dict[str, Any]:
+def _workers(config: ml_collections.ConfigDict) -> int:
+  return config.compressor.auto.workers or jax.device_count()
+
+
+def _measured(config: ml_collections.ConfigDict) -> list[dict[str, Any]]:
   """The advice measured on ``config``'s model and ``auto``'s link."""
   auto = config.compressor.auto
   if auto.bandwidth is None:
@@ -78,13 +82,12 @@ def _measured(config: ml_collections.ConfigDict) -> dict[str, Any]:
         " (bytes per second; inf for none) or config.compressor.auto.advice"
         " (a saved advice file), got neither"
     )
-  workers = auto.workers or jax.device_count()
-  loss_fn, params, batches = inputs(config, workers, auto.steps)
+  loss_fn, params, batches = inputs(config, _workers(config), auto.steps)
   advice = advice_lib.advise(
       loss_fn,
       params,
       batches,
-      workers=workers,
+      workers=_workers(config),
       link=advice_lib.Link(auto.bandwidth, auto.latency),
       max_gap=auto.max_gap,
       progress=lambda line: logging.info("advice: %s", line),
@@ -93,38 +96,48 @@ def _measured(config: ml_collections.ConfigDict) -> dict[str, Any]:
   return advice.to_record()
 
 
-def _read(path: str) -> dict[str, Any]:
+def _read(path: str, workers: int) -> list[dict[str, Any]]:
+  """The rows of the advice for ``workers`` in the file at ``path``."""
   with open(path) as f:
-    return json.load(f)
+    rows = [r for r in json.load(f) if r["workers"] == workers]
+  if not any(r["picked"] for r in rows):
+    raise ValueError(
+        f"config.compressor.auto.advice={path!r} holds no advice for"
+        f" {workers} workers (config.compressor.auto.workers, 0: the"
+        " devices)"
+    )
+  return rows
 
 
-def _pick(record: dict[str, Any]) -> str:
-  return record["pick"]["name"]
+def _pick(rows: list[dict[str, Any]]) -> dict[str, Any]:
+  return next(r for r in rows if r["picked"])
 
 
 def _advice(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """The advice this run trains with: the workdir's, else the config's
-  file, else a fresh measurement; saved in the workdir."""
+  """The picked row of the advice this run trains with: the workdir's,
+  else the config's file, else a fresh measurement; saved in the
+  workdir."""
+  workers = _workers(config)
   saved_path = os.path.join(workdir, ADVICE_FILE)
   given_path = config.compressor.auto.advice
-  given = _read(given_path) if given_path else None
+  given = _read(given_path, workers) if given_path else None
   if os.path.exists(saved_path):
-    saved = _read(saved_path)
-    if given is not None and _pick(given) != _pick(saved):
+    saved = _pick(_read(saved_path, workers))
+    if given is not None and _pick(given)["name"] != saved["name"]:
       raise ValueError(
           f"config.compressor.auto.advice={given_path!r} picks"
-          f" {_pick(given)}, but this workdir's run trains with"
-          f" {_pick(saved)} ({saved_path}): a resume keeps its compressor."
+          f" {_pick(given)['name']}, but this workdir's run trains with"
+          f" {saved['name']} ({saved_path}): a resume keeps its compressor."
           " Drop the advice file to resume, or use another workdir"
       )
-    logging.info("advice: resuming with %s (%s)", _pick(saved), saved_path)
+    logging.info("advice: resuming with %s (%s)", saved["name"], saved_path)
     return saved
-  record = given if given is not None else _measured(config)
+  rows = given if given is not None else _measured(config)
   os.makedirs(workdir, exist_ok=True)
   with open(saved_path, "w") as f:
-    json.dump(record, f, indent=1)
-  logging.info("advice: training with %s (%s)", _pick(record), saved_path)
-  return record
+    json.dump(rows, f, indent=1)
+  logging.info("advice: training with %s (%s)", _pick(rows)["name"], saved_path)
+  return _pick(rows)
 
 
 def resolve(
@@ -135,29 +148,27 @@ def resolve(
   ``compressor.auto.picked`` (see ``settings``)."""
   if config.compressor.name != AUTO:
     return config
-  record = _advice(config, workdir)
-  pick = record["pick"]
+  pick = _advice(config, workdir)
   resolved = ml_collections.ConfigDict(config.to_dict())
   resolved.compressor.name = pick["method"]
   if pick["rank"] is not None:
     resolved.compressor[pick["method"]].rank = pick["rank"]
     resolved.compressor[pick["method"]].comm_dtype = pick["comm_dtype"]
-  resolved.compressor.auto.picked = json.dumps(_reasons(record))
-  return resolved
-
-
-def _reasons(record: dict[str, Any]) -> dict[str, Any]:
-  """The pick and what it rests on, as a checkpoint's record keeps it."""
-  return {
-      "pick": _pick(record),
-      "workers": record["workers"],
-      "bandwidth": record["bandwidth"],  # bytes/s; None: infinite
-      "latency": record["latency"],
-      "predicted_step_s": record["pick"]["step_s"],
-      "cosine": record["pick"]["cosine"],
-      "threshold": record["threshold"],
-      "calibration": record["calibration"],
+  reasons = {
+      k: pick[k]
+      for k in (
+          "name",
+          "workers",
+          "bandwidth",  # bytes/s; None: infinite
+          "latency",
+          "step_s",
+          "cosine",
+          "threshold",
+          "calibration",
+      )
   }
+  resolved.compressor.auto.picked = json.dumps(reasons)
+  return resolved
 
 
 def settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
