@@ -145,6 +145,17 @@ def test_the_threshold_is_the_records_lowest_cosine_within_the_gap():
   assert recorded.points and recorded.max_gap == advice_lib.MAX_GAP
 
 
+def test_the_shipped_calibration_is_the_records():
+  from benchmarks import advise
+  from benchmarks import records
+
+  shipped = os.path.join(
+      os.path.dirname(advice_lib.__file__), advice_lib.CALIBRATION_FILE
+  )
+  with open(shipped) as f:
+    assert json.load(f) == advise.calibration_points(records.RESULTS_DIR)
+
+
 def test_measured_cosines_order_the_ranks_and_ssgd_is_fastest_unshaped():
   loss_fn, params, batches = _mlp()
   candidates = CANDIDATES[:3]
