@@ -65,7 +65,13 @@ def _mlp():
   return loss_fn, params, batches
 
 
-def _advise(link, measurements=MEASURED, workers=WORKERS, **kwargs):
+def _advise(
+    link,
+    measurements=MEASURED,
+    workers=WORKERS,
+    candidates=CANDIDATES,
+    **kwargs,
+):
   loss_fn, params, batches = _mlp()
   return acp_jax.advise(
       loss_fn,
@@ -73,7 +79,7 @@ def _advise(link, measurements=MEASURED, workers=WORKERS, **kwargs):
       batches,
       workers=workers,
       link=link,
-      candidates=CANDIDATES,
+      candidates=candidates,
       measurements=measurements,
       **kwargs,
   )
@@ -233,9 +239,9 @@ def _checkpoint_settings(workdir):
 def test_auto_trains_with_the_pick_saves_it_and_a_resume_keeps_it(tmp_path):
   workdir = str(tmp_path / "run")
   first, other = tmp_path / "first.json", tmp_path / "other.json"
-  pick = _write_advice(first, CANDIDATES[:3])  # picks power_sgd_r4
-  assert pick == advice_lib.Candidate("power_sgd", 4)
-  assert _write_advice(other, CANDIDATES[:2]) != pick  # power_sgd_r1
+  ssgd, power_r1, power_r4 = CANDIDATES[:3]
+  assert _write_advice(first, (ssgd, power_r4)) == power_r4
+  assert _write_advice(other, (ssgd, power_r1)) == power_r1
   config = small_config("auto", steps=2, checkpoint_every_steps=2)
   config.compressor.auto.advice = str(first)
   config.compressor.auto.workers = WORKERS
