@@ -1,25 +1,31 @@
 """Which compressor, at which rank: advice from a measurement, before a run
 (``acp_jax.advise``).
 
-For a model, a batch, a number of workers and a link, ``advise``:
+For a model, a few batches, a number of workers and a link, ``advise``:
 
 1. measures this device's forward and backward time on one worker's share
-   of the batch, and each candidate's update time (``acp_jax.timing``);
-2. reads each candidate's bytes per phase from ``acp_jax.comm_bytes``;
-3. predicts each candidate's step with the alpha-beta model
-   (``acp_jax.costmodel``): compute, plus each phase's communication on the
-   link, averaged over the phases;
-4. measures, over a few steps on the user's own gradients, the cosine of each
-   candidate's compressed mean with the true mean (S-SGD's), on the workers
-   simulated by ``jax.vmap`` (``acp_jax.simulated``);
+   of a batch;
+2. runs each candidate for a few steps on the user's own gradients, on the
+   workers simulated by ``jax.vmap`` (``acp_jax.simulated``), and measures
+   the cosine of its compressed mean with the true mean (S-SGD's) and its
+   update's time (the simulated update's over the number of workers);
+3. reads each candidate's bytes per phase from ``acp_jax.comm_bytes``;
+4. predicts each candidate's step with the alpha-beta model
+   (``acp_jax.costmodel``): compute and update, plus each phase's
+   communication on the link, averaged over the phases;
 5. ranks the candidates by predicted step and recommends the fastest whose
    cosine is at or above a threshold. The threshold comes from the
    convergence records (``Calibration``): the lowest cosine at and above
    which every recorded variant ended within ``max_gap`` of S-SGD's
    held-out loss.
 
-Steps 1 and 4 are the only measurements; given ``Measurements``, the advice
-is arithmetic on the accounting, the same for the same inputs.
+Steps 1 and 2 are the only measurements; given ``Measurements``, the advice
+is arithmetic on the accounting, the same for the same inputs. The cosines
+are taken from the given params (the initial ones, or a checkpoint's) with
+fresh factors, where the records' were taken after dense warm-up steps that
+also warmed the factors; fresh factors can turn further from the mean,
+ACP-SGD's most, as it refreshes each factor from the other's previous
+value.
 """
 
 from collections.abc import Callable, Mapping, Sequence
@@ -125,13 +131,13 @@ def default_candidates(
   )
 
 
-def _positive_number(name: str, value: Any, *, infinite: bool) -> float:
+def _positive_number(name: str, value: Any) -> float:
+  """``value`` as a float; raises unless it is a number > 0 (inf too)."""
   if (
       isinstance(value, bool)
       or not isinstance(value, (int, float))
       or math.isnan(value)
       or value <= 0
-      or (math.isinf(value) and not infinite)
   ):
     raise ValueError(f"{name} must be a positive number, got {value!r}")
   return float(value)
@@ -147,7 +153,7 @@ class Link:
   latency: float = 0.0
 
   def __post_init__(self):
-    _positive_number("bandwidth", self.bandwidth, infinite=True)
+    _positive_number("bandwidth", self.bandwidth)
     if (
         isinstance(self.latency, bool)
         or not isinstance(self.latency, (int, float))
@@ -207,7 +213,7 @@ class Calibration:
   def from_points(
       cls, points: Sequence[CalibrationPoint], max_gap: float, source: str
   ) -> "Calibration":
-    _positive_number("max_gap", max_gap, infinite=True)
+    _positive_number("max_gap", max_gap)
     ordered = sorted(points, key=lambda p: -p.cosine)
     threshold = 1.0
     for point in ordered:
