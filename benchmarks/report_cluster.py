@@ -7,6 +7,7 @@ from the constants of the code that the prose names.
 """
 
 import fractions
+import functools
 import pathlib
 import re
 import statistics
@@ -451,7 +452,7 @@ _ADVICE_COLUMNS = {
 }
 
 
-def _advice_at(point, link, cosines, params) -> dict[str, Any]:
+def advice_at(point, link, cosines, params) -> dict[str, Any]:
   """The advice at one measured ``point`` (its rows of acp_jax's methods),
   from the point's measured ``link`` record, its local steps and the
   advice's ``cosines`` of the same model and workers, restricted to the
@@ -519,9 +520,9 @@ def advice_section(rows, calibration, advice) -> list[str]:
     if key not in cosines:
       missing.append(f"{key[0]} on {workers} workers")
       continue
-    params = _abstract_params(key[0])
+    params = cluster_params(key[0])
     table.append(
-        _advice_at(point, links[bandwidth, workers], cosines[key], params)
+        advice_at(point, links[bandwidth, workers], cosines[key], params)
     )
   calibration_line = advice_lib.Calibration.recorded().describe()
   return [
@@ -543,7 +544,9 @@ def _mbit(bandwidth: str) -> float:
   return launch.BANDWIDTHS[bandwidth] or float("inf")
 
 
-def _abstract_params(model: str):
+@functools.cache
+def cluster_params(model: str):
+  """The abstract params of cluster workload ``model``."""
   return experiment_lib.build(
       workloads.cluster_config(model, "ssgd", 1)
   ).abstract_params

@@ -268,3 +268,32 @@ def test_auto_without_a_link_or_an_advice_names_the_setting(tmp_path):
     train_advice.resolve(config, str(tmp_path))
 
 
+
+
+def test_the_report_checks_the_advice_at_a_measured_point():
+  from benchmarks import report_cluster
+
+  measured = {"ssgd": 2.0, "power_sgd": 9.0, "acp_sgd": 10.0}  # examples/s
+  point = [
+      {
+          "model": "tiny",
+          "workers": 2,
+          "bandwidth": "10mbit",
+          "compressor": c,
+          "step_local_s": 0.1,
+          "examples_per_sec": speed,
+      }
+      for c, speed in measured.items()
+  ]
+  row = report_cluster.advice_at(
+      point,
+      {"alpha_s": 1e-4, "beta_s_per_byte": 1e-6},  # 1 MB/s
+      {"ssgd": 1.0, "power_sgd_r4": 0.9, "acp_sgd_r4": 0.5},
+      report_cluster.cluster_params("tiny"),
+  )
+  # ACP-SGD measured fastest but below the threshold: the advice is the
+  # fastest above it, Power-SGD.
+  assert row["advised"] == row["best_eligible"] == "power_sgd_r4"
+  assert row["best"] == "acp_sgd_r4"
+  assert row["ratio"] == pytest.approx(0.9)
+  assert row["eligible_ratio"] == 1.0
