@@ -30,9 +30,9 @@ import numpy as np
 
 import acp_jax
 from acp_jax import costmodel
+from acp_jax import timing
 from benchmarks import cli
 from benchmarks import launch
-from benchmarks import overhead
 from benchmarks import records as records_lib
 from benchmarks import workloads
 from train import experiment as experiment_lib
@@ -79,8 +79,8 @@ def update_seconds(model: str, repeats: int) -> dict[str, float]:
   params = workloads.experiment(model).abstract_params
   out = {}
   for name in workloads.COMPRESSORS:  # one state alive at a time
-    calls = overhead.phase_calls(workloads.compressor(model, name), params)
-    times = overhead.interleaved(dict(enumerate(calls)), repeats)
+    calls = timing.phase_calls(workloads.compressor(model, name), params)
+    times = timing.interleaved(dict(enumerate(calls)), repeats)
     out[name] = statistics.fmean(statistics.median(t) for t in times.values())
     del calls
   return out
