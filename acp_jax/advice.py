@@ -5,10 +5,10 @@ For a model, a few batches, a number of workers and a link, ``advise``:
 
 1. measures this device's forward and backward time on one worker's share
    of a batch;
-2. runs each candidate for a few steps on the user's own gradients, on the
-   workers simulated by ``jax.vmap`` (``acp_jax.simulated``), and measures
-   the cosine of its compressed mean with the true mean (S-SGD's) and its
-   update's time (the simulated update's over the number of workers);
+2. times each candidate's update on one device (``acp_jax.timing``), and
+   runs it for a few steps on the user's own gradients, on the workers
+   simulated by ``jax.vmap`` (``acp_jax.simulated``), to measure the cosine
+   of its compressed mean with the true mean (S-SGD's);
 3. reads each candidate's bytes per phase from ``acp_jax.comm_bytes``;
 4. predicts each candidate's step with the alpha-beta model
    (``acp_jax.costmodel``): compute and update, plus each phase's
@@ -34,7 +34,6 @@ import importlib.resources
 import json
 import math
 import statistics
-import time
 from typing import Any
 
 import jax
@@ -44,6 +43,7 @@ from acp_jax import _checks
 from acp_jax import compressor as compressor_lib
 from acp_jax import costmodel
 from acp_jax import simulated
+from acp_jax import timing
 from acp_jax.acp import acp_sgd
 from acp_jax.powersgd import power_sgd
 from acp_jax.sign import sign_sgd
@@ -432,39 +432,32 @@ def _split(batch: Any, workers: int) -> Any:
 _cosine = jax.jit(simulated.cosine)
 
 
-def _measure_one(
+def _cosine_over_steps(
     tx: compressor_lib.Compressor,
     params: Any,
     grads: Sequence[Any],
     means: Sequence[Any],
     workers: int,
     warmup: int,
-    repeats: int,
-) -> tuple[float, float]:
+) -> float:
   """``tx``'s mean cosine with the true ``means`` over the steps after
-  ``warmup``, and its update's seconds on one worker.
-
-  The simulated devices take the stacked ``grads`` in turn, then more of
-  them until each phase's update has run ``repeats`` times after its first
-  call (which compiles it); those later calls are timed, and the mean over
-  the phases of their medians is divided by ``workers``, as the simulated
-  update computes every worker's part.
-  """
+  ``warmup``, on ``workers`` simulated devices fed the stacked ``grads``."""
   state = jax.jit(tx.init)(params)
   devices = simulated.Devices(
       tx.update, state, simulated.device_axes(tx, state), tx.axis_name, workers
   )
-  phases = len(tx.cycle)
-  cosines, times = [], [[] for _ in range(phases)]
-  for call in range(max(len(grads), phases * (repeats + 1))):
-    start = time.perf_counter()
-    mean = jax.block_until_ready(devices(grads[call % len(grads)]))
-    if call >= phases:
-      times[call % phases].append(time.perf_counter() - start)
-    if warmup <= call < len(grads):
-      cosines.append(_cosine(mean, means[call]))
-  update = statistics.fmean(statistics.median(t) for t in times)
-  return statistics.fmean(float(c) for c in cosines), update / workers
+  cosines = [_cosine(devices(g), m) for g, m in zip(grads, means)]
+  return statistics.fmean(float(c) for c in cosines[warmup:])
+
+
+def _update_seconds(
+    tx: compressor_lib.Compressor, params: Any, repeats: int
+) -> float:
+  """``tx``'s update on one device (``timing.phase_calls``): the mean over
+  its phases of the median of ``repeats`` calls."""
+  calls = timing.phase_calls(tx, params)
+  times = timing.interleaved(dict(enumerate(calls)), repeats, warmup=1)
+  return statistics.fmean(statistics.median(t) for t in times.values())
 
 
 def measure(
@@ -506,12 +499,9 @@ def measure(
   say(f"forward and backward on one worker's share of {workers}")
   grad = jax.jit(jax.grad(loss_fn))
   one = lambda b, i: jax.tree.map(lambda x: x[i], b)
-  times = []
-  for _ in range(repeats + 1):  # the first call compiles
-    start = time.perf_counter()
-    jax.block_until_ready(grad(params, one(stacked[0], 0)))
-    times.append(time.perf_counter() - start)
-  forward_backward = statistics.median(times[1:])
+  first = one(stacked[0], 0)
+  times = timing.interleaved({0: lambda: grad(params, first)}, repeats, 1)
+  forward_backward = statistics.median(times[0])
   # Each worker's gradients by the program just timed, stacked.
   grads = [
       jax.tree.map(
@@ -524,11 +514,14 @@ def measure(
   update, cosines = {}, {}
   for i, c in enumerate(candidates):
     say(f"[{i + 1}/{len(candidates)}] {c.name}")
-    cosines[c.name], update[c.name] = _measure_one(
-        c.make(), params, grads, means, workers, warmup, repeats
+    tx = c.make()
+    update[c.name] = _update_seconds(tx, params, repeats)
+    # S-SGD is the reference: its cosine is 1 by definition.
+    cosines[c.name] = (
+        1.0
+        if c.method == "ssgd"
+        else _cosine_over_steps(tx, params, grads, means, workers, warmup)
     )
-  # S-SGD is the reference: its cosine is 1 by definition.
-  cosines.update({c.name: 1.0 for c in candidates if c.method == "ssgd"})
   return Measurements(forward_backward, update, cosines)
 
 

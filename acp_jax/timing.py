@@ -44,7 +44,7 @@ def phase_calls(tx, params: Any, seed: int = 0) -> list[Any]:
   mesh = jax.make_mesh(
       (1,),
       (tx.axis_name,),
-      devices=jax.devices()[:1],
+      devices=jax.local_devices()[:1],
       axis_types=(jax.sharding.AxisType.Auto,),
   )
   dp = data_parallel.DataParallel(tx, mesh)
