@@ -29,13 +29,18 @@ import sys
 import time
 from typing import Any
 
+import jax
+
 from acp_jax import advice as advice_lib
 from acp_jax import costmodel
 from benchmarks import cli
 from benchmarks import convergence
 from benchmarks import convergence_summary
 from benchmarks import records
+from benchmarks import worker
 from benchmarks import workloads
+from train import advice as train_advice
+from train import runtime
 
 HELP = "which compressor and rank for a model, workers and a link"
 
@@ -107,11 +112,7 @@ def _link(args) -> tuple[advice_lib.Link, int]:
           "advise: give --bandwidth (and --latency), or --measure_link"
       )
     return advice_lib.Link(args.bandwidth, args.latency), args.workers
-  import jax
-
-  from benchmarks import worker
-
-  timed = worker._psum(  # pylint: disable=protected-access
+  timed = worker.psum(
       argparse.Namespace(
           sizes=",".join(map(str, _PSUM_SIZES)), repeats=5, busy_mb=0.0
       )
@@ -125,8 +126,6 @@ def _link(args) -> tuple[advice_lib.Link, int]:
 
 def _inputs(args, workers: int):
   """The loss, params and batches of ``--config`` or ``--model``."""
-  from train import advice as train_advice
-
   if args.config:
     config = workloads.load_config(args.config, tuple(args.set))
   elif args.model in workloads.CLUSTER_MODELS:
@@ -252,8 +251,6 @@ def main(args) -> None:
     raise SystemExit("advise: give --workers (or --measure_link)")
   start = time.perf_counter()
   if args.measure_link:
-    from train import runtime
-
     runtime.setup(
         num_cpu_devices=1,
         **{
