@@ -212,12 +212,20 @@ def test_bad_inputs_name_the_value():
     advice_lib.Candidate("lion")
 
 
-def test_the_cli_refuses_an_unknown_model(capsys):
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "gpt9"], "argument --model: invalid choice: 'gpt9'"),
+        (["--bandwidth", "-1"], "argument --bandwidth: bandwidth must be a"),
+        (["--workers", "0"], "argument --workers: must be comma-separated"),
+    ],
+)
+def test_the_cli_names_a_bad_argument(argv, message, capsys):
   from benchmarks import __main__ as cli_main
 
   with pytest.raises(SystemExit):
-    cli_main.main(["advise", "--model", "gpt9", "--workers", "4"])
-  assert "argument --model: invalid choice: 'gpt9'" in capsys.readouterr().err
+    cli_main.main(["advise", *argv])
+  assert message in capsys.readouterr().err
 
 
 def _write_advice(path, candidates):
