@@ -468,6 +468,18 @@ def advice_at(point, link, cosines, params) -> dict[str, Any]:
   fastest_local = min(r["step_local_s"] for r in measured.values())
   names = {c.name: r for c, r in measured.items()}
   workers = point[0]["workers"]
+  calibration = advice_lib.Calibration.recorded()
+  speed = {n: r["examples_per_sec"] for n, r in names.items()}
+  best = max(speed, key=speed.get)
+  row = {
+      "workers": workers,
+      "bandwidth": point[0]["bandwidth"],
+      "best": best,
+      "best_examples_per_sec": speed[best],
+  }
+  eligible = [n for n in speed if cosines[n] >= calibration.cosine]
+  if not eligible:
+    return {**row, "advised": "none at or above the threshold"}
   advice = advice_lib.recommend(
       advice_lib.Measurements(
           fastest_local,
@@ -481,20 +493,14 @@ def advice_at(point, link, cosines, params) -> dict[str, Any]:
       global_batch=workers * workloads.CLUSTER_MODELS[point[0]["model"]][
           "batch_size"
       ],
-      calibration=advice_lib.Calibration.recorded(),
+      calibration=calibration,
   )
-  speed = {n: r["examples_per_sec"] for n, r in names.items()}
-  best = max(speed, key=speed.get)
-  eligible = [n for n in speed if cosines[n] >= advice.calibration.cosine]
-  best_eligible = max(eligible, key=speed.get)
   advised = advice.pick.candidate.name
+  best_eligible = max(eligible, key=speed.get)
   return {
-      "workers": workers,
-      "bandwidth": point[0]["bandwidth"],
+      **row,
       "advised": advised,
       "advised_examples_per_sec": speed[advised],
-      "best": best,
-      "best_examples_per_sec": speed[best],
       "ratio": speed[advised] / speed[best],
       "best_eligible": best_eligible,
       "eligible_ratio": speed[advised] / speed[best_eligible],

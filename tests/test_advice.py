@@ -305,3 +305,13 @@ def test_the_report_checks_the_advice_at_a_measured_point():
   assert row["best"] == "acp_sgd_r4"
   assert row["ratio"] == pytest.approx(0.9)
   assert row["eligible_ratio"] == 1.0
+  # Where S-SGD was not measured and neither low-rank method reaches the
+  # threshold, nothing is advised.
+  low = report_cluster.advice_at(
+      point[1:],
+      {"alpha_s": 1e-4, "beta_s_per_byte": 1e-6},
+      {"power_sgd_r4": 0.5, "acp_sgd_r4": 0.5},
+      report_cluster.cluster_params("tiny"),
+  )
+  assert low["advised"] == "none at or above the threshold"
+  assert low["best"] == "acp_sgd_r4" and "ratio" not in low
