@@ -531,10 +531,16 @@ def advice_section(rows, calibration, advice) -> list[str]:
         advice_at(point, links[bandwidth, workers], cosines[key], params)
     )
   calibration_line = advice_lib.Calibration.recorded().describe()
+  measured_cosines = "; ".join(
+      f"{model} on {workers} workers: "
+      + ", ".join(f"{n} {c:.3f}" for n, c in by_name.items() if c < 1)
+      for (model, workers), by_name in cosines.items()
+  )
   return [
       fill(
           "advice",
           provenance=template.provenance(advice),
+          cosines=measured_cosines,
           calibration=calibration_line,
           table=records.table(table, _ADVICE_COLUMNS) if table else "",
           missing=(
