@@ -9,9 +9,9 @@ The model is a training config of ``configs/`` (``--config``, with
 (``--model``, the cluster's among them). The link is given
 (``--bandwidth`` in bytes per second, ``--latency`` in seconds) or measured
 (``--measure_link``): every process of the cluster runs this command with
-``--coordinator_address``, ``--num_processes`` and ``--process_id``, and the
+``--coordinator_address``, ``--num_processes`` and ``--process_id``, the
 all-reduce microbenchmark of ``benchmarks.worker`` times the link between
-them; the workers are then the processes.
+them, and process 0 gives the advice for as many workers as processes.
 
 ``--calibrate`` writes the threshold's records into the package
 (``acp_jax/advice_calibration.json``) from the convergence records: for
@@ -261,6 +261,9 @@ def main(args) -> None:
   # One device: the workers are simulated by vmap (acp_jax.simulated).
   meta = cli.start(args, None if args.measure_link else 1)
   link, measured_workers = _link(args)
+  if jax.process_index():
+    print(f"link measured: {link}; process 0 gives the advice")
+    return
   rows = []
   for workers in args.workers or [measured_workers]:
     loss_fn, params, batches = _inputs(args, workers)
