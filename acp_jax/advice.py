@@ -286,13 +286,33 @@ class Row:
 
 
 _COLUMNS = (
-    ("candidate", 20, lambda r: r.candidate.name),
-    ("step (s)", 10, lambda r: f"{r.step_s:.4f}"),
-    ("examples/s", 12, lambda r: f"{r.examples_per_s:.2f}"),
-    ("bytes/step", 12, lambda r: f"{r.bytes_per_step:.0f}"),
-    ("update (s)", 11, lambda r: f"{r.update_s:.4f}"),
-    ("cosine", 8, lambda r: f"{r.cosine:.3f}"),
+    ("candidate", 20, lambda r: r["name"]),
+    ("step (s)", 10, lambda r: f"{r['step_s']:.4f}"),
+    ("examples/s", 12, lambda r: f"{r['examples_per_s']:.2f}"),
+    ("bytes/step", 12, lambda r: f"{r['bytes_per_step']:.0f}"),
+    ("update (s)", 11, lambda r: f"{r['update_s']:.4f}"),
+    ("cosine", 8, lambda r: f"{r['cosine']:.3f}"),
 )
+
+
+def table(record: Sequence[Mapping[str, Any]]) -> str:
+  """An advice's record (``Advice.to_record``) as a table: the ranked
+  candidates, the pick marked, the link, and the threshold."""
+  lines = ["  " + "".join(f"{h:>{w}s}" for h, w, _ in _COLUMNS)]
+  for row in record:
+    mark = "* " if row["picked"] else "  "
+    lines.append(mark + "".join(f"{f(row):>{w}s}" for _, w, f in _COLUMNS))
+  first, pick = record[0], next(r for r in record if r["picked"])
+  bandwidth = first["bandwidth"] or math.inf
+  lines += [
+      f"{first['workers']} workers, link {bandwidth:.4g} B/s and"
+      f" {first['latency']:.3g} s, forward and backward"
+      f" {first['forward_backward_s']:.4f} s on one worker's"
+      f" {first['global_batch'] // first['workers']} examples",
+      first["calibration"],
+      f"recommended: {pick['name']}, the fastest at or above the threshold",
+  ]
+  return "\n".join(lines)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,22 +334,7 @@ class Advice:
 
   def table(self) -> str:
     """The ranked candidates, the pick marked, and the threshold."""
-    lines = ["  " + "".join(f"{h:>{w}s}" for h, w, _ in _COLUMNS)]
-    for row in self.rows:
-      mark = "* " if row is self.pick else "  "
-      lines.append(mark + "".join(f"{f(row):>{w}s}" for _, w, f in _COLUMNS))
-    lines.append(
-        f"{self.workers} workers, link {self.link.bandwidth:.4g} B/s and"
-        f" {self.link.latency:.3g} s, forward and backward"
-        f" {self.measurements.forward_backward:.4f} s on one worker's"
-        f" {self.global_batch // self.workers} examples"
-    )
-    lines.append(self.calibration.describe())
-    lines.append(
-        f"recommended: {self.pick.candidate.name}, the fastest at or above"
-        " the threshold"
-    )
-    return "\n".join(lines)
+    return table(self.to_record())
 
   def to_record(self) -> list[dict[str, Any]]:
     """The advice as flat JSON-serializable rows, one a candidate, fastest

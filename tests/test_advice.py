@@ -244,7 +244,9 @@ def _checkpoint_settings(workdir):
     return json.load(f)["settings"]
 
 
-def test_auto_trains_with_the_pick_saves_it_and_a_resume_keeps_it(tmp_path):
+def test_auto_trains_with_the_pick_saves_it_and_a_resume_keeps_it(
+    tmp_path, capsys
+):
   workdir = str(tmp_path / "run")
   first, other = tmp_path / "first.json", tmp_path / "other.json"
   ssgd, power_r1, power_r4 = CANDIDATES[:3]
@@ -255,6 +257,7 @@ def test_auto_trains_with_the_pick_saves_it_and_a_resume_keeps_it(tmp_path):
   config.compressor.auto.workers = WORKERS
   summary = train.train_and_evaluate(config, workdir)
   assert summary["compressor"] == "power_sgd"
+  assert "recommended: power_sgd_r4" in capsys.readouterr().out
   saved = _checkpoint_settings(workdir)["advice"]
   assert saved["name"] == "power_sgd_r4"
   assert saved["threshold"] == advice_lib.Calibration.recorded().cosine

@@ -17,8 +17,8 @@ of another pick is then refused by its record.
 """
 
 import json
-import logging
 import os
+import sys
 from typing import Any
 
 from flax import nnx
@@ -91,9 +91,9 @@ def _measured(config: ml_collections.ConfigDict) -> list[dict[str, Any]]:
       workers=_workers(config),
       link=advice_lib.Link(auto.bandwidth, auto.latency),
       max_gap=auto.max_gap,
-      progress=lambda line: logging.info("advice: %s", line),
+      progress=lambda line: print(f"advice: {line}", file=sys.stderr),
   )
-  logging.info("advice:\n%s", advice.table())
+  print(advice.table(), flush=True)
   return advice.to_record()
 
 
@@ -123,7 +123,9 @@ def _advice(config: ml_collections.ConfigDict, workdir: str) -> dict:
   given_path = config.compressor.auto.advice
   given = _read(given_path, workers) if given_path else None
   if os.path.exists(saved_path):
-    saved = _pick(_read(saved_path, workers))
+    saved_rows = _read(saved_path, workers)
+    print(advice_lib.table(saved_rows), flush=True)
+    saved = _pick(saved_rows)
     if given is not None and _pick(given)["name"] != saved["name"]:
       raise ValueError(
           f"config.compressor.auto.advice={given_path!r} picks"
@@ -131,13 +133,15 @@ def _advice(config: ml_collections.ConfigDict, workdir: str) -> dict:
           f" {saved['name']} ({saved_path}): a resume keeps its compressor."
           " Drop the advice file to resume, or use another workdir"
       )
-    logging.info("advice: resuming with %s (%s)", saved["name"], saved_path)
+    print(f"advice: resuming with {saved['name']} ({saved_path})")
     return saved
   rows = given if given is not None else _measured(config)
+  if given is not None:
+    print(advice_lib.table(given), flush=True)
   os.makedirs(workdir, exist_ok=True)
   with open(saved_path, "w") as f:
     json.dump(rows, f, indent=1)
-  logging.info("advice: training with %s (%s)", _pick(rows)["name"], saved_path)
+  print(f"advice: training with {_pick(rows)['name']} ({saved_path})")
   return _pick(rows)
 
 
