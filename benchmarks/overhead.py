@@ -24,7 +24,6 @@ and our ratios are taken against the faster.
 import importlib.util
 import os
 import statistics
-import time
 from typing import Any
 
 import jax
@@ -32,7 +31,6 @@ from jax import lax
 import numpy as np
 from threadpoolctl import threadpool_info
 
-import acp_jax
 from acp_jax.timing import interleaved
 from acp_jax.timing import phase_calls
 from benchmarks import cli
