@@ -31,8 +31,7 @@ from jax import lax
 import numpy as np
 from threadpoolctl import threadpool_info
 
-from acp_jax.timing import interleaved
-from acp_jax.timing import phase_calls
+from acp_jax import timing
 from benchmarks import cli
 from benchmarks import thresholds
 from benchmarks import workloads
@@ -127,7 +126,7 @@ def measure(models: list[str], repeats: int) -> list[dict[str, Any]]:
     about = workloads.describe(model)
     calls = _calls(model, params, torch_threads_by_name)
     ours = jax_threads()  # after the calls are made: the LAPACK is loaded
-    times = interleaved(calls, repeats)
+    times = timing.interleaved(calls, repeats)
     del calls  # frees the gradients and states before the next model
     rows = {}
     for name in names:
@@ -157,7 +156,7 @@ def _calls(model: str, params, torch_threads_by_name: dict[str, int]):
       (name, phase): call
       for name in workloads.COMPRESSORS
       for phase, call in enumerate(
-          phase_calls(workloads.compressor(model, name), params)
+          timing.phase_calls(workloads.compressor(model, name), params)
       )
   }
   calls[PSUM, 0] = psum_call(params)
