@@ -20,12 +20,24 @@ For a model, a few batches, a number of workers and a link, ``advise``:
    held-out loss.
 
 Steps 1 and 2 are the only measurements; given ``Measurements``, the advice
-is arithmetic on the accounting, the same for the same inputs. The cosines
-are taken from the given params (the initial ones, or a checkpoint's) with
-fresh factors, where the records' were taken after dense warm-up steps that
-also warmed the factors; fresh factors can turn further from the mean,
-ACP-SGD's most, as it refreshes each factor from the other's previous
-value.
+is arithmetic on the accounting, the same for the same inputs.
+
+The cosines are measured as the trainer's configs train: each Power-SGD and
+ACP-SGD candidate first takes ``WARMUP`` dense steps (its ``warmup_steps``)
+that warm its factors on the true mean, then compresses; the cosine is the
+mean over the steps after the warm-up, all at the given params (the initial
+ones, or a checkpoint's). Fresh factors turn far from the mean on their
+first steps, ACP-SGD's most, as it refreshes each factor from the other's
+previous value; the warm-up takes that start out of the measurement, and
+the pick is to be trained with a dense warm-up too (``Advice.compressor``
+takes ``warmup_steps``; the trainer's configs carry one). The threshold is
+calibrated on cosines measured in this same way on the char LM
+(``python -m benchmarks advise --calibrate``), for the variants whose
+held-out loss the convergence records give after the same kind of warm-up.
+
+Power-SGD's and ACP-SGD's updates are timed at the lowest, the middle and
+the highest of their ranks; the update at a rank in between is interpolated
+linearly in rank (``timed_ranks``), which saves most of the compiles.
 """
 
 from collections.abc import Callable, Mapping, Sequence
@@ -71,6 +83,10 @@ BFLOAT16_BACKENDS = ("gpu", "tpu")
 MAX_GAP = 0.10
 # The records the threshold is calibrated on (see ``Calibration``).
 CALIBRATION_FILE = "advice_calibration.json"
+# Dense steps each low-rank candidate takes before its cosine is measured,
+# and the batches of a measurement (the warm-up's and the measured ones).
+WARMUP = 2
+STEPS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +250,10 @@ class Calibration:
         .read_text()
     )
     data = json.loads(text)
-    points = [CalibrationPoint(**p) for p in data["points"]]
+    points = [
+        CalibrationPoint(p["variant"], p["cosine"], p["gap"])
+        for p in data["points"]
+    ]
     return cls.from_points(points, max_gap, data["source"])
 
   def describe(self) -> str:
@@ -328,8 +347,17 @@ class Advice:
   global_batch: int
   measurements: Measurements
 
-  def compressor(self, **kwargs: Any) -> compressor_lib.Compressor:
-    """The recommended compressor, made with ``kwargs`` besides its own."""
+  def compressor(
+      self, warmup_steps: int = 0, **kwargs: Any
+  ) -> compressor_lib.Compressor:
+    """The recommended compressor, made with ``kwargs`` besides its own.
+
+    A low-rank pick's cosine was measured after a dense warm-up that warmed
+    its factors: train it with one too (``warmup_steps``, passed to
+    Power-SGD and ACP-SGD only).
+    """
+    if warmup_steps and self.pick.candidate.method in LOW_RANK:
+      kwargs["warmup_steps"] = warmup_steps
     return self.pick.candidate.make(**kwargs)
 
   def table(self) -> str:
@@ -439,20 +467,27 @@ _cosine = jax.jit(simulated.cosine)
 
 
 def _cosine_over_steps(
-    tx: compressor_lib.Compressor,
+    candidate: Candidate,
     params: Any,
     grads: Sequence[Any],
     means: Sequence[Any],
     workers: int,
     warmup: int,
 ) -> float:
-  """``tx``'s mean cosine with the true ``means`` over the steps after
-  ``warmup``, on ``workers`` simulated devices fed the stacked ``grads``."""
+  """``candidate``'s mean cosine with the true ``means`` over the steps
+  after ``warmup``, on ``workers`` simulated devices fed the stacked
+  ``grads``; a low-rank candidate takes those first steps dense, warming its
+  factors (its ``warmup_steps``)."""
+  warm = warmup and candidate.method in LOW_RANK
+  tx = candidate.make(**({"warmup_steps": warmup} if warm else {}))
   state = jax.jit(tx.init)(params)
   devices = simulated.Devices(
       tx.update, state, simulated.device_axes(tx, state), tx.axis_name, workers
   )
-  cosines = [_cosine(devices(g), m) for g, m in zip(grads, means)]
+  cosines = []
+  for step, (g, m) in enumerate(zip(grads, means)):
+    devices.state = tx.at_step(devices.state, step)
+    cosines.append(_cosine(devices(g), m))
   return statistics.fmean(float(c) for c in cosines[warmup:])
 
 
@@ -469,6 +504,104 @@ def _update_seconds(
   return statistics.fmean(statistics.median(t) for t in times.values())
 
 
+def timed_ranks(ranks: Sequence[int]) -> tuple[int, ...]:
+  """The ranks whose update is timed: the lowest, the middle and the
+  highest of ``ranks``; the others' are interpolated between them."""
+  ordered = sorted(set(ranks))
+  return tuple(sorted({ordered[0], ordered[len(ordered) // 2], ordered[-1]}))
+
+
+def _update_times(
+    candidates: Sequence[Candidate],
+    params: Any,
+    repeats: int,
+    say: Callable[[str], None],
+) -> dict[str, float]:
+  """Each candidate's update seconds: timed, or, for a low-rank rank that
+  ``timed_ranks`` leaves out, interpolated linearly in rank between the
+  nearest timed ranks of the same method and factor dtype."""
+  groups = {}
+  for c in candidates:
+    groups.setdefault((c.method, c.comm_dtype), []).append(c)
+  times = {}
+  for group in groups.values():
+    timed = timed_ranks([c.rank for c in group]) if group[0].rank else ()
+    by_rank = {}
+    for c in group:
+      if c.rank is None or c.rank in timed:
+        say(f"update of {c.name}")
+        times[c.name] = by_rank[c.rank] = _update_seconds(
+            c.make(), params, repeats
+        )
+    for c in group:
+      if c.name not in times:
+        lo = max(r for r in timed if r < c.rank)
+        hi = min(r for r in timed if r > c.rank)
+        w = (c.rank - lo) / (hi - lo)
+        times[c.name] = (1 - w) * by_rank[lo] + w * by_rank[hi]
+  return times
+
+
+def _check_warmup(warmup: int, batches: Sequence[Any]) -> None:
+  _checks.integer("warmup", warmup, 0)
+  if len(batches) <= warmup:
+    raise ValueError(
+        f"batches must hold more than warmup={warmup} batches, got"
+        f" {len(batches)}"
+    )
+
+
+def _cosines(
+    grad: Callable[[Any, Any], Any],
+    params: Any,
+    batches: Sequence[Any],
+    candidates: Sequence[Candidate],
+    workers: int,
+    warmup: int,
+    say: Callable[[str], None],
+) -> dict[str, float]:
+  """Each candidate's cosine (``_cosine_over_steps``) on each worker's
+  gradients by ``grad``."""
+  one = lambda b, i: jax.tree.map(lambda x: x[i], b)
+  grads = [
+      jax.tree.map(
+          lambda *g: jnp.stack(g),
+          *(grad(params, one(b, i)) for i in range(workers)),
+      )
+      for b in (_split(b, workers) for b in batches)
+  ]
+  means = [jax.tree.map(lambda g: g.mean(0), g) for g in grads]
+  cosines = {}
+  for i, c in enumerate(candidates):
+    say(f"[{i + 1}/{len(candidates)}] cosine of {c.name}")
+    # S-SGD is the reference: its cosine is 1 by definition.
+    cosines[c.name] = (
+        1.0
+        if c.method == "ssgd"
+        else _cosine_over_steps(c, params, grads, means, workers, warmup)
+    )
+  return cosines
+
+
+def cosines(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    params: Any,
+    batches: Sequence[Any],
+    candidates: Sequence[Candidate],
+    *,
+    workers: int,
+    warmup: int = WARMUP,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, float]:
+  """The cosines ``measure`` takes, alone (the calibration measures its
+  variants with this); the arguments are ``measure``'s."""
+  _checks.integer("workers", workers, 1)
+  _check_warmup(warmup, batches)
+  grad = jax.jit(jax.grad(loss_fn))
+  say = progress or (lambda line: None)
+  return _cosines(grad, params, batches, candidates, workers, warmup, say)
+
+
 def measure(
     loss_fn: Callable[[Any, Any], jax.Array],
     params: Any,
@@ -476,7 +609,7 @@ def measure(
     candidates: Sequence[Candidate],
     *,
     workers: int,
-    warmup: int = 1,
+    warmup: int = WARMUP,
     repeats: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> Measurements:
@@ -487,50 +620,28 @@ def measure(
     params: the parameters (the initial ones, or a checkpoint's).
     batches: global batches, one a step, each leaf's rows split evenly over
       the ``workers``; the cosines are taken over all but the first
-      ``warmup`` steps, in which the compressors' factors and residuals
-      settle.
+      ``warmup`` steps.
     candidates: the compressors to measure.
     workers: how many workers to simulate.
-    warmup: steps before the cosines are taken.
-    repeats: timed calls of each program after the one that compiles it
-      (the median is kept).
+    warmup: the dense steps each Power-SGD and ACP-SGD candidate takes
+      first, warming its factors (the others' residuals settle in them);
+      the cosines are taken after them.
+    repeats: timed calls of each update after the one that compiles it
+      (the median is kept); ranks between those of ``timed_ranks`` are
+      interpolated.
     progress: called with a line before each measurement.
   """
   _checks.integer("workers", workers, 1)
-  _checks.integer("warmup", warmup, 0)
-  if len(batches) <= warmup:
-    raise ValueError(
-        f"batches must hold more than warmup={warmup} batches, got"
-        f" {len(batches)}"
-    )
+  _check_warmup(warmup, batches)
   say = progress or (lambda line: None)
-  stacked = [_split(b, workers) for b in batches]
   say(f"forward and backward on one worker's share of {workers}")
   grad = jax.jit(jax.grad(loss_fn))
-  one = lambda b, i: jax.tree.map(lambda x: x[i], b)
-  first = one(stacked[0], 0)
+  first = jax.tree.map(lambda x: x[0], _split(batches[0], workers))
   times = timing.interleaved({0: lambda: grad(params, first)}, repeats, 1)
   forward_backward = statistics.median(times[0])
-  # Each worker's gradients by the program just timed, stacked.
-  grads = [
-      jax.tree.map(
-          lambda *g: jnp.stack(g),
-          *(grad(params, one(b, i)) for i in range(workers)),
-      )
-      for b in stacked
-  ]
-  means = [jax.tree.map(lambda g: g.mean(0), g) for g in grads]
-  update, cosines = {}, {}
-  for i, c in enumerate(candidates):
-    say(f"[{i + 1}/{len(candidates)}] {c.name}")
-    tx = c.make()
-    update[c.name] = _update_seconds(tx, params, repeats)
-    # S-SGD is the reference: its cosine is 1 by definition.
-    cosines[c.name] = (
-        1.0
-        if c.method == "ssgd"
-        else _cosine_over_steps(tx, params, grads, means, workers, warmup)
-    )
+  update = _update_times(candidates, params, repeats, say)
+  # The gradients by the program just timed.
+  cosines = _cosines(grad, params, batches, candidates, workers, warmup, say)
   return Measurements(forward_backward, update, cosines)
 
 
@@ -555,7 +666,7 @@ def advise(
     max_gap: float = MAX_GAP,
     overlap: bool = False,
     measurements: Measurements | None = None,
-    warmup: int = 1,
+    warmup: int = WARMUP,
     progress: Callable[[str], None] | None = None,
 ) -> Advice:
   """Which compressor, at which rank, for this model on this link.
@@ -563,8 +674,9 @@ def advise(
   Args:
     loss_fn: ``(params, batch) -> scalar loss`` of one worker's batch.
     params: the parameters (the initial ones, or a checkpoint's).
-    batches: global batches, one a step (at least ``warmup + 1``), each
-      leaf's rows split evenly over the ``workers``.
+    batches: global batches, one a step (at least ``warmup + 1``; the
+      calibration's measurement took ``STEPS``), each leaf's rows split
+      evenly over the ``workers``.
     workers: the number of data-parallel workers.
     link: each worker's link.
     candidates: default ``default_candidates()``: every method, ranks 1 to 32.
@@ -574,7 +686,8 @@ def advise(
       (GPUs can; XLA:CPU does not).
     measurements: what ``measure`` returns, to skip measuring (the advice
       is then the same for the same inputs).
-    warmup: steps before the cosines are taken (see ``measure``).
+    warmup: dense steps before the cosines are taken (see ``measure``;
+      the calibration's measurement took ``WARMUP``).
     progress: called with a line before each measurement.
 
   Returns:
@@ -583,11 +696,11 @@ def advise(
   Example::
 
     advice = acp_jax.advise(
-        loss_fn, params, [batch0, batch1, batch2], workers=8,
+        loss_fn, params, [batch0, batch1, batch2, batch3], workers=8,
         link=acp_jax.advice.Link(bandwidth=125e6, latency=50e-6),
     )
     print(advice.table())
-    tx = optax.chain(advice.compressor(), optax.adamw(1e-3))
+    tx = optax.chain(advice.compressor(warmup_steps=60), optax.adamw(1e-3))
   """
   _checks.integer("workers", workers, 1)
   if not isinstance(link, Link):

@@ -13,18 +13,19 @@ The model is a training config of ``configs/`` (``--config``, with
 all-reduce microbenchmark of ``benchmarks.worker`` times the link between
 them, and process 0 gives the advice for as many workers as processes.
 
-``--calibrate`` writes the threshold's records into the package
-(``acp_jax/advice_calibration.json``) from the convergence records: for
-each variant of the direction benchmark (``convergence_direction.json``,
-the compressor as it is) that the convergence runs trained with the same
-dense warm-up, its ``grad`` cosine and its held-out loss gap to S-SGD
-(``convergence.json``, the mean over seeds).
+``--calibrate --char_lm_path PATH`` writes the threshold's records into
+the package (``acp_jax/advice_calibration.json``): for each char-LM variant
+of the convergence records (``convergence.json``) that trained Power-SGD or
+ACP-SGD on the gradient after a dense warm-up that warmed its factors, its
+held-out loss gap to S-SGD (the mean over seeds) and its cosine measured as
+the advice measures a candidate's (``acp_jax.advice.cosines``: the same
+warm-up and steps) on the convergence runs' char LM, workers and batch,
+from its initial params.
 """
 
 import argparse
 import json
 import pathlib
-import re
 import sys
 import time
 from typing import Any
@@ -44,63 +45,115 @@ from train import runtime
 
 HELP = "which compressor and rank for a model, workers and a link"
 
-# A direction variant as the compressor is (no Adam geometry): method, rank,
-# and "_bf16" for bfloat16 factors.
-_VARIANT = re.compile(r"(power_sgd|acp_sgd)_r(\d+)(_bf16)?")
-# The convergence runs the calibration reads.
-_TASK, _STEPS = "char_lm", 300
+# The convergence runs the calibration reads, and the workers they ran on.
+_TASK, _STEPS, _WORKERS = "char_lm", 300, 8
 # The all-reduce sizes that ``--measure_link`` times.
 _PSUM_SIZES = (4096, 65536, 1048576, 4194304)
 
 
-def calibration_points(results_dir) -> dict[str, Any]:
-  """The threshold's records (``acp_jax.advice.Calibration``), from the
-  direction and convergence records in ``results_dir``."""
+def calibration_runs(results_dir) -> list[dict[str, Any]]:
+  """The convergence variants the threshold is calibrated on: Power-SGD and
+  ACP-SGD on the gradient, trained after a dense warm-up that warmed their
+  factors, as the advice measures its candidates; each with its candidate
+  (and its name), its run's variant, its held-out loss gap to S-SGD (a
+  fraction) and its seeds."""
   summary = convergence_summary.summarize(
       records.read("convergence", results_dir),
       records.read("convergence_curves", results_dir) or None,
   )
-  # The direction benchmark warms the factors through the dense steps: the
-  # runs that did not (the "cold" one) are not its variants.
-  runs = {
-      (r["compressor"], r["rank"], r["comm_dtype"], r["warmup_steps"]): r
-      for r in summary
-      if r["task"] == _TASK
-      and r["steps"] == _STEPS
-      and r["compress"] == "gradient"
-      and (
-          convergence.VARIANTS[r["variant"]].warm_factors
-          or not r["warmup_steps"]
+  runs = []
+  for r in summary:
+    variant = convergence.VARIANTS[r["variant"]]
+    if (
+        r["task"] == _TASK
+        and r["steps"] == _STEPS
+        and r["compress"] == "gradient"
+        and r["compressor"] in advice_lib.LOW_RANK
+        and variant.warmup
+        and variant.warm_factors
+    ):
+      candidate = advice_lib.Candidate(
+          r["compressor"], r["rank"], r["comm_dtype"]
       )
-  }
-  points, used = [], []
-  for d in records.read("convergence_direction", results_dir):
-    match = _VARIANT.fullmatch(d["variant"])
-    if not match:
-      continue
-    method, rank, bf16 = match.groups()
-    key = (method, int(rank), "bfloat16" if bf16 else None, d["warmup_steps"])
-    if key in runs:
-      used.append((d, runs[key]))
-      points.append(
+      runs.append(
           {
-              "variant": d["variant"],
-              "cosine": d["grad"],
-              "gap": runs[key]["loss_vs_ssgd_pct"] / 100,
+              "candidate": candidate,
+              "variant": candidate.name,
+              "run": r["variant"],
+              "gap": r["loss_vs_ssgd_pct"] / 100,
+              "seeds": r["seeds"],
+              "warmup_steps": r["warmup_steps"],
           }
       )
-  seeds = sorted({run["seeds"] for _, run in used})
-  used = [d for d, _ in used]
-  source = (
-      f"the {_TASK} task (configs/tinyshakespeare.py, AdamW) trained"
-      f" {_STEPS} steps after {used[0]['warmup_steps']} dense ones, the"
-      f" held-out loss averaged over {'/'.join(map(str, seeds))} seeds"
-      " (convergence.json); the cosine of the compressed mean gradient with"
-      f" the true mean averaged over {used[0]['steps']} steps on"
-      f" {used[0]['machine'].rsplit(', ', 1)[-1]}"
-      " (convergence_direction.json)"
+  return sorted(runs, key=lambda r: r["variant"])
+
+
+def calibration_measurement() -> dict[str, Any]:
+  """How the calibration measures its cosines: the advice's measurement on
+  the convergence runs' char LM (``convergence.TASKS``), workers and
+  batch."""
+  config = workloads.load_config(*convergence.TASKS[_TASK])
+  return {
+      "config": f"configs/{convergence.config_name(_TASK)}.py",
+      "global_batch": config.batch_size,
+      "seq_len": config.data.seq_len,
+      "workers": _WORKERS,
+      "steps": advice_lib.STEPS,
+      "warmup": advice_lib.WARMUP,
+      "params": f"the config's initial params (seed {config.seed})",
+  }
+
+
+def calibration_source(runs, measurement) -> str:
+  """The calibration's provenance, in a sentence."""
+  m = measurement
+  seeds = "/".join(str(s) for s in sorted({r["seeds"] for r in runs}))
+  warmups = "/".join(str(s) for s in sorted({r["warmup_steps"] for r in runs}))
+  return (
+      f"the cosine as acp_jax.advise measures it ({m['warmup']} dense steps"
+      " that warm the factors, then the mean over"
+      f" {m['steps'] - m['warmup']} compressed steps, at {m['params']} of"
+      f" {m['config']}, batch {m['global_batch']} x {m['seq_len']} on"
+      f" {m['workers']} simulated workers); the held-out loss gap to S-SGD"
+      f" of the {_TASK} task trained {_STEPS} steps after {warmups} dense"
+      f" ones that warmed the factors, the mean over {seeds} seeds"
+      " (convergence.json: "
+      + ", ".join(f"{r['run']} as {r['variant']}" for r in runs)
+      + ")"
   )
-  return {"source": source, "points": points}
+
+
+def calibrate(results_dir, char_lm_path: str, progress=None) -> dict:
+  """The threshold's records: each of ``calibration_runs``' variants with
+  its cosine measured on the char LM at ``char_lm_path``."""
+  runs = calibration_runs(results_dir)
+  measurement = calibration_measurement()
+  config = convergence.config(_TASK, "ssgd", char_lm_path, quick=False)
+  loss_fn, params, batches = train_advice.inputs(
+      config, measurement["workers"], measurement["steps"]
+  )
+  cosines = advice_lib.cosines(
+      loss_fn,
+      params,
+      batches,
+      [r["candidate"] for r in runs],
+      workers=measurement["workers"],
+      warmup=measurement["warmup"],
+      progress=progress,
+  )
+  return {
+      "source": calibration_source(runs, measurement),
+      "measurement": measurement,
+      "points": [
+          {
+              "variant": r["variant"],
+              "run": r["run"],
+              "cosine": cosines[r["variant"]],
+              "gap": r["gap"],
+          }
+          for r in runs
+      ],
+  }
 
 
 def _link(args) -> tuple[advice_lib.Link, int]:
@@ -192,8 +245,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument(
       "--steps",
       type=cli.int_at_least(2),
-      default=3,
-      help="batches the cosines are taken on (the first one settles)",
+      default=advice_lib.STEPS,
+      help="batches the cosines are taken on (the first"
+      f" {advice_lib.WARMUP} warm the factors up)",
   )
   parser.add_argument(
       "--ranks",
@@ -222,7 +276,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument(
       "--calibrate",
       action="store_true",
-      help="write the threshold's records into acp_jax from the results",
+      help="write the threshold's records into acp_jax: the convergence"
+      " records' loss gaps, the cosines measured on --char_lm_path",
+  )
+  parser.add_argument(
+      "--char_lm_path",
+      help="with --calibrate: tiny-shakespeare's input.txt",
   )
 
 
@@ -239,9 +298,16 @@ def main(args) -> None:
     path = (
         pathlib.Path(advice_lib.__file__).parent / advice_lib.CALIBRATION_FILE
     )
-    path.write_text(
-        json.dumps(calibration_points(args.results_dir), indent=1) + "\n"
+    if not args.char_lm_path:
+      raise SystemExit(
+          "advise --calibrate: give --char_lm_path (tiny-shakespeare's"
+          " input.txt), the text the cosines are measured on"
+      )
+    cli.start(args, 1)
+    calibration = calibrate(
+        args.results_dir, args.char_lm_path, _progress(time.perf_counter())
     )
+    path.write_text(json.dumps(calibration, indent=1) + "\n")
     print(f"wrote {path}")
     print(advice_lib.Calibration.recorded(args.max_gap).describe())
     return

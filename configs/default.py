@@ -126,7 +126,9 @@ def get_config() -> ml_collections.ConfigDict:
               "bandwidth": config_dict.placeholder(float),
               "latency": 0.0,
               "workers": 0,  # 0: this run's devices
-              "steps": 3,  # batches the cosines are taken on
+              # Batches the cosines are taken on (the first two warm the
+              # factors: acp_jax.advice.STEPS, WARMUP).
+              "steps": 4,
               # The held-out loss gap to S-SGD the threshold promises.
               "max_gap": 0.1,
               # Set by the trainer: the advice it follows, as JSON.

@@ -23,13 +23,21 @@ CANDIDATES = (
     advice_lib.Candidate("acp_sgd", 1),
     advice_lib.Candidate("acp_sgd", 4),
 )
+THRESHOLD = advice_lib.Calibration.recorded().cosine
+
+
+def _above(share):
+  """A cosine ``share`` of the way from the shipped threshold up to 1."""
+  return THRESHOLD + share * (1 - THRESHOLD)
+
+
 # Cosines on both sides of the threshold (acp_sgd_r1 below it).
 COSINES = {
     "ssgd": 1.0,
-    "power_sgd_r1": 0.80,
-    "power_sgd_r4": 0.95,
-    "acp_sgd_r1": 0.40,
-    "acp_sgd_r4": 0.85,
+    "power_sgd_r1": _above(0.2),
+    "power_sgd_r4": _above(0.8),
+    "acp_sgd_r1": THRESHOLD / 2,
+    "acp_sgd_r4": _above(0.5),
 }
 MEASURED = advice_lib.Measurements(
     forward_backward=0.01,
@@ -159,7 +167,33 @@ def test_the_shipped_calibration_is_the_records():
       os.path.dirname(advice_lib.__file__), advice_lib.CALIBRATION_FILE
   )
   with open(shipped) as f:
-    assert json.load(f) == advise.calibration_points(records.RESULTS_DIR)
+    calibration = json.load(f)
+  # Its cosines were measured as the advice measures them now, on the
+  # recorded variants, whose loss gaps it holds.
+  measurement = advise.calibration_measurement()
+  assert calibration["measurement"] == measurement
+  assert measurement["warmup"] == advice_lib.WARMUP
+  assert measurement["steps"] == advice_lib.STEPS
+  runs = advise.calibration_runs(records.RESULTS_DIR)
+  assert runs
+  assert calibration["source"] == advise.calibration_source(runs, measurement)
+  points = calibration["points"]
+  assert [(p["variant"], p["run"], p["gap"]) for p in points] == [
+      (r["variant"], r["run"], r["gap"]) for r in runs
+  ]
+  assert all(0 < p["cosine"] <= 1 for p in points)
+
+
+def test_update_times_between_the_timed_ranks_are_interpolated():
+  assert advice_lib.timed_ranks(advice_lib.RANKS) == (1, 8, 32)
+  assert advice_lib.timed_ranks((4, 1)) == (1, 4)
+  _, params, _ = _mlp()
+  candidates = [advice_lib.Candidate("power_sgd", r) for r in (1, 2, 4, 8)]
+  lines = []
+  times = advice_lib._update_times(candidates, params, 1, lines.append)
+  assert lines == [f"update of power_sgd_r{r}" for r in (1, 4, 8)]
+  r1, r4 = times["power_sgd_r1"], times["power_sgd_r4"]
+  assert times["power_sgd_r2"] == pytest.approx(r1 + (r4 - r1) / 3)
 
 
 def test_measured_cosines_order_the_ranks_and_ssgd_is_fastest_unshaped():
@@ -299,7 +333,7 @@ def test_the_report_checks_the_advice_at_a_measured_point():
   row = report_cluster.advice_at(
       point,
       {"alpha_s": 1e-4, "beta_s_per_byte": 1e-6},  # 1 MB/s
-      {"ssgd": 1.0, "power_sgd_r4": 0.9, "acp_sgd_r4": 0.5},
+      {"ssgd": 1.0, "power_sgd_r4": _above(0.5), "acp_sgd_r4": THRESHOLD / 2},
       report_cluster.cluster_params("tiny"),
   )
   # ACP-SGD measured fastest but below the threshold: the advice is the
@@ -313,7 +347,7 @@ def test_the_report_checks_the_advice_at_a_measured_point():
   low = report_cluster.advice_at(
       point[1:],
       {"alpha_s": 1e-4, "beta_s_per_byte": 1e-6},
-      {"power_sgd_r4": 0.5, "acp_sgd_r4": 0.5},
+      {"power_sgd_r4": THRESHOLD / 2, "acp_sgd_r4": THRESHOLD / 2},
       report_cluster.cluster_params("tiny"),
   )
   assert low["advised"] == "none at or above the threshold"
