@@ -571,16 +571,16 @@ def _cosines(
       for b in (_split(b, workers) for b in batches)
   ]
   means = [jax.tree.map(lambda g: g.mean(0), g) for g in grads]
-  cosines = {}
+  by_name = {}
   for i, c in enumerate(candidates):
     say(f"[{i + 1}/{len(candidates)}] cosine of {c.name}")
     # S-SGD is the reference: its cosine is 1 by definition.
-    cosines[c.name] = (
+    by_name[c.name] = (
         1.0
         if c.method == "ssgd"
         else _cosine_over_steps(c, params, grads, means, workers, warmup)
     )
-  return cosines
+  return by_name
 
 
 def cosines(
@@ -641,8 +641,8 @@ def measure(
   forward_backward = statistics.median(times[0])
   update = _update_times(candidates, params, repeats, say)
   # The gradients by the program just timed.
-  cosines = _cosines(grad, params, batches, candidates, workers, warmup, say)
-  return Measurements(forward_backward, update, cosines)
+  cosine = _cosines(grad, params, batches, candidates, workers, warmup, say)
+  return Measurements(forward_backward, update, cosine)
 
 
 def volumes(
