@@ -34,6 +34,10 @@ takes ``warmup_steps``; the trainer's configs carry one). The threshold is
 calibrated on cosines measured in this same way on the char LM
 (``python -m benchmarks advise --calibrate``), for the variants whose
 held-out loss the convergence records give after the same kind of warm-up.
+It holds for that measurement only: each compressed step's error adds up
+in the residuals, and a cosine averaged over more steps is lower (the
+candidates' order stays), so ``advise`` warns when it measures over other
+steps than ``WARMUP`` and ``STEPS``.
 
 Power-SGD's and ACP-SGD's updates are timed at the lowest, the middle and
 the highest of their ranks; the update at a rank in between is interpolated
@@ -712,6 +716,15 @@ def advise(
     raise ValueError(f"batches must hold at least one batch, got {batches!r}")
   global_batch = first[0].shape[0]
   if measurements is None:
+    if (warmup, len(batches)) != (WARMUP, STEPS):
+      warnings.warn(
+          f"the threshold was calibrated on cosines over {STEPS - WARMUP}"
+          f" steps after {WARMUP} dense ones, these are over"
+          f" {len(batches) - warmup} after {warmup}: the cosines fall as"
+          " compressed steps add up, so the threshold does not apply as"
+          f" calibrated (give {STEPS} batches and warmup={WARMUP})",
+          stacklevel=2,
+      )
     measurements = measure(
         loss_fn,
         params,

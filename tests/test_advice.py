@@ -210,6 +210,20 @@ def test_measured_cosines_order_the_ranks_and_ssgd_is_fastest_unshaped():
   assert all(t > 0 for t in measured.update.values())
 
 
+def test_a_measurement_over_other_steps_than_the_calibrations_warns():
+  loss_fn, params, batches = _mlp()
+  assert len(batches) != advice_lib.STEPS
+  with pytest.warns(UserWarning, match="threshold was calibrated"):
+    acp_jax.advise(
+        loss_fn,
+        params,
+        batches,
+        workers=WORKERS,
+        link=advice_lib.Link(1e6),
+        candidates=CANDIDATES[:1],
+    )
+
+
 def test_candidates_send_bfloat16_factors_off_the_cpu_only():
   on_cpu = advice_lib.default_candidates("cpu")
   on_gpu = advice_lib.default_candidates("gpu")
