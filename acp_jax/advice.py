@@ -488,9 +488,13 @@ def _cosine_over_steps(
   devices = simulated.Devices(
       tx.update, state, simulated.device_axes(tx, state), tx.axis_name, workers
   )
+  # The phase markers that at_step sets are not yet on the device, the
+  # update's outputs are: put there alike, the program that compresses is
+  # compiled once rather than again on the step after the switch.
+  device = jax.local_devices()[0]
   cosines = []
   for step, (g, m) in enumerate(zip(grads, means)):
-    devices.state = tx.at_step(devices.state, step)
+    devices.state = jax.device_put(tx.at_step(devices.state, step), device)
     cosines.append(_cosine(devices(g), m))
   return statistics.fmean(float(c) for c in cosines[warmup:])
 
