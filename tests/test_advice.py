@@ -276,6 +276,13 @@ def test_the_cli_names_a_bad_argument(argv, message, capsys):
   assert message in capsys.readouterr().err
 
 
+def test_calibrate_needs_the_text_it_measures_on():
+  from benchmarks import __main__ as cli_main
+
+  with pytest.raises(SystemExit, match="give --char_lm_path"):
+    cli_main.main(["advise", "--calibrate"])
+
+
 def _write_advice(path, candidates):
   advice = _advise(
       advice_lib.Link(bandwidth=1e3, latency=1e-3), candidates=candidates
