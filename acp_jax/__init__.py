@@ -8,6 +8,9 @@ compiled HLO live in ``acp_jax.hlo``.
 
 from acp_jax.acp import acp_sgd
 from acp_jax.acp import AcpSgdState
+from acp_jax import advice  # pylint: disable=unused-import
+from acp_jax.advice import Advice
+from acp_jax.advice import advise
 from acp_jax.buckets import backward_order
 from acp_jax.compressed_adam import compressed_adam
 from acp_jax.compressed_adam import CompressedAdamState
@@ -40,6 +43,7 @@ __version__ = "0.1.0"
 
 __all__ = (
     "AcpSgdState",
+    "Advice",
     "CommVolume",
     "CompressedAdamState",
     "Compressor",
@@ -55,6 +59,7 @@ __all__ = (
     "SubspaceAdamState",
     "TopkSgdState",
     "acp_sgd",
+    "advise",
     "backward_order",
     "chain",
     "comm_bytes",

@@ -17,5 +17,6 @@ SUBCOMMANDS = (
     "sign_scaling",
     "gpu",
     "pipeline",
+    "advise",
     "report",
 )

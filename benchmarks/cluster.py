@@ -34,9 +34,9 @@ import sys
 import tempfile
 from typing import Any
 
+from acp_jax import costmodel
 from benchmarks import cli
 from benchmarks import cluster_nodes
-from benchmarks import costmodel
 from benchmarks import launch
 from benchmarks import links
 from benchmarks import records

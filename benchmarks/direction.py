@@ -46,8 +46,8 @@ inverse square root of a running second moment (decay b2) of the
   steps scaled to Adam's root mean square, ``_track_rms`` with that and
   the factors tracking the first moment.
 
-The devices are simulated by ``jax.vmap`` over the mapped axis (see
-``_Run``), on the default device.
+The devices are simulated by ``jax.vmap`` over the mapped axis
+(``acp_jax.simulated``), on the default device.
 
   python -m benchmarks.direction --char_lm_path PATH [--measure_steps 30]
 """
@@ -61,9 +61,9 @@ from typing import Any
 
 from flax import nnx
 import jax
-import jax.numpy as jnp
 import optax
 
+from acp_jax import simulated
 from benchmarks import adam_geometry
 from benchmarks import workloads
 from benchmarks.adam_geometry import B1
@@ -92,44 +92,29 @@ METRICS = ("grad", "adam", "adam_shared")
 
 
 class _Run:
-  """A variant's compiled update, its compressor state and Adam moments.
-
-  The devices are simulated by ``jax.vmap`` over the mapped axis, whose
-  collectives then run in one program on one device: the same arithmetic as
-  under ``shard_map``, with no threads to wait on each other. The local
-  fields of the state (the residuals) carry a leading device axis; the
-  others, identical on every replica, are held once.
-  """
+  """A variant's update on devices simulated by ``jax.vmap``
+  (``acp_jax.simulated``), its compressor state and Adam moments."""
 
   def __init__(self, variant: adam_geometry.Variant, params, num_devices):
     self.variant = variant
     state = variant.init(params)
-    axes = variant.device_axes(state)
-    self._update = jax.jit(
-        jax.vmap(
-            variant.update,
-            in_axes=(0, axes),
-            out_axes=(None, axes),
-            axis_name=variant.tx.axis_name,
-        )
-    )
-    self.state = jax.tree.map(
-        lambda a, sub: jax.tree.map(
-            lambda x: jnp.broadcast_to(x, (num_devices,) + x.shape), sub
-        )
-        if a == 0
-        else sub,
-        axes,
+    self.devices = simulated.Devices(
+        variant.update,
         state,
-        is_leaf=lambda x: x is None or isinstance(x, int),
+        variant.device_axes(state),
+        variant.tx.axis_name,
+        num_devices,
     )
     self.adam = None
 
+  @property
+  def state(self):
+    return self.devices.state
+
   def step(self, grads, step: int):
     """The compressed mean of the stacked ``grads`` at step ``step``."""
-    state = self.variant.at_step(self.state, step)
-    mean, self.state = self._update(grads, state)
-    return mean
+    self.devices.state = self.variant.at_step(self.state, step)
+    return self.devices(grads)
 
   def cosines(self, steps, grads, step, warmup_steps, mean, ref_adam, ref_dir):
     """This run's step; after the warm-up, its ``METRICS`` against S-SGD's
@@ -152,15 +137,6 @@ class _Run:
         approx, mean, self.adam, ref_adam, ref_dir
     )
     return cosines
-
-
-def _cosine(a, b):
-  """The cosine between two trees, as vectors of all their leaves."""
-  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-  dot = sum(jnp.vdot(x, y) for x, y in zip(la, lb))
-  na = sum(jnp.vdot(x, x) for x in la)
-  nb = sum(jnp.vdot(y, y) for y in lb)
-  return dot / jnp.sqrt(na * nb)
 
 
 class _Reference:
@@ -202,9 +178,9 @@ class _Reference:
     direction, own_adam = self.adam.update(approx, own_adam)
     shared, _ = self.adam.update(approx, ref_adam)
     cosines = [
-        _cosine(approx, mean),
-        _cosine(direction, ref_dir),
-        _cosine(shared, ref_dir),
+        simulated.cosine(approx, mean),
+        simulated.cosine(direction, ref_dir),
+        simulated.cosine(shared, ref_dir),
     ]
     return cosines, own_adam
 
@@ -218,7 +194,7 @@ class _Reference:
 def _momentum_cosines(mu, old_mu, mean, direction, ref_dir):
   """A ``momentum`` variant's ``grad`` and ``adam`` cosines."""
   held = jax.tree.map(lambda m, g: B1 * m + (1 - B1) * g, old_mu, mean)
-  return [_cosine(mu, held), _cosine(direction, ref_dir)]
+  return [simulated.cosine(mu, held), simulated.cosine(direction, ref_dir)]
 
 
 def config(char_lm_path: str, tiny: bool):

@@ -46,8 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from acp_jax import timing
 from benchmarks import cli
-from benchmarks import overhead
 from benchmarks import workloads
 
 MODELS = ("resnet50", "bert_base")
@@ -113,17 +113,17 @@ def forward_backward_call(model: str, dtype: str):
 
 
 def update_calls(model: str, compressor: str, dtype: str) -> list[Any]:
-  """``overhead.phase_calls`` of ``compressor`` on ``model``'s parameter
+  """``timing.phase_calls`` of ``compressor`` on ``model``'s parameter
   shapes in ``dtype``: one call per phase, to run in phase order."""
   params = jax.tree.map(
       lambda p: jax.ShapeDtypeStruct(p.shape, dtype),
       workloads.experiment(model).abstract_params,
   )
-  return overhead.phase_calls(workloads.compressor(model, compressor), params)
+  return timing.phase_calls(workloads.compressor(model, compressor), params)
 
 
 def _medians(calls: dict[Any, Any], repeats: int) -> dict[Any, float]:
-  times = overhead.interleaved(calls, repeats)
+  times = timing.interleaved(calls, repeats)
   return {key: statistics.median(t) for key, t in times.items()}
 
 

@@ -24,7 +24,6 @@ and our ratios are taken against the faster.
 import importlib.util
 import os
 import statistics
-import time
 from typing import Any
 
 import jax
@@ -32,60 +31,10 @@ from jax import lax
 import numpy as np
 from threadpoolctl import threadpool_info
 
-import acp_jax
+from acp_jax import timing
 from benchmarks import cli
 from benchmarks import thresholds
 from benchmarks import workloads
-
-
-def interleaved(calls: dict[Any, Any], repeats: int, warmup: int = 2):
-  """Seconds of each zero-argument call, ``repeats`` times each.
-
-  The calls take turns, so a slow spell of a shared machine hits all of
-  them alike and their ratios stay fair.
-  """
-  for _ in range(warmup):
-    for call in calls.values():
-      jax.block_until_ready(call())
-  times = {key: [] for key in calls}
-  for _ in range(repeats):
-    for key, call in calls.items():
-      start = time.perf_counter()
-      jax.block_until_ready(call())
-      times[key].append(time.perf_counter() - start)
-  return times
-
-
-def phase_calls(tx, params: Any, seed: int = 0) -> list[Any]:
-  """One zero-argument call per phase of ``tx``: its update on one device,
-  on random normal gradients shaped like ``params``.
-
-  The calls must run in phase order: each takes the state the previous one
-  left (donated, as in a train step, so the residuals are updated in place).
-  """
-  mesh = jax.make_mesh(
-      (1,),
-      (tx.axis_name,),
-      devices=jax.devices()[:1],
-      axis_types=(jax.sharding.AxisType.Auto,),
-  )
-  dp = acp_jax.DataParallel(tx, mesh)
-  rng = np.random.default_rng(seed)
-  grads = jax.tree.map(
-      lambda x, g: jax.device_put(
-          rng.standard_normal(g.shape, np.float32).astype(g.dtype), g.sharding
-      ),
-      params,
-      dp.abstract_local_grads(params),
-  )
-  compress = jax.jit(dp.compress, donate_argnums=(1,))
-  state = [dp.init_comm(params)]
-
-  def call():
-    updates, state[0] = compress(grads, state[0])
-    return updates
-
-  return [call] * len(acp_jax.comm_bytes(tx, params, num_devices=1))
 
 
 # The mean of each leaf by its own psum, on one device: S-SGD's floor.
@@ -177,7 +126,7 @@ def measure(models: list[str], repeats: int) -> list[dict[str, Any]]:
     about = workloads.describe(model)
     calls = _calls(model, params, torch_threads_by_name)
     ours = jax_threads()  # after the calls are made: the LAPACK is loaded
-    times = interleaved(calls, repeats)
+    times = timing.interleaved(calls, repeats)
     del calls  # frees the gradients and states before the next model
     rows = {}
     for name in names:
@@ -207,7 +156,7 @@ def _calls(model: str, params, torch_threads_by_name: dict[str, int]):
       (name, phase): call
       for name in workloads.COMPRESSORS
       for phase, call in enumerate(
-          phase_calls(workloads.compressor(model, name), params)
+          timing.phase_calls(workloads.compressor(model, name), params)
       )
   }
   calls[PSUM, 0] = psum_call(params)

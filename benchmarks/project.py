@@ -29,10 +29,10 @@ import jax
 import numpy as np
 
 import acp_jax
+from acp_jax import costmodel
+from acp_jax import timing
 from benchmarks import cli
-from benchmarks import costmodel
 from benchmarks import launch
-from benchmarks import overhead
 from benchmarks import records as records_lib
 from benchmarks import workloads
 from train import experiment as experiment_lib
@@ -79,8 +79,8 @@ def update_seconds(model: str, repeats: int) -> dict[str, float]:
   params = workloads.experiment(model).abstract_params
   out = {}
   for name in workloads.COMPRESSORS:  # one state alive at a time
-    calls = overhead.phase_calls(workloads.compressor(model, name), params)
-    times = overhead.interleaved(dict(enumerate(calls)), repeats)
+    calls = timing.phase_calls(workloads.compressor(model, name), params)
+    times = timing.interleaved(dict(enumerate(calls)), repeats)
     out[name] = statistics.fmean(statistics.median(t) for t in times.values())
     del calls
   return out
@@ -90,16 +90,9 @@ def traffic(model: str, compressor: str, p: int) -> list[costmodel.Traffic]:
   """Each phase's bytes on ``p`` workers, fused into the method's rounds."""
   tx = workloads.compressor(model, compressor)
   params = workloads.experiment(model).abstract_params
-  rounds = costmodel.ROUNDS.get(compressor, 1)
-  return [
-      costmodel.Traffic(
-          v.all_reduce,
-          rounds if v.all_reduce else 0,
-          v.all_gather,
-          int(v.all_gather > 0),
-      )
-      for v in acp_jax.comm_bytes(tx, params, num_devices=p).values()
-  ]
+  return costmodel.traffic(
+      acp_jax.comm_bytes(tx, params, num_devices=p), compressor
+  )
 
 
 def project(

@@ -44,12 +44,15 @@ RECORD_FILES = (
     "convergence_direction",
     "cluster",
     "cluster_links",
+    "advice",
     "projection",
     "cluster_hierarchical",
     "pipeline",
 )
 # The subcommand that writes a record file, where it is not the file's name.
 _COMMANDS = {
+    "advice": "advise --model bert_base_2l --workers 2,4 --bandwidth inf"
+    " --ranks 4 --json",
     "projection": "project",
     "cluster_hierarchical": "cluster --hierarchical",
 }
@@ -377,6 +380,9 @@ def _sections(found, out: pathlib.Path) -> list[str]:
       ),
       "cluster": lambda rows: report_cluster.cluster_section(
           rows, found["cluster_links"], out
+      ),
+      "advice": lambda rows: report_cluster.advice_section(
+          found["cluster"], found["cluster_links"], rows
       ),
       "projection": lambda rows: report_cluster.projection_section(rows, out),
       "cluster_hierarchical": report_cluster.hierarchical_section,

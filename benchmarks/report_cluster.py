@@ -7,13 +7,16 @@ from the constants of the code that the prose names.
 """
 
 import fractions
+import functools
 import pathlib
 import re
 import statistics
 from typing import Any
 
+from acp_jax import advice as advice_lib
+from acp_jax import costmodel
 from benchmarks import cluster
-from benchmarks import costmodel
+from benchmarks import launch
 from benchmarks import plots
 from benchmarks import project
 from benchmarks import records
@@ -22,6 +25,7 @@ from benchmarks import thresholds
 from benchmarks import template
 from benchmarks import workloads
 from benchmarks.template import fill
+from train import experiment as experiment_lib
 from train import models
 
 _STEP_PARTS_COLUMNS = {
@@ -431,3 +435,130 @@ def summary_table(rows) -> str:
       line.append(f"**{text}**" if speed == fastest[c] else text)
     lines.append(line)
   return "\n".join("| " + " | ".join(line) + " |" for line in lines)
+
+
+# The links of the sweep the advice is checked on: 1 Gb/s and slower.
+ADVICE_LINKS = ("10mbit", "100mbit", "1gbit")
+_ADVICE_COLUMNS = {
+    "workers": "workers",
+    "bandwidth": "link",
+    "advised": "advised",
+    "advised_examples_per_sec": "its examples/s",
+    "best": "measured best",
+    "best_examples_per_sec": "its examples/s",
+    "ratio": "advised / best",
+    "best_eligible": "best at or above the threshold",
+    "eligible_ratio": "advised / it",
+}
+
+
+def advice_at(point, link, cosines, params) -> dict[str, Any]:
+  """The advice at one measured ``point`` (its rows of acp_jax's methods),
+  from the point's measured ``link`` record, its local steps and the
+  advice's ``cosines`` of the same model and workers, restricted to the
+  methods measured there; beside the measured best."""
+  rank = workloads.CLUSTER_MODELS[point[0]["model"]]["rank"]
+  measured = {}
+  for r in point:
+    c = r["compressor"]
+    candidate = advice_lib.Candidate(
+        c, rank if c in advice_lib.LOW_RANK else None
+    )
+    measured[candidate] = r
+  fastest_local = min(r["step_local_s"] for r in measured.values())
+  names = {c.name: r for c, r in measured.items()}
+  workers = point[0]["workers"]
+  calibration = advice_lib.Calibration.recorded()
+  speed = {n: r["examples_per_sec"] for n, r in names.items()}
+  best = max(speed, key=speed.get)
+  row = {
+      "workers": workers,
+      "bandwidth": point[0]["bandwidth"],
+      "best": best,
+      "best_examples_per_sec": speed[best],
+  }
+  eligible = [n for n in speed if cosines[n] >= calibration.cosine]
+  if not eligible:
+    return {**row, "advised": "none at or above the threshold"}
+  advice = advice_lib.recommend(
+      advice_lib.Measurements(
+          fastest_local,
+          {n: r["step_local_s"] - fastest_local for n, r in names.items()},
+          {n: cosines[n] for n in names},
+      ),
+      advice_lib.volumes(measured, params, workers),
+      tuple(measured),
+      workers=workers,
+      link=advice_lib.Link(1 / link["beta_s_per_byte"], link["alpha_s"]),
+      global_batch=workers * workloads.CLUSTER_MODELS[point[0]["model"]][
+          "batch_size"
+      ],
+      calibration=calibration,
+  )
+  advised = advice.pick.candidate.name
+  best_eligible = max(eligible, key=speed.get)
+  return {
+      **row,
+      "advised": advised,
+      "advised_examples_per_sec": speed[advised],
+      "ratio": speed[advised] / speed[best],
+      "best_eligible": best_eligible,
+      "eligible_ratio": speed[advised] / speed[best_eligible],
+  }
+
+
+def advice_section(rows, calibration, advice) -> list[str]:
+  """At each measured point of the shaped-link sweep (acp_jax's methods,
+  ``ADVICE_LINKS``), the advice against the measured best."""
+  cosines = {}
+  for r in advice:
+    cosines.setdefault((r["model"], r["workers"]), {})[r["name"]] = r["cosine"]
+  points = {}
+  for r in rows:
+    if r["system"] == "acp_jax" and r["bandwidth"] in ADVICE_LINKS:
+      points.setdefault((r["bandwidth"], r["workers"]), []).append(r)
+  links = {(r["bandwidth"], r["workers"]): r for r in calibration}
+  table, missing = [], []
+  for (bandwidth, workers), point in sorted(
+      points.items(), key=lambda kv: (kv[0][1], _mbit(kv[0][0]))
+  ):
+    key = (point[0]["model"], workers)
+    if key not in cosines:
+      missing.append(f"{key[0]} on {workers} workers")
+      continue
+    params = cluster_params(key[0])
+    table.append(
+        advice_at(point, links[bandwidth, workers], cosines[key], params)
+    )
+  calibration_line = advice_lib.Calibration.recorded().describe()
+  measured_cosines = "; ".join(
+      f"{model} on {workers} workers: "
+      + ", ".join(f"{n} {c:.3f}" for n, c in by_name.items() if c < 1)
+      for (model, workers), by_name in cosines.items()
+  )
+  return [
+      fill(
+          "advice",
+          provenance=template.provenance(advice),
+          cosines=measured_cosines,
+          calibration=calibration_line,
+          table=records.table(table, _ADVICE_COLUMNS) if table else "",
+          missing=(
+              "No advice record for " + template.and_list(missing) + "."
+              if missing
+              else ""
+          ),
+      )
+  ]
+
+
+def _mbit(bandwidth: str) -> float:
+  return launch.BANDWIDTHS[bandwidth] or float("inf")
+
+
+@functools.cache
+def cluster_params(model: str):
+  """The abstract params of cluster workload ``model``."""
+  return experiment_lib.build(
+      workloads.cluster_config(model, "ssgd", 1)
+  ).abstract_params

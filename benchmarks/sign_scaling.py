@@ -56,7 +56,7 @@ def time_update(
   import numpy as np
 
   import acp_jax
-  from benchmarks import overhead
+  from acp_jax import timing
 
   factory, kwargs = COMPRESSORS[compressor]
   tx = getattr(acp_jax, factory)(**kwargs)
@@ -81,7 +81,7 @@ def time_update(
     updates, state[0] = compiled(grads, state[0])
     return updates
 
-  times = overhead.interleaved({compressor: call}, repeats, warmup=1)
+  times = timing.interleaved({compressor: call}, repeats, warmup=1)
   return {
       "update_s": statistics.median(times[compressor]),
       "compile_s": compile_s,

@@ -555,7 +555,7 @@ def _parts(args) -> dict:
   return {**out, **method.summary()}
 
 
-def _psum(args) -> dict:
+def psum(args) -> dict:
   """Median seconds of an all-reduce of each size: on idle processes
   (``psum_seconds``), and, with ``--busy_mb``, right after every process
   computed a pass over that many megabytes (``busy_psum_seconds``: the
@@ -606,7 +606,7 @@ def main(argv: list[str] | None = None) -> None:
 
   devices = args.devices if args.mode == "nodes" else 1
   runtime.setup(num_cpu_devices=devices, **{k: getattr(args, k) for k in _DIST})
-  modes = {"nodes": _nodes, "parts": _parts, "psum": _psum}
+  modes = {"nodes": _nodes, "parts": _parts, "psum": psum}
   result = modes[args.mode](args)
   print("RESULT " + json.dumps({"process_id": args.process_id, **result}))
 

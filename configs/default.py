@@ -99,6 +99,25 @@ def get_config() -> ml_collections.ConfigDict:
           # coordinates that power_sgd or acp_sgd all-reduce
           # (acp_jax.subspace_adam; optimizer adamw).
           "compress": "gradient",
+          # name "auto": the compressor that acp_jax.advise recommends for
+          # this model on these workers and link (train/advice.py).
+          "auto": {
+              # A saved advice (python -m benchmarks advise --json); None:
+              # measured at the start.
+              "advice": config_dict.placeholder(str),
+              # Each worker's link: bytes per second (inf: free), seconds
+              # per message.
+              "bandwidth": config_dict.placeholder(float),
+              "latency": 0.0,
+              "workers": 0,  # 0: this run's devices
+              # Batches the cosines are taken on (the first two warm the
+              # factors: acp_jax.advice.STEPS, WARMUP).
+              "steps": 4,
+              # The held-out loss gap to S-SGD the threshold promises.
+              "max_gap": 0.1,
+              # Set by the trainer: the advice it follows, as JSON.
+              "picked": config_dict.placeholder(str),
+          },
       }
   )
 

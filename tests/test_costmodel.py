@@ -5,8 +5,8 @@ import argparse
 import numpy as np
 import pytest
 
+from acp_jax import costmodel
 from benchmarks import cluster
-from benchmarks import costmodel
 from benchmarks import worker
 
 LINK = costmodel.Link(alpha=1e-3, beta=1e-8)

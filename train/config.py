@@ -229,7 +229,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   )
   _check_keys(
       "config.compressor",
-      set(config.compressor) - {"name", "compress"},
+      set(config.compressor) - {"name", "compress", "auto"},
       registry.names(),
   )
   _check_choice("config.compressor.compress", compress_mode(config), COMPRESS)

@@ -14,6 +14,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding
 
+from train import advice
 from train import data as data_lib
 from train import loop
 from train import metrics as metrics_lib
@@ -96,7 +97,8 @@ def state_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
               optimizer.name: dict(optimizer.get(optimizer.name, {}))
           },
           "compressor": {"compress": compress_mode(config)},
-      }
+      },
+      **advice.settings(config),
   }
 
 
@@ -110,6 +112,7 @@ def train_and_evaluate(
     steady-state throughput and a digest of the final params.
   """
   runtime.check_same_config(config)
+  config = advice.resolve(config, workdir)
   experiment = build(config)
   os.makedirs(workdir, exist_ok=True)
   runtime.check_shared_workdir(workdir)

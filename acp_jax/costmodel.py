@@ -15,11 +15,17 @@ all-reduce waits for its first, Sign-SGD and Top-k select over whole
 tensors: they communicate after backprop. Whether a runtime does overlap is
 its own matter (``overlap``): XLA:CPU runs a step's thunks in order, PyTorch
 DDP and the paper's implementation overlap.
+
+Pure arithmetic: ``acp_jax.advise`` predicts with it, and the benchmarks
+calibrate and project with it.
 """
 
+from collections.abc import Mapping
 import dataclasses
 
 import numpy as np
+
+from acp_jax import compressor as compressor_lib
 
 # Dependent all-reduce rounds per step (``acp_jax.hlo.collective_rounds`` of the
 # compiled update); the others take one.
@@ -111,6 +117,25 @@ class Traffic:
           self.all_gather / self.all_gather_ops / p, p, link
       )
     return total
+
+
+def traffic(
+    volumes: Mapping[str, compressor_lib.CommVolume], method: str
+) -> list[Traffic]:
+  """Each phase's ``CommVolume`` (``acp_jax.comm_bytes``) as the ``Traffic``
+  of ``method``'s step: its all-reduces fused into its rounds (tensor
+  fusion, as XLA's combiner and DDP's buckets do), its all-gathers into
+  one."""
+  rounds = ROUNDS.get(method, 1)
+  return [
+      Traffic(
+          v.all_reduce,
+          rounds if v.all_reduce else 0,
+          v.all_gather,
+          int(v.all_gather > 0),
+      )
+      for v in volumes.values()
+  ]
 
 
 def step_seconds(

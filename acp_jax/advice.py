@@ -1,0 +1,741 @@
+"""Which compressor, at which rank: advice from a measurement, before a run
+(``acp_jax.advise``).
+
+For a model, a few batches, a number of workers and a link, ``advise``:
+
+1. measures this device's forward and backward time on one worker's share
+   of a batch;
+2. times each candidate's update on one device (``acp_jax.timing``), and
+   runs it for a few steps on the user's own gradients, on the workers
+   simulated by ``jax.vmap`` (``acp_jax.simulated``), to measure the cosine
+   of its compressed mean with the true mean (S-SGD's);
+3. reads each candidate's bytes per phase from ``acp_jax.comm_bytes``;
+4. predicts each candidate's step with the alpha-beta model
+   (``acp_jax.costmodel``): compute and update, plus each phase's
+   communication on the link, averaged over the phases;
+5. ranks the candidates by predicted step and recommends the fastest whose
+   cosine is at or above a threshold. The threshold comes from the
+   convergence records (``Calibration``): the lowest cosine at and above
+   which every recorded variant ended within ``max_gap`` of S-SGD's
+   held-out loss.
+
+Steps 1 and 2 are the only measurements; given ``Measurements``, the advice
+is arithmetic on the accounting, the same for the same inputs.
+
+The cosines are measured as the trainer's configs train: each Power-SGD and
+ACP-SGD candidate first takes ``WARMUP`` dense steps (its ``warmup_steps``)
+that warm its factors on the true mean, then compresses; the cosine is the
+mean over the steps after the warm-up, all at the given params (the initial
+ones, or a checkpoint's). Fresh factors turn far from the mean on their
+first steps, ACP-SGD's most, as it refreshes each factor from the other's
+previous value; the warm-up takes that start out of the measurement, and
+the pick is to be trained with a dense warm-up too (``Advice.compressor``
+takes ``warmup_steps``; the trainer's configs carry one). The threshold is
+calibrated on cosines measured in this same way on the char LM
+(``python -m benchmarks advise --calibrate``), for the variants whose
+held-out loss the convergence records give after the same kind of warm-up.
+It holds for that measurement only: each compressed step's error adds up
+in the residuals, and a cosine averaged over more steps is lower (the
+candidates' order stays), so ``advise`` warns when it measures over other
+steps than ``WARMUP`` and ``STEPS``.
+
+Power-SGD's and ACP-SGD's updates are timed at the lowest, the middle and
+the highest of their ranks; the update at a rank in between is interpolated
+linearly in rank (``timed_ranks``), which saves most of the compiles.
+"""
+
+from collections.abc import Callable, Mapping, Sequence
+import dataclasses
+import importlib.resources
+import json
+import math
+import statistics
+from typing import Any
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from acp_jax import _checks
+from acp_jax import compressor as compressor_lib
+from acp_jax import costmodel
+from acp_jax import simulated
+from acp_jax import timing
+from acp_jax import registry
+
+# The compressors the advice weighs, by factory name: the registry's.
+FACTORIES = {name: registry.get(name).factory for name in registry.names()}
+LOW_RANK = tuple(name for name in FACTORIES if registry.get(name).low_rank)
+RANKS = (1, 2, 4, 8, 16, 32)
+# Top-k's fraction of each tensor sent (the configs' own).
+TOPK_DENSITY = 0.01
+# Backends whose all-reduce sends bfloat16 as it is (XLA:CPU widens it to
+# float32, so bfloat16 factors save nothing there).
+BFLOAT16_BACKENDS = ("gpu", "tpu")
+# The held-out loss gap to S-SGD (as a fraction) that the threshold promises
+# by default.
+MAX_GAP = 0.10
+# The records the threshold is calibrated on (see ``Calibration``).
+CALIBRATION_FILE = "advice_calibration.json"
+# Dense steps each low-rank candidate takes before its cosine is measured,
+# and the batches of a measurement (the warm-up's and the measured ones).
+WARMUP = 2
+STEPS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """A compressor the advice weighs: its factory, rank and factor dtype."""
+
+  method: str
+  rank: int | None = None
+  comm_dtype: str | None = None
+
+  def __post_init__(self):
+    _checks.choice("method", self.method, tuple(FACTORIES))
+    if (self.rank is not None) != (self.method in LOW_RANK):
+      raise ValueError(
+          f"rank is for {' and '.join(LOW_RANK)} only, got rank"
+          f" {self.rank!r} for {self.method!r}"
+      )
+
+  @property
+  def name(self) -> str:
+    """``"acp_sgd_r4"``, ``"power_sgd_r8_bf16"``, ``"ssgd"``..."""
+    name = self.method if self.rank is None else f"{self.method}_r{self.rank}"
+    return name + ("_bf16" if self.comm_dtype == "bfloat16" else "")
+
+  def kwargs(self) -> dict[str, Any]:
+    """The factory's arguments that make this candidate."""
+    if self.method == "topk_sgd":
+      return {"density": TOPK_DENSITY}
+    if self.rank is None:
+      return {}
+    return {"rank": self.rank, "comm_dtype": self.comm_dtype}
+
+  def make(self, **kwargs: Any) -> compressor_lib.Compressor:
+    """The compressor, with any further factory arguments (``axis_name``,
+    ``warmup_steps``...)."""
+    return FACTORIES[self.method](**self.kwargs(), **kwargs)
+
+
+def default_candidates(
+    backend: str | None = None, ranks: Sequence[int] = RANKS
+) -> tuple[Candidate, ...]:
+  """S-SGD, Sign-SGD, Top-k, and Power-SGD and ACP-SGD at each of ``ranks``
+  with float32 factors, and with bfloat16 ones where ``backend`` (default:
+  JAX's) all-reduces bfloat16 as it is."""
+  backend = backend or jax.default_backend()
+  dtypes = (None, "bfloat16") if backend in BFLOAT16_BACKENDS else (None,)
+  for r in ranks:
+    _checks.integer("rank", r, 1)
+  return (
+      Candidate("ssgd"),
+      Candidate("sign_sgd"),
+      Candidate("topk_sgd"),
+      *(
+          Candidate(m, r, d)
+          for m in LOW_RANK
+          for r in ranks
+          for d in dtypes
+      ),
+  )
+
+
+def _positive_number(name: str, value: Any) -> float:
+  """``value`` as a float; raises unless it is a number > 0 (inf too)."""
+  if (
+      isinstance(value, bool)
+      or not isinstance(value, (int, float))
+      or math.isnan(value)
+      or value <= 0
+  ):
+    raise ValueError(f"{name} must be a positive number, got {value!r}")
+  return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+  """Each worker's link: ``bandwidth`` in bytes per second (``math.inf``
+  for a link whose bytes cost nothing) and ``latency`` in seconds per
+  message."""
+
+  bandwidth: float
+  latency: float = 0.0
+
+  def __post_init__(self):
+    _positive_number("bandwidth", self.bandwidth)
+    if (
+        isinstance(self.latency, bool)
+        or not isinstance(self.latency, (int, float))
+        or not 0 <= self.latency < math.inf
+    ):
+      raise ValueError(
+          f"latency must be a finite number >= 0, got {self.latency!r}"
+      )
+
+  def costs(self) -> costmodel.Link:
+    return costmodel.Link(alpha=self.latency, beta=1 / self.bandwidth)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurements:
+  """What the advice measures, by candidate name (``Candidate.name``).
+
+  Attributes:
+    forward_backward: seconds of one worker's forward and backward pass on
+      its share of the batch.
+    update: seconds of each candidate's update on one worker (the mean over
+      its phases), communication left out.
+    cosine: each candidate's mean per-step cosine between its compressed
+      mean gradient and the true mean (S-SGD's, whose cosine is 1).
+  """
+
+  forward_backward: float
+  update: Mapping[str, float]
+  cosine: Mapping[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationPoint:
+  """A recorded variant: its cosine and its held-out loss gap to S-SGD
+  (a fraction: 0.05 is 5 % above S-SGD's loss)."""
+
+  variant: str
+  cosine: float
+  gap: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+  """The threshold on the cosine, and the records it comes from.
+
+  ``cosine`` is the lowest recorded cosine at and above which every
+  recorded variant ended within ``max_gap`` of S-SGD's held-out loss (1.0,
+  S-SGD alone, if none did).
+  """
+
+  cosine: float
+  max_gap: float
+  points: tuple[CalibrationPoint, ...]
+  source: str
+
+  @classmethod
+  def from_points(
+      cls, points: Sequence[CalibrationPoint], max_gap: float, source: str
+  ) -> "Calibration":
+    _positive_number("max_gap", max_gap)
+    ordered = sorted(points, key=lambda p: -p.cosine)
+    threshold = 1.0
+    for point in ordered:
+      if point.gap > max_gap:
+        break
+      threshold = point.cosine
+    return cls(threshold, max_gap, tuple(ordered), source)
+
+  @classmethod
+  def recorded(cls, max_gap: float = MAX_GAP) -> "Calibration":
+    """From the convergence records shipped with the package
+    (``CALIBRATION_FILE``, written from them by ``python -m benchmarks
+    advise --calibrate``)."""
+    text = (
+        importlib.resources.files("acp_jax")
+        .joinpath(CALIBRATION_FILE)
+        .read_text()
+    )
+    data = json.loads(text)
+    points = [
+        CalibrationPoint(p["variant"], p["cosine"], p["gap"])
+        for p in data["points"]
+    ]
+    return cls.from_points(points, max_gap, data["source"])
+
+  def describe(self) -> str:
+    """The threshold and why, in a sentence or two."""
+    within = [p for p in self.points if p.cosine >= self.cosine]
+    below = [p for p in self.points if p.cosine < self.cosine]
+    text = (
+        f"threshold: cosine >= {self.cosine:.3f}, at and above which every"
+        f" recorded variant ended within {100 * self.max_gap:.1f} % of"
+        " S-SGD's held-out loss ("
+        + ", ".join(
+            f"{p.variant} {p.cosine:.3f}: {100 * p.gap:+.1f} %" for p in within
+        )
+        + ")"
+    )
+    if below:
+      p = below[0]
+      text += (
+          f"; the next below it, {p.variant} at {p.cosine:.3f}, ended"
+          f" {100 * p.gap:+.1f} %"
+      )
+    return text + f". Records: {self.source}."
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One candidate's prediction: ``step_s`` seconds a step (the mean over
+  its phases), ``examples_per_s`` of the global batch, ``bytes_per_step``
+  (each worker's, ``CommVolume.total``, the mean over the phases),
+  ``update_s`` its measured update and ``cosine`` its measured cosine."""
+
+  candidate: Candidate
+  step_s: float
+  examples_per_s: float
+  bytes_per_step: float
+  update_s: float
+  cosine: float
+
+  def as_dict(self) -> dict[str, Any]:
+    return {
+        "name": self.candidate.name,
+        **dataclasses.asdict(self.candidate),
+        **{
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "candidate"
+        },
+    }
+
+
+_COLUMNS = (
+    ("candidate", 20, lambda r: r["name"]),
+    ("step (s)", 10, lambda r: f"{r['step_s']:.4f}"),
+    ("examples/s", 12, lambda r: f"{r['examples_per_s']:.2f}"),
+    ("bytes/step", 12, lambda r: f"{r['bytes_per_step']:.0f}"),
+    ("update (s)", 11, lambda r: f"{r['update_s']:.4f}"),
+    ("cosine", 8, lambda r: f"{r['cosine']:.3f}"),
+)
+
+
+def table(record: Sequence[Mapping[str, Any]]) -> str:
+  """An advice's record (``Advice.to_record``) as a table: the ranked
+  candidates, the pick marked, the link, and the threshold."""
+  lines = ["  " + "".join(f"{h:>{w}s}" for h, w, _ in _COLUMNS)]
+  for row in record:
+    mark = "* " if row["picked"] else "  "
+    lines.append(mark + "".join(f"{f(row):>{w}s}" for _, w, f in _COLUMNS))
+  first, pick = record[0], next(r for r in record if r["picked"])
+  bandwidth = first["bandwidth"] or math.inf
+  lines += [
+      f"{first['workers']} workers, link {bandwidth:.4g} B/s and"
+      f" {first['latency']:.3g} s, forward and backward"
+      f" {first['forward_backward_s']:.4f} s on one worker's"
+      f" {first['global_batch'] // first['workers']} examples",
+      first["calibration"],
+      f"recommended: {pick['name']}, the fastest at or above the threshold",
+  ]
+  return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+  """The candidates ranked by predicted step (fastest first), the pick, and
+  what it rests on."""
+
+  rows: tuple[Row, ...]
+  pick: Row
+  calibration: Calibration
+  workers: int
+  link: Link
+  global_batch: int
+  measurements: Measurements
+
+  def compressor(
+      self, warmup_steps: int = 0, **kwargs: Any
+  ) -> compressor_lib.Compressor:
+    """The recommended compressor, made with ``kwargs`` besides its own.
+
+    A low-rank pick's cosine was measured after a dense warm-up that warmed
+    its factors: train it with one too (``warmup_steps``, passed to
+    Power-SGD and ACP-SGD only).
+    """
+    if warmup_steps and self.pick.candidate.method in LOW_RANK:
+      kwargs["warmup_steps"] = warmup_steps
+    return self.pick.candidate.make(**kwargs)
+
+  def table(self) -> str:
+    """The ranked candidates, the pick marked, and the threshold."""
+    return table(self.to_record())
+
+  def to_record(self) -> list[dict[str, Any]]:
+    """The advice as flat JSON-serializable rows, one a candidate, fastest
+    first, the pick's ``picked`` true, each with what the advice rests on
+    (an infinite bandwidth is written as None)."""
+    bandwidth = self.link.bandwidth
+    advice = {
+        "workers": self.workers,
+        "bandwidth": None if math.isinf(bandwidth) else bandwidth,
+        "latency": self.link.latency,
+        "global_batch": self.global_batch,
+        "forward_backward_s": self.measurements.forward_backward,
+        "threshold": self.calibration.cosine,
+        "max_gap": self.calibration.max_gap,
+        "calibration": self.calibration.describe(),
+    }
+    return [
+        {**r.as_dict(), "picked": r is self.pick, **advice} for r in self.rows
+    ]
+
+
+def recommend(
+    measurements: Measurements,
+    volumes: Mapping[str, Mapping[str, compressor_lib.CommVolume]],
+    candidates: Sequence[Candidate],
+    *,
+    workers: int,
+    link: Link,
+    global_batch: int,
+    calibration: Calibration,
+    overlap: bool = False,
+) -> Advice:
+  """The advice from measurements and each candidate's ``comm_bytes``
+  (``volumes``, by candidate name): arithmetic only.
+
+  With ``overlap``, the pipelined methods (``costmodel.PIPELINED``) hide
+  their communication behind backprop, as GPU runtimes can; XLA:CPU does
+  not.
+  """
+  _checks.integer("workers", workers, 1)
+  _checks.integer("global_batch", global_batch, 1)
+  costs = link.costs()
+  forward_backward = measurements.forward_backward
+  rows = []
+  for c in candidates:
+    update = measurements.update[c.name]
+    phases = volumes[c.name]
+    step = statistics.fmean(
+        costmodel.step_seconds(
+            forward_backward + update,
+            costmodel.BACKWARD_SHARE * forward_backward,
+            t,
+            c.method,
+            workers,
+            costs,
+            overlap,
+        )
+        for t in costmodel.traffic(phases, c.method)
+    )
+    rows.append(
+        Row(
+            c,
+            step,
+            global_batch / step,
+            statistics.fmean(v.total for v in phases.values()),
+            update,
+            measurements.cosine[c.name],
+        )
+    )
+  rows.sort(key=lambda r: (r.step_s, r.bytes_per_step, r.candidate.name))
+  eligible = [r for r in rows if r.cosine >= calibration.cosine]
+  if not eligible:
+    raise ValueError(
+        f"no candidate reaches the threshold cosine {calibration.cosine:.3f};"
+        " include ssgd among the candidates"
+    )
+  return Advice(
+      tuple(rows),
+      eligible[0],
+      calibration,
+      workers,
+      link,
+      global_batch,
+      measurements,
+  )
+
+
+def _split(batch: Any, workers: int) -> Any:
+  """``batch`` with each leaf's rows split over a leading worker axis."""
+
+  def split(x):
+    if x.shape[0] % workers:
+      raise ValueError(
+          f"the batch's {x.shape[0]} rows do not split over workers={workers}"
+      )
+    return x.reshape((workers, -1) + x.shape[1:])
+
+  return jax.tree.map(split, batch)
+
+
+_cosine = jax.jit(simulated.cosine)
+
+
+def _cosine_over_steps(
+    candidate: Candidate,
+    params: Any,
+    grads: Sequence[Any],
+    means: Sequence[Any],
+    workers: int,
+    warmup: int,
+) -> float:
+  """``candidate``'s mean cosine with the true ``means`` over the steps
+  after ``warmup``, on ``workers`` simulated devices fed the stacked
+  ``grads``; a low-rank candidate takes those first steps dense, warming its
+  factors (its ``warmup_steps``)."""
+  warm = warmup and candidate.method in LOW_RANK
+  tx = candidate.make(**({"warmup_steps": warmup} if warm else {}))
+  state = jax.jit(tx.init)(params)
+  devices = simulated.Devices(
+      tx.update, state, simulated.device_axes(tx, state), tx.axis_name, workers
+  )
+  # The phase markers that at_step sets are not yet on the device, the
+  # update's outputs are: put there alike, the program that compresses is
+  # compiled once rather than again on the step after the switch.
+  device = jax.local_devices()[0]
+  cosines = []
+  for step, (g, m) in enumerate(zip(grads, means)):
+    devices.state = jax.device_put(tx.at_step(devices.state, step), device)
+    cosines.append(_cosine(devices(g), m))
+  return statistics.fmean(float(c) for c in cosines[warmup:])
+
+
+def _update_seconds(
+    tx: compressor_lib.Compressor, params: Any, repeats: int
+) -> float:
+  """``tx``'s update on one device (``timing.phase_calls``): the mean over
+  its phases of the median of ``repeats`` calls."""
+  with warnings.catch_warnings():
+    # ACP-SGD's phase marker changes shape: its buffer is not reused.
+    warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+    calls = timing.phase_calls(tx, params)
+    times = timing.interleaved(dict(enumerate(calls)), repeats, warmup=1)
+  return statistics.fmean(statistics.median(t) for t in times.values())
+
+
+def timed_ranks(ranks: Sequence[int]) -> tuple[int, ...]:
+  """The ranks whose update is timed: the lowest, the middle and the
+  highest of ``ranks``; the others' are interpolated between them."""
+  ordered = sorted(set(ranks))
+  return tuple(sorted({ordered[0], ordered[len(ordered) // 2], ordered[-1]}))
+
+
+def _update_times(
+    candidates: Sequence[Candidate],
+    params: Any,
+    repeats: int,
+    say: Callable[[str], None],
+) -> dict[str, float]:
+  """Each candidate's update seconds: timed, or, for a low-rank rank that
+  ``timed_ranks`` leaves out, interpolated linearly in rank between the
+  nearest timed ranks of the same method and factor dtype."""
+  groups = {}
+  for c in candidates:
+    groups.setdefault((c.method, c.comm_dtype), []).append(c)
+  times = {}
+  for group in groups.values():
+    timed = timed_ranks([c.rank for c in group]) if group[0].rank else ()
+    by_rank = {}
+    for c in group:
+      if c.rank is None or c.rank in timed:
+        say(f"update of {c.name}")
+        times[c.name] = by_rank[c.rank] = _update_seconds(
+            c.make(), params, repeats
+        )
+    for c in group:
+      if c.name not in times:
+        lo = max(r for r in timed if r < c.rank)
+        hi = min(r for r in timed if r > c.rank)
+        w = (c.rank - lo) / (hi - lo)
+        times[c.name] = (1 - w) * by_rank[lo] + w * by_rank[hi]
+  return times
+
+
+def _check_warmup(warmup: int, batches: Sequence[Any]) -> None:
+  _checks.integer("warmup", warmup, 0)
+  if len(batches) <= warmup:
+    raise ValueError(
+        f"batches must hold more than warmup={warmup} batches, got"
+        f" {len(batches)}"
+    )
+
+
+def _cosines(
+    grad: Callable[[Any, Any], Any],
+    params: Any,
+    batches: Sequence[Any],
+    candidates: Sequence[Candidate],
+    workers: int,
+    warmup: int,
+    say: Callable[[str], None],
+) -> dict[str, float]:
+  """Each candidate's cosine (``_cosine_over_steps``) on each worker's
+  gradients by ``grad``."""
+  one = lambda b, i: jax.tree.map(lambda x: x[i], b)
+  grads = [
+      jax.tree.map(
+          lambda *g: jnp.stack(g),
+          *(grad(params, one(b, i)) for i in range(workers)),
+      )
+      for b in (_split(b, workers) for b in batches)
+  ]
+  means = [jax.tree.map(lambda g: g.mean(0), g) for g in grads]
+  by_name = {}
+  for i, c in enumerate(candidates):
+    say(f"[{i + 1}/{len(candidates)}] cosine of {c.name}")
+    # S-SGD is the reference: its cosine is 1 by definition.
+    by_name[c.name] = (
+        1.0
+        if c.method == "ssgd"
+        else _cosine_over_steps(c, params, grads, means, workers, warmup)
+    )
+  return by_name
+
+
+def cosines(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    params: Any,
+    batches: Sequence[Any],
+    candidates: Sequence[Candidate],
+    *,
+    workers: int,
+    warmup: int = WARMUP,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, float]:
+  """The cosines ``measure`` takes, alone (the calibration measures its
+  variants with this); the arguments are ``measure``'s."""
+  _checks.integer("workers", workers, 1)
+  _check_warmup(warmup, batches)
+  grad = jax.jit(jax.grad(loss_fn))
+  say = progress or (lambda line: None)
+  return _cosines(grad, params, batches, candidates, workers, warmup, say)
+
+
+def measure(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    params: Any,
+    batches: Sequence[Any],
+    candidates: Sequence[Candidate],
+    *,
+    workers: int,
+    warmup: int = WARMUP,
+    repeats: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> Measurements:
+  """Measures on this device what ``recommend`` needs.
+
+  Args:
+    loss_fn: ``(params, batch) -> scalar loss`` of one worker's batch.
+    params: the parameters (the initial ones, or a checkpoint's).
+    batches: global batches, one a step, each leaf's rows split evenly over
+      the ``workers``; the cosines are taken over all but the first
+      ``warmup`` steps.
+    candidates: the compressors to measure.
+    workers: how many workers to simulate.
+    warmup: the dense steps each Power-SGD and ACP-SGD candidate takes
+      first, warming its factors (the others' residuals settle in them);
+      the cosines are taken after them.
+    repeats: timed calls of each update after the one that compiles it
+      (the median is kept); ranks between those of ``timed_ranks`` are
+      interpolated.
+    progress: called with a line before each measurement.
+  """
+  _checks.integer("workers", workers, 1)
+  _check_warmup(warmup, batches)
+  say = progress or (lambda line: None)
+  say(f"forward and backward on one worker's share of {workers}")
+  grad = jax.jit(jax.grad(loss_fn))
+  first = jax.tree.map(lambda x: x[0], _split(batches[0], workers))
+  times = timing.interleaved({0: lambda: grad(params, first)}, repeats, 1)
+  forward_backward = statistics.median(times[0])
+  update = _update_times(candidates, params, repeats, say)
+  # The gradients by the program just timed.
+  cosine = _cosines(grad, params, batches, candidates, workers, warmup, say)
+  return Measurements(forward_backward, update, cosine)
+
+
+def volumes(
+    candidates: Sequence[Candidate], params: Any, workers: int
+) -> dict[str, dict[str, compressor_lib.CommVolume]]:
+  """Each candidate's bytes per phase on ``workers`` (``comm_bytes``)."""
+  return {
+      c.name: compressor_lib.comm_bytes(c.make(), params, num_devices=workers)
+      for c in candidates
+  }
+
+
+def advise(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    params: Any,
+    batches: Sequence[Any],
+    *,
+    workers: int,
+    link: Link,
+    candidates: Sequence[Candidate] | None = None,
+    max_gap: float = MAX_GAP,
+    overlap: bool = False,
+    measurements: Measurements | None = None,
+    warmup: int = WARMUP,
+    progress: Callable[[str], None] | None = None,
+) -> Advice:
+  """Which compressor, at which rank, for this model on this link.
+
+  Args:
+    loss_fn: ``(params, batch) -> scalar loss`` of one worker's batch.
+    params: the parameters (the initial ones, or a checkpoint's).
+    batches: global batches, one a step (at least ``warmup + 1``; the
+      calibration's measurement took ``STEPS``), each leaf's rows split
+      evenly over the ``workers``.
+    workers: the number of data-parallel workers.
+    link: each worker's link.
+    candidates: default ``default_candidates()``: every method, ranks 1 to 32.
+    max_gap: the held-out loss gap to S-SGD the threshold promises (0.1:
+      10 %), per the convergence records (``Calibration``).
+    overlap: whether the runtime hides communication behind backprop
+      (GPUs can; XLA:CPU does not).
+    measurements: what ``measure`` returns, to skip measuring (the advice
+      is then the same for the same inputs).
+    warmup: dense steps before the cosines are taken (see ``measure``;
+      the calibration's measurement took ``WARMUP``).
+    progress: called with a line before each measurement.
+
+  Returns:
+    The ``Advice``: rows fastest first, the pick, and ``compressor()``.
+
+  Example::
+
+    advice = acp_jax.advise(
+        loss_fn, params, [batch0, batch1, batch2, batch3], workers=8,
+        link=acp_jax.advice.Link(bandwidth=125e6, latency=50e-6),
+    )
+    print(advice.table())
+    tx = optax.chain(advice.compressor(warmup_steps=60), optax.adamw(1e-3))
+  """
+  _checks.integer("workers", workers, 1)
+  if not isinstance(link, Link):
+    raise TypeError(f"link must be an acp_jax.advice.Link, got {link!r}")
+  candidates = tuple(candidates or default_candidates())
+  calibration = Calibration.recorded(max_gap)
+  first = jax.tree.leaves(batches[0]) if len(batches) else []
+  if not first:
+    raise ValueError(f"batches must hold at least one batch, got {batches!r}")
+  global_batch = first[0].shape[0]
+  if measurements is None:
+    if (warmup, len(batches)) != (WARMUP, STEPS):
+      warnings.warn(
+          f"the threshold was calibrated on cosines over {STEPS - WARMUP}"
+          f" steps after {WARMUP} dense ones, these are over"
+          f" {len(batches) - warmup} after {warmup}: the cosines fall as"
+          " compressed steps add up, so the threshold does not apply as"
+          f" calibrated (give {STEPS} batches and warmup={WARMUP})",
+          stacklevel=2,
+      )
+    measurements = measure(
+        loss_fn,
+        params,
+        batches,
+        candidates,
+        workers=workers,
+        warmup=warmup,
+        progress=progress,
+    )
+  return recommend(
+      measurements,
+      volumes(candidates, params, workers),
+      candidates,
+      workers=workers,
+      link=link,
+      global_batch=global_batch,
+      calibration=calibration,
+      overlap=overlap,
+  )
+

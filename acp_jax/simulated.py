@@ -1,0 +1,96 @@
+"""Devices simulated by ``jax.vmap``: a compressor's mean of several devices'
+gradients computed on one device, and the cosine that says how far it turns
+from the true mean.
+
+Under ``jax.vmap`` over the compressor's axis name, its collectives run in one
+program on one device: the same arithmetic as under ``shard_map``, with no
+threads to wait on each other. The fields of the state that differ across
+devices (``Compressor.local_fields``, the residuals) carry a leading device
+axis; the others, identical on every replica, are held once.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from acp_jax import compressor as compressor_lib
+
+
+def cosine(a: Any, b: Any) -> jax.Array:
+  """The cosine between two trees, as vectors of all their leaves."""
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  dot = sum(jnp.vdot(x, y) for x, y in zip(la, lb))
+  na = sum(jnp.vdot(x, x) for x in la)
+  nb = sum(jnp.vdot(y, y) for y in lb)
+  return dot / jnp.sqrt(na * nb)
+
+
+def device_axes(tx: compressor_lib.Compressor, state: Any) -> Any:
+  """``tx``'s ``state`` with 0 at its local fields (a leading device axis)
+  and None at the fields held once."""
+  return type(state)(
+      *(0 if f in tx.local_fields else None for f in state._fields)
+  )
+
+
+def _is_axis(x: Any) -> bool:
+  return x is None or isinstance(x, int)
+
+
+class Devices:
+  """An update, compiled for ``num_devices`` devices simulated by
+  ``jax.vmap``, and the state it carries from call to call.
+
+  Args:
+    update: ``(one device's grads, state) -> (mean, state)``, which
+      communicates over ``axis_name``.
+    state: the state of one device.
+    axes: ``state``'s mapped axes: 0 at the fields that differ across
+      devices, None at those held once (``device_axes``).
+    axis_name: the axis ``update`` communicates over.
+    num_devices: how many devices to simulate.
+
+  Example::
+
+    tx = acp_jax.acp_sgd(4)
+    state = tx.init(params)
+    devices = Devices(
+        tx.update, state, device_axes(tx, state), tx.axis_name, 8
+    )
+    mean = devices(stacked_grads)  # each leaf [8, ...] -> its mean [...]
+  """
+
+  def __init__(
+      self,
+      update: Callable[[Any, Any], tuple[Any, Any]],
+      state: Any,
+      axes: Any,
+      axis_name: str,
+      num_devices: int,
+  ):
+    self._update = jax.jit(
+        jax.vmap(
+            update,
+            in_axes=(0, axes),
+            out_axes=(None, axes),
+            axis_name=axis_name,
+        )
+    )
+    self.state = jax.tree.map(
+        lambda a, sub: jax.tree.map(
+            lambda x: jnp.broadcast_to(x, (num_devices,) + x.shape), sub
+        )
+        if a == 0
+        else sub,
+        axes,
+        state,
+        is_leaf=_is_axis,
+    )
+
+  def __call__(self, grads: Any) -> Any:
+    """The compressed mean of ``grads`` (each leaf stacked on a leading
+    device axis); the state moves on."""
+    mean, self.state = self._update(grads, self.state)
+    return mean

@@ -1,0 +1,375 @@
+"""The advice: which compressor, at which rank, for a model on a link."""
+
+import json
+import math
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import acp_jax
+from acp_jax import advice as advice_lib
+from acp_jax import costmodel
+from tests.test_train import small_config
+from train import advice as train_advice
+from train import train
+
+WORKERS = 4
+CANDIDATES = (
+    advice_lib.Candidate("ssgd"),
+    advice_lib.Candidate("power_sgd", 1),
+    advice_lib.Candidate("power_sgd", 4),
+    advice_lib.Candidate("acp_sgd", 1),
+    advice_lib.Candidate("acp_sgd", 4),
+)
+THRESHOLD = advice_lib.Calibration.recorded().cosine
+
+
+def _above(share):
+  """A cosine ``share`` of the way from the shipped threshold up to 1."""
+  return THRESHOLD + share * (1 - THRESHOLD)
+
+
+# Cosines on both sides of the threshold (acp_sgd_r1 below it).
+COSINES = {
+    "ssgd": 1.0,
+    "power_sgd_r1": _above(0.2),
+    "power_sgd_r4": _above(0.8),
+    "acp_sgd_r1": THRESHOLD / 2,
+    "acp_sgd_r4": _above(0.5),
+}
+MEASURED = advice_lib.Measurements(
+    forward_backward=0.01,
+    update={
+        "ssgd": 1e-4,
+        "power_sgd_r1": 2e-3,
+        "power_sgd_r4": 3e-3,
+        "acp_sgd_r1": 1e-3,
+        "acp_sgd_r4": 2e-3,
+    },
+    cosine=COSINES,
+)
+
+
+def _mlp():
+  rng = np.random.default_rng(0)
+  params = {
+      "w1": jnp.asarray(rng.standard_normal((16, 32)), jnp.float32) / 4,
+      "w2": jnp.asarray(rng.standard_normal((32, 8)), jnp.float32) / 6,
+  }
+
+  def loss_fn(params, batch):
+    hidden = jnp.tanh(batch["x"] @ params["w1"])
+    return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2)
+
+  batches = [
+      {
+          "x": rng.standard_normal((8, 16)).astype(np.float32),
+          "y": rng.standard_normal((8, 8)).astype(np.float32),
+      }
+      for _ in range(3)
+  ]
+  return loss_fn, params, batches
+
+
+def _advise(
+    link,
+    measurements=MEASURED,
+    workers=WORKERS,
+    candidates=CANDIDATES,
+    **kwargs,
+):
+  loss_fn, params, batches = _mlp()
+  return acp_jax.advise(
+      loss_fn,
+      params,
+      batches,
+      workers=workers,
+      link=link,
+      candidates=candidates,
+      measurements=measurements,
+      **kwargs,
+  )
+
+
+def test_the_advice_is_the_same_for_the_same_measurements():
+  link = advice_lib.Link(bandwidth=1e7, latency=1e-4)
+  first, second = _advise(link), _advise(link)
+  assert first.to_record() == second.to_record()
+  assert first.table() == second.table()
+  # Each row is the cost model's step on comm_bytes' traffic.
+  _, params, _ = _mlp()
+  row = next(r for r in first.rows if r.candidate.name == "acp_sgd_r4")
+  volumes = acp_jax.comm_bytes(
+      advice_lib.Candidate("acp_sgd", 4).make(), params, num_devices=WORKERS
+  )
+  steps = [
+      costmodel.step_seconds(
+          0.01 + 2e-3,
+          costmodel.BACKWARD_SHARE * 0.01,
+          t,
+          "acp_sgd",
+          WORKERS,
+          link.costs(),
+          overlap=False,
+      )
+      for t in costmodel.traffic(volumes, "acp_sgd")
+  ]
+  assert row.step_s == pytest.approx(np.mean(steps))
+  assert row.examples_per_s == pytest.approx(8 / np.mean(steps))
+  # Fastest first; the pick the fastest at or above the threshold.
+  assert [r.step_s for r in first.rows] == sorted(r.step_s for r in first.rows)
+  threshold = first.calibration.cosine
+  assert first.pick == next(r for r in first.rows if r.cosine >= threshold)
+  assert f"cosine >= {threshold:.3f}" in first.table()
+
+
+def test_a_free_link_picks_ssgd():
+  advice = _advise(advice_lib.Link(bandwidth=math.inf, latency=0.0))
+  assert advice.pick.candidate == advice_lib.Candidate("ssgd")
+  assert all(r["bandwidth"] is None for r in advice.to_record())
+
+
+def test_a_slow_link_picks_the_fewest_bytes_above_the_threshold():
+  advice = _advise(advice_lib.Link(bandwidth=1e3, latency=1e-3))
+  threshold = advice.calibration.cosine
+  above = [r for r in advice.rows if r.cosine >= threshold]
+  assert len(above) < len(advice.rows)  # the threshold turns one away
+  assert advice.pick == min(above, key=lambda r: r.bytes_per_step)
+  # The fewest bytes of all is below the threshold, and not picked.
+  fewest = min(advice.rows, key=lambda r: r.bytes_per_step)
+  assert fewest.cosine < threshold and advice.pick != fewest
+  assert isinstance(advice.compressor(), acp_jax.Compressor)
+  assert advice.compressor().made_by == advice.pick.candidate.make().made_by
+
+
+def test_the_threshold_is_the_records_lowest_cosine_within_the_gap():
+  points = [
+      advice_lib.CalibrationPoint("a", 0.95, 0.02),
+      advice_lib.CalibrationPoint("b", 0.80, 0.06),
+      advice_lib.CalibrationPoint("c", 0.70, 0.04),
+      advice_lib.CalibrationPoint("d", 0.50, 0.20),
+  ]
+  at = lambda gap: advice_lib.Calibration.from_points(points, gap, "").cosine
+  assert at(0.10) == 0.70
+  assert at(0.05) == 0.95  # b at 6 % stops the walk down
+  assert at(0.01) == 1.0  # none within: S-SGD alone
+  recorded = advice_lib.Calibration.recorded()
+  assert recorded.points and recorded.max_gap == advice_lib.MAX_GAP
+
+
+def test_the_shipped_calibration_is_the_records():
+  from benchmarks import advise
+  from benchmarks import records
+
+  shipped = os.path.join(
+      os.path.dirname(advice_lib.__file__), advice_lib.CALIBRATION_FILE
+  )
+  with open(shipped) as f:
+    calibration = json.load(f)
+  # Its cosines were measured as the advice measures them now, on the
+  # recorded variants, whose loss gaps it holds.
+  measurement = advise.calibration_measurement()
+  assert calibration["measurement"] == measurement
+  assert measurement["warmup"] == advice_lib.WARMUP
+  assert measurement["steps"] == advice_lib.STEPS
+  runs = advise.calibration_runs(records.RESULTS_DIR)
+  assert runs
+  assert calibration["source"] == advise.calibration_source(runs, measurement)
+  points = calibration["points"]
+  assert [(p["variant"], p["run"], p["gap"]) for p in points] == [
+      (r["variant"], r["run"], r["gap"]) for r in runs
+  ]
+  assert all(0 < p["cosine"] <= 1 for p in points)
+
+
+def test_update_times_between_the_timed_ranks_are_interpolated():
+  assert advice_lib.timed_ranks(advice_lib.RANKS) == (1, 8, 32)
+  assert advice_lib.timed_ranks((4, 1)) == (1, 4)
+  _, params, _ = _mlp()
+  candidates = [advice_lib.Candidate("power_sgd", r) for r in (1, 2, 4, 8)]
+  lines = []
+  times = advice_lib._update_times(candidates, params, 1, lines.append)
+  assert lines == [f"update of power_sgd_r{r}" for r in (1, 4, 8)]
+  r1, r4 = times["power_sgd_r1"], times["power_sgd_r4"]
+  assert times["power_sgd_r2"] == pytest.approx(r1 + (r4 - r1) / 3)
+
+
+def test_measured_cosines_order_the_ranks_and_ssgd_is_fastest_unshaped():
+  loss_fn, params, batches = _mlp()
+  candidates = CANDIDATES[:3]
+  measured = advice_lib.measure(
+      loss_fn, params, batches, candidates, workers=WORKERS, repeats=1
+  )
+  assert measured.cosine["ssgd"] == 1.0
+  # Rank 4 keeps more of the mean than rank 1; neither is exact.
+  assert measured.cosine["power_sgd_r1"] < measured.cosine["power_sgd_r4"]
+  assert measured.cosine["power_sgd_r4"] < 1.0
+  assert measured.forward_backward > 0
+  assert all(t > 0 for t in measured.update.values())
+
+
+def test_a_measurement_over_other_steps_than_the_calibrations_warns():
+  loss_fn, params, batches = _mlp()
+  assert len(batches) != advice_lib.STEPS
+  with pytest.warns(UserWarning, match="threshold was calibrated"):
+    acp_jax.advise(
+        loss_fn,
+        params,
+        batches,
+        workers=WORKERS,
+        link=advice_lib.Link(1e6),
+        candidates=CANDIDATES[:1],
+    )
+
+
+def test_candidates_send_bfloat16_factors_off_the_cpu_only():
+  on_cpu = advice_lib.default_candidates("cpu")
+  on_gpu = advice_lib.default_candidates("gpu")
+  assert not any(c.comm_dtype for c in on_cpu)
+  assert {c.name for c in on_gpu} - {c.name for c in on_cpu} == {
+      f"{m}_r{r}_bf16" for m in advice_lib.LOW_RANK for r in advice_lib.RANKS
+  }
+  assert len(on_cpu) == 3 + 2 * len(advice_lib.RANKS)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: _advise(advice_lib.Link(1e6), workers=0), "workers must"),
+        (lambda: advice_lib.Link(bandwidth=-1.0), "bandwidth must be"),
+        (lambda: advice_lib.Link(bandwidth=1e6, latency=-1), "latency must"),
+        (lambda: advice_lib.Candidate("power_sgd"), "rank is for"),
+        (lambda: advice_lib.Candidate("lion"), "method"),
+        (lambda: _advise(advice_lib.Link(1e6), max_gap=-0.1), "max_gap"),
+    ],
+)
+def test_bad_inputs_name_the_argument(call, message):
+  with pytest.raises((ValueError, TypeError)) as e:
+    call()
+  assert message in str(e.value)
+
+
+def test_bad_inputs_name_the_value():
+  with pytest.raises(ValueError, match=r"workers must .*got 0"):
+    _advise(advice_lib.Link(1e6), workers=0)
+  with pytest.raises(ValueError, match=r"bandwidth .* got -1.0"):
+    advice_lib.Link(bandwidth=-1.0)
+  with pytest.raises(ValueError, match=r"method .*'lion'"):
+    advice_lib.Candidate("lion")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "gpt9"], "argument --model: invalid choice: 'gpt9'"),
+        (["--bandwidth", "-1"], "argument --bandwidth: bandwidth must be a"),
+        (["--workers", "0"], "argument --workers: must be comma-separated"),
+    ],
+)
+def test_the_cli_names_a_bad_argument(argv, message, capsys):
+  from benchmarks import __main__ as cli_main
+
+  with pytest.raises(SystemExit):
+    cli_main.main(["advise", *argv])
+  assert message in capsys.readouterr().err
+
+
+def test_calibrate_needs_the_text_it_measures_on():
+  from benchmarks import __main__ as cli_main
+
+  with pytest.raises(SystemExit, match="give --char_lm_path"):
+    cli_main.main(["advise", "--calibrate"])
+
+
+def _write_advice(path, candidates):
+  advice = _advise(
+      advice_lib.Link(bandwidth=1e3, latency=1e-3), candidates=candidates
+  )
+  with open(path, "w") as f:
+    json.dump(advice.to_record(), f)
+  return advice.pick.candidate
+
+
+def _checkpoint_settings(workdir):
+  steps = os.listdir(os.path.join(workdir, "checkpoints"))
+  latest = os.path.join(workdir, "checkpoints", max(steps, key=int))
+  with open(os.path.join(latest, "record", "metadata")) as f:
+    return json.load(f)["settings"]
+
+
+def test_auto_trains_with_the_pick_saves_it_and_a_resume_keeps_it(
+    tmp_path, capsys
+):
+  workdir = str(tmp_path / "run")
+  first, other = tmp_path / "first.json", tmp_path / "other.json"
+  ssgd, power_r1, power_r4 = CANDIDATES[:3]
+  assert _write_advice(first, (ssgd, power_r4)) == power_r4
+  assert _write_advice(other, (ssgd, power_r1)) == power_r1
+  config = small_config("auto", steps=2, checkpoint_every_steps=2)
+  config.compressor.auto.advice = str(first)
+  config.compressor.auto.workers = WORKERS
+  summary = train.train_and_evaluate(config, workdir)
+  assert summary["compressor"] == "power_sgd"
+  assert "recommended: power_sgd_r4" in capsys.readouterr().out
+  saved = _checkpoint_settings(workdir)["advice"]
+  assert saved["name"] == "power_sgd_r4"
+  assert saved["threshold"] == advice_lib.Calibration.recorded().cosine
+  # A resume given an advice of another pick is refused, naming both.
+  config.num_train_steps = 4
+  config.compressor.auto.advice = str(other)
+  with pytest.raises(ValueError, match="picks power_sgd_r1.*power_sgd_r4"):
+    train.train_and_evaluate(config, workdir)
+  # Without one it reuses the saved advice and measures nothing.
+  config.compressor.auto.advice = None
+  summary = train.train_and_evaluate(config, workdir)
+  assert summary["step"] == 4 and summary["compressor"] == "power_sgd"
+  assert _checkpoint_settings(workdir)["advice"]["name"] == "power_sgd_r4"
+
+
+def test_auto_without_a_link_or_an_advice_names_the_setting(tmp_path):
+  config = small_config("auto", steps=1)
+  with pytest.raises(ValueError, match="config.compressor.auto.bandwidth"):
+    train_advice.resolve(config, str(tmp_path))
+
+
+
+
+def test_the_report_checks_the_advice_at_a_measured_point():
+  from benchmarks import report_cluster
+
+  measured = {"ssgd": 2.0, "power_sgd": 9.0, "acp_sgd": 10.0}  # examples/s
+  point = [
+      {
+          "model": "tiny",
+          "workers": 2,
+          "bandwidth": "10mbit",
+          "compressor": c,
+          "step_local_s": 0.1,
+          "examples_per_sec": speed,
+      }
+      for c, speed in measured.items()
+  ]
+  row = report_cluster.advice_at(
+      point,
+      {"alpha_s": 1e-4, "beta_s_per_byte": 1e-6},  # 1 MB/s
+      {"ssgd": 1.0, "power_sgd_r4": _above(0.5), "acp_sgd_r4": THRESHOLD / 2},
+      report_cluster.cluster_params("tiny"),
+  )
+  # ACP-SGD measured fastest but below the threshold: the advice is the
+  # fastest above it, Power-SGD.
+  assert row["advised"] == row["best_eligible"] == "power_sgd_r4"
+  assert row["best"] == "acp_sgd_r4"
+  assert row["ratio"] == pytest.approx(0.9)
+  assert row["eligible_ratio"] == 1.0
+  # Where S-SGD was not measured and neither low-rank method reaches the
+  # threshold, nothing is advised.
+  low = report_cluster.advice_at(
+      point[1:],
+      {"alpha_s": 1e-4, "beta_s_per_byte": 1e-6},
+      {"power_sgd_r4": THRESHOLD / 2, "acp_sgd_r4": THRESHOLD / 2},
+      report_cluster.cluster_params("tiny"),
+  )
+  assert low["advised"] == "none at or above the threshold"
+  assert low["best"] == "acp_sgd_r4" and "ratio" not in low
