@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from acp_jax import _checks
 from acp_jax import buckets
 from acp_jax import collectives
 from acp_jax import compressor
@@ -116,12 +115,6 @@ def acp_sgd(
         count=jnp.zeros((), jnp.int32),
     )
 
-  def update_fn(updates, state, params=None):
-    del params
-    n = _checks.begin_update(updates, axis_name, "acp_sgd")
-    _checks.check_state(state, AcpSgdState, "acp_sgd")
-    return lowrank.step(cfg, axis_name, n, updates, state, exchange)
-
   def volume(params, num_devices):
     del num_devices
     phase_volume = lambda rows: compressor.CommVolume(
@@ -144,7 +137,7 @@ def acp_sgd(
 
   return compressor.Compressor(
       init_fn,
-      update_fn,
+      lowrank.update_fn(cfg, axis_name, AcpSgdState, exchange),
       volume,
       axis_name=axis_name,
       phases=phases,

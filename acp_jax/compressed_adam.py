@@ -37,15 +37,8 @@ class CompressedAdamState(NamedTuple):
   inner: Any
   adam: optax.ScaleByAdamState
 
-  @property
-  def phase(self) -> jax.Array:
-    """The wrapped compressor's phase marker (see ``acp_jax.phase.phase_of``)."""
-    return self.inner.phase
-
-  @property
-  def count(self) -> jax.Array:
-    """The wrapped compressor's step count."""
-    return self.inner.count
+  phase = wrapped.PHASE
+  count = wrapped.COUNT
 
 
 def compressed_adam(

@@ -383,6 +383,23 @@ def split_state(cfg: LowRank, grads: Any, state: Any) -> Split:
   return s
 
 
+def update_fn(
+    cfg: LowRank,
+    axis_name: str,
+    state_type: type,
+    exchange: Callable[..., tuple["Round", Any]],
+) -> Callable[..., tuple[Any, Any]]:
+  """A low-rank factory's update function: its checks, then ``step``."""
+
+  def update(updates, state, params=None):
+    del params
+    n = _checks.begin_update(updates, axis_name, cfg.caller)
+    _checks.check_state(state, state_type, cfg.caller)
+    return step(cfg, axis_name, n, updates, state, exchange)
+
+  return update
+
+
 def step(
     cfg: LowRank,
     axis_name: str,

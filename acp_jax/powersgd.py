@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from acp_jax import _checks
 from acp_jax import buckets
 from acp_jax import compressor
 from acp_jax import lowrank
@@ -108,12 +107,6 @@ def power_sgd(
         count=jnp.zeros((), jnp.int32),
     )
 
-  def update_fn(updates, state, params=None):
-    del params
-    n = _checks.begin_update(updates, axis_name, "power_sgd")
-    _checks.check_state(state, PowerSgdState, "power_sgd")
-    return lowrank.step(cfg, axis_name, n, updates, state, exchange)
-
   def volume(params, num_devices):
     del num_devices
     step = lowrank.volume(cfg, params, lambda spec: spec.n + spec.m)
@@ -130,7 +123,7 @@ def power_sgd(
 
   return compressor.Compressor(
       init_fn,
-      update_fn,
+      lowrank.update_fn(cfg, axis_name, PowerSgdState, exchange),
       volume,
       axis_name=axis_name,
       phases=phases,

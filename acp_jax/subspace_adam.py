@@ -41,9 +41,8 @@ class SubspaceAdamState(NamedTuple):
   """State of ``subspace_adam``.
 
   Attributes:
-    local: the wrapped compressor's per-device fields (its residuals), in
-      the order of its ``local_fields``; they differ across devices.
-    inner: the wrapped compressor's state, None at those fields.
+    local, inner: the wrapped compressor's state, its per-device fields
+      apart (``acp_jax.wrapped.Local``).
     dense: Adam's moments of the leaves sent dense (``optax``'s
       ``ScaleByAdamState``, ``MaskedNode`` at the compressed leaves); its
       count is the steps taken.
@@ -61,15 +60,8 @@ class SubspaceAdamState(NamedTuple):
   on_p: Moments
   on_q: Moments
 
-  @property
-  def phase(self) -> jax.Array:
-    """The wrapped compressor's phase marker (see ``acp_jax.phase``)."""
-    return self.inner.phase
-
-  @property
-  def count(self) -> jax.Array:
-    """The wrapped compressor's step count."""
-    return self.inner.count
+  phase = wrapped.PHASE
+  count = wrapped.COUNT
 
 
 def subspace_adam(

@@ -8,9 +8,22 @@ from typing import Any, Callable
 from acp_jax import compressor as compressor_lib
 
 
+# The properties of a wrapper's state (a NamedTuple whose field ``inner`` is
+# the compressor's state) that the training loop and the phase read.
+PHASE = property(
+    lambda self: self.inner.phase,
+    doc="The wrapped compressor's phase marker (see ``acp_jax.phase``).",
+)
+COUNT = property(
+    lambda self: self.inner.count, doc="The wrapped compressor's step count."
+)
+
+
 class Local:
   """The split of a compressor's state into its per-device fields (its
-  ``local_fields``) and the rest, which a wrapper's state holds apart."""
+  ``local_fields``, the residuals, which differ across devices), held in a
+  wrapper's field ``local`` in that order, and the rest, None at those
+  fields, held in ``inner`` and identical on every replica."""
 
   def __init__(self, compressor: compressor_lib.Compressor):
     self._fields = compressor.local_fields

@@ -157,10 +157,16 @@ def test_replicated_state_is_bitwise_identical_on_every_device(make):
       np.testing.assert_array_equal(s, shards[0])
 
 
+# Both wrappers of acp_jax.wrapped: each sends what its compressor sends.
+@pytest.mark.parametrize(
+    "wrap", [acp_jax.compressed_adam, acp_jax.subspace_adam]
+)
 @pytest.mark.parametrize("method", ["power_sgd", "acp_sgd"])
-def test_compiled_bytes_equal_the_accounting_and_the_compressors(method):
+def test_compiled_bytes_equal_the_accounting_and_the_compressors(
+    method, wrap
+):
   inner = getattr(acp_jax, method)(4, warmup_steps=WARMUP)
-  tx = acp_jax.compressed_adam(inner)
+  tx = wrap(inner)
   expected = acp_jax.comm_bytes(tx, PARAMS, num_devices=NUM_DEVICES)
   assert expected == acp_jax.comm_bytes(inner, PARAMS, num_devices=NUM_DEVICES)
   states = helpers.phase_states(tx, PARAMS)
