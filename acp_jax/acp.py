@@ -94,10 +94,10 @@ def acp_sgd(
 
   .. warning::
     Put it first in the chain (``acp_jax.chain`` does): it must see each
-    device's own gradients, or use ``acp_jax.DataParallel``. The shape of the state's ``phase`` array
-    alternates, so a ``lax.scan`` over steps must take two steps per
-    iteration. With ``warmup_steps``, call ``at_step`` before every step, or
-    the warm-up never ends.
+    device's own gradients, or use ``acp_jax.DataParallel``. The shape of
+    the state's ``phase`` array alternates, so a ``lax.scan`` over steps
+    must take two steps per iteration. With ``warmup_steps``, call
+    ``at_step`` before every step, or the warm-up never ends.
 
   References:
     Zhang et al., "Evaluation and Optimization of Gradient Compression for

@@ -164,42 +164,11 @@ def subspace_adam(
   local = wrapped.Local(compressor)
   feedback = moment_feedback and cfg.use_error_feedback
 
+  adam = _Adam(b1, b2, eps)
+
   def init_fn(params):
     fields, inner = local.split(compressor.init(params))
-    specs = cfg.plan(params)
-    leaves, treedef = jax.tree.flatten(params)
-    masked = optax.MaskedNode()
-
-    def tree(make_compressed, make_dense=lambda x: masked):
-      return jax.tree.unflatten(
-          treedef,
-          [
-              make_dense(x) if spec is None else make_compressed(x, spec)
-              for x, spec in zip(leaves, specs)
-          ],
-      )
-
-    zeros = lambda *shape: lambda x, spec: jnp.zeros(
-        [getattr(spec, d) if isinstance(d, str) else d for d in shape],
-        x.dtype,
-    )
-    r = "rank"
-    on_q = Moments(
-        tree(zeros(r, "m")), tree(zeros(r, "m")), tree(zeros("n", r))
-    )
-    if name == "acp_sgd":
-      on_p = Moments(
-          tree(zeros("n", r)), tree(zeros("n", r)), tree(zeros("m", r))
-      )
-    else:
-      on_p = Moments(*[tree(lambda x, spec: masked)] * 3)
-    dense_zeros = lambda x: jnp.zeros_like(x)
-    dense = optax.ScaleByAdamState(
-        count=jnp.zeros((), jnp.int32),
-        mu=tree(lambda x, spec: masked, dense_zeros),
-        nu=tree(lambda x, spec: masked, dense_zeros),
-    )
-    return SubspaceAdamState(fields, inner, dense, on_p, on_q)
+    return _initial(cfg, params, fields, inner, both_sides=name == "acp_sgd")
 
   def update_fn(updates, state, params=None):
     del params
@@ -208,92 +177,52 @@ def subspace_adam(
     inner = local.join(state)
     s = lowrank.split_state(cfg, updates, inner)
     phase = phase_lib.phase_of(inner.phase)
-    # The moments are on side P after a P-step (the next step is a Q-step),
-    # else on side Q (after a Q-step, a Power-SGD step, a dense step).
-    old_side = Phase.P if phase is Phase.Q else Phase.Q
-    old = state.on_p if old_side is Phase.P else state.on_q
     if phase is Phase.DENSE:
       lowrank.check_dense_step(cfg, inner.count)
       mean, errors, q, sent = lowrank.dense_step(cfg, s, inner.q, axis_name)
       inner = inner._replace(error=errors, q=q, count=inner.count + 1)
     else:
       sent, inner = exchange(cfg, axis_name, s, inner, n)
+    # The moments are on side P after a P-step (the next step is a Q-step),
+    # else on side Q (after a Q-step, a Power-SGD step, a dense step).
+    old_side = Phase.P if phase is Phase.Q else Phase.Q
+    old = state.on_p if old_side is Phase.P else state.on_q
     t = state.dense.count
-    t_next = optax.safe_increment(t)
-    moments = {k: lowrank.leaves_of(s, getattr(old, k)) for k in Moments._fields}
-    low_rank, lost = [], []
-    kept = Moments([], [], [])
-    for mu, nu, basis_old, basis, coords in zip(
-        *moments.values(), sent.bases, sent.coords
-    ):
-      mu, nu, dropped = carry(
-          (old_side, basis_old, mu, nu), (sent.side, basis), t, b1, b2
-      )
-      mu = b1 * mu + (1 - b1) * coords
-      nu = b2 * nu + (1 - b2) * jnp.square(coords)
-      step = _scaled(mu, nu, t_next, b1, b2, eps)
-      if match_rms:
-        step = step * (basis.shape[0] / basis.shape[1]) ** 0.5
-      low_rank.append(lowrank.expand(sent.side, basis, step))
-      for field, x in zip(kept, (mu, nu, basis)):
-        field.append(x)
-      lost.append(dropped)
-    dense_mu = [b1 * m + (1 - b1) * g for m, g in zip(
-        _dense_leaves(s, state.dense.mu), sent.dense)]
-    dense_nu = [b2 * v + (1 - b2) * jnp.square(g) for v, g in zip(
-        _dense_leaves(s, state.dense.nu), sent.dense)]
-    direction = lowrank.merge(
-        s,
-        low_rank,
-        [_scaled(m, v, t_next, b1, b2, eps) for m, v in zip(dense_mu, dense_nu)],
-        reshape=True,
+    steps, kept, lost = adam.in_subspace(
+        (old_side, old), sent, t, match_rms
     )
-    masked_dense = [optax.MaskedNode()] * len(s.dense)
-    masked_low = [optax.MaskedNode()] * len(s.matrices)
-    new = Moments(
-        *[lowrank.merge(s, x, masked_dense, reshape=False) for x in kept]
+    dense_steps, dense = adam.dense(s, state.dense, sent.dense)
+    direction = lowrank.merge(s, steps, dense_steps, reshape=True)
+    masked = [optax.MaskedNode()] * len(s.dense)
+    new = Moments(*[lowrank.merge(s, x, masked, reshape=False) for x in kept])
+    on_p, on_q = (new, state.on_q) if sent.side is Phase.P else (
+        state.on_p, new
     )
-    on_p, on_q = state.on_p, state.on_q
-    if sent.side is Phase.P:
-      on_p = new
-    else:
-      on_q = new
     errors = inner.error
     if phase is Phase.DENSE and cfg.use_error_feedback:
       # The dense step sent everything; what Adam's basis leaves out of the
       # exact mean stays for the next step, on every device alike.
-      errors = lowrank.errors_tree(
-          cfg,
-          s,
-          [
-              x - lowrank.expand(sent.side, b, c).reshape(x.shape)
-              for x, b, c in zip(
-                  lowrank.leaves_of(s, mean), sent.bases, sent.coords
-              )
-          ],
-      )
+      outside = [
+          x - lowrank.expand(sent.side, b, c).reshape(x.shape)
+          for x, b, c in zip(
+              lowrank.leaves_of(s, mean), sent.bases, sent.coords
+          )
+      ]
+      errors = lowrank.errors_tree(cfg, s, outside)
     if feedback:
-      errors = lowrank.errors_tree(
-          cfg,
-          s,
-          [
-              e + (b1 / (1 - b1)) * d.reshape(e.shape)
-              for e, d in zip(lowrank.leaves_of(s, errors), lost)
-          ],
-      )
+      kept_too = [
+          e + (b1 / (1 - b1)) * d.reshape(e.shape)
+          for e, d in zip(lowrank.leaves_of(s, errors), lost)
+      ]
+      errors = lowrank.errors_tree(cfg, s, kept_too)
     inner = inner._replace(error=errors)
     if track_momentum:
       # The factor the next step projects on: the moment's, not the mean's.
       factor = "p" if sent.side is Phase.P else "q"
       moment = [mu if sent.side is Phase.P else mu.T for mu in kept.mu]
       inner = inner._replace(
-          **{factor: lowrank.merge(s, moment, masked_dense, reshape=False)}
+          **{factor: lowrank.merge(s, moment, masked, reshape=False)}
       )
-    dense = optax.ScaleByAdamState(
-        count=t_next,
-        mu=lowrank.merge(s, masked_low, dense_mu, reshape=False),
-        nu=lowrank.merge(s, masked_low, dense_nu, reshape=False),
-    )
     fields, inner = local.split(inner)
     return direction, SubspaceAdamState(fields, inner, dense, on_p, on_q)
 
@@ -311,6 +240,104 @@ def subspace_adam(
           "match_rms": match_rms,
       },
   )
+
+
+def _initial(cfg, params, fields, inner, both_sides: bool):
+  """The state before the first step: zero moments and bases (side P's only
+  for ACP-SGD, whose P-steps put them there)."""
+  specs = cfg.plan(params)
+  leaves, treedef = jax.tree.flatten(params)
+  masked = optax.MaskedNode()
+
+  def tree(compressed=None, dense=False):
+    """Zeros of ``compressed``'s dims (names of a ``MatrixSpec``) at the
+    compressed leaves, or like the leaf at the dense ones if ``dense``."""
+    out = []
+    for x, spec in zip(leaves, specs):
+      if spec is None:
+        out.append(jnp.zeros_like(x) if dense else masked)
+      elif compressed is None:
+        out.append(masked)
+      else:
+        shape = [getattr(spec, d) for d in compressed]
+        out.append(jnp.zeros(shape, x.dtype))
+    return jax.tree.unflatten(treedef, out)
+
+  on_q = Moments(tree(("rank", "m")), tree(("rank", "m")), tree(("n", "rank")))
+  on_p = Moments(tree(), tree(), tree())
+  if both_sides:
+    on_p = Moments(
+        tree(("n", "rank")), tree(("n", "rank")), tree(("m", "rank"))
+    )
+  dense = optax.ScaleByAdamState(
+      count=jnp.zeros((), jnp.int32), mu=tree(dense=True), nu=tree(dense=True)
+  )
+  return SubspaceAdamState(fields, inner, dense, on_p, on_q)
+
+
+class _Adam(NamedTuple):
+  """Adam's rule, on the coordinates of a round and on the dense leaves."""
+
+  b1: float
+  b2: float
+  eps: float
+
+  def accumulate(self, mu, nu, g):
+    return self.b1 * mu + (1 - self.b1) * g, self.b2 * nu + (
+        1 - self.b2
+    ) * jnp.square(g)
+
+  def scaled(self, mu, nu, count):
+    """The bias-corrected step from the moments after ``count`` steps."""
+    mu_hat = optax.tree.bias_correction(mu, self.b1, count)
+    nu_hat = optax.tree.bias_correction(nu, self.b2, count)
+    return mu_hat / (jnp.sqrt(nu_hat) + self.eps)
+
+  def in_subspace(self, old, sent: lowrank.Round, count, match_rms: bool):
+    """Each compressed matrix's step on the round's basis, the moments
+    kept (mu, nu, basis lists) and the first moment's loss at the change
+    of basis, from ``old = (side, Moments)`` after ``count`` steps."""
+    old_side, moments = old
+    s = sent.split
+    olds = [lowrank.leaves_of(s, x) for x in moments]
+    steps, lost, kept = [], [], Moments([], [], [])
+    for mu, nu, old_basis, basis, coords in zip(
+        *olds, sent.bases, sent.coords
+    ):
+      mu, nu, dropped = carry(
+          (old_side, old_basis, mu, nu),
+          (sent.side, basis),
+          count,
+          self.b1,
+          self.b2,
+      )
+      mu, nu = self.accumulate(mu, nu, coords)
+      step = self.scaled(mu, nu, optax.safe_increment(count))
+      if match_rms:
+        step = step * (basis.shape[0] / basis.shape[1]) ** 0.5
+      steps.append(lowrank.expand(sent.side, basis, step))
+      lost.append(dropped)
+      for field, x in zip(kept, (mu, nu, basis)):
+        field.append(x)
+    return steps, kept, lost
+
+  def dense(self, s: lowrank.Split, state: optax.ScaleByAdamState, means):
+    """Adam's steps on the leaves sent dense, and its state after them."""
+    count = optax.safe_increment(state.count)
+    mus, nus = [], []
+    for mu, nu, g in zip(
+        _dense_leaves(s, state.mu), _dense_leaves(s, state.nu), means
+    ):
+      mu, nu = self.accumulate(mu, nu, g)
+      mus.append(mu)
+      nus.append(nu)
+    masked = [optax.MaskedNode()] * len(s.matrices)
+    after = optax.ScaleByAdamState(
+        count=count,
+        mu=lowrank.merge(s, masked, mus, reshape=False),
+        nu=lowrank.merge(s, masked, nus, reshape=False),
+    )
+    return [self.scaled(m, v, count) for m, v in zip(mus, nus)], after
 
 
 def carry(
@@ -369,13 +396,6 @@ def carry(
       side, basis, new_mu
   )
   return new_mu, new_nu, lost
-
-
-def _scaled(mu, nu, count, b1, b2, eps):
-  """Adam's bias-corrected step from its moments after ``count`` steps."""
-  mu_hat = optax.tree.bias_correction(mu, b1, count)
-  nu_hat = optax.tree.bias_correction(nu, b2, count)
-  return mu_hat / (jnp.sqrt(nu_hat) + eps)
 
 
 def _dense_leaves(s: lowrank.Split, tree: Any) -> list[jax.Array]:
