@@ -221,7 +221,7 @@ def _check_static(caller: str, args: dict[str, Any]) -> None:
       k for k, v in args.items() if isinstance(v, (jax.Array, np.ndarray))
   ]
   if arrays:
-    names = ", ".join(repr(k) for k in args)
+    names = ", ".join(repr(k) for k in arrays)
     raise ValueError(
         f"{caller}: {', '.join(arrays)} arrived as an array"
         f" ({args[arrays[0]]!r}), as optax.inject_hyperparams makes it; it"

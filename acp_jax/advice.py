@@ -480,11 +480,13 @@ def _cosine_over_steps(
   )
   # The phase markers that at_step sets are not yet on the device, the
   # update's outputs are: put there alike, the program that compresses is
-  # compiled once rather than again on the step after the switch.
+  # compiled once rather than again on the step after the switch. The
+  # simulated devices are one device's: the gradients go there too.
   device = jax.local_devices()[0]
   cosines = []
   for step, (g, m) in enumerate(zip(grads, means)):
     devices.state = jax.device_put(tx.at_step(devices.state, step), device)
+    g, m = jax.device_put((g, m), device)
     cosines.append(_cosine(devices(g), m))
   return statistics.fmean(float(c) for c in cosines[warmup:])
 

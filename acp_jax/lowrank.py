@@ -182,6 +182,12 @@ def settings(
   """Checks a low-rank factory's arguments: its rank, and ``options`` with
   the keywords in ``overrides`` replacing its fields."""
   options = options or Options()
+  overrides = dict(overrides or {})
+  # optax.inject_hyperparams binds the factory's signature and passes its
+  # **settings on as one keyword, settings={...}.
+  nested = overrides.pop("settings", None)
+  if isinstance(nested, dict):
+    overrides.update(nested)
   if not isinstance(options, Options):
     raise TypeError(
         f"{caller}: options must be an acp_jax.LowRankOptions, got"

@@ -461,9 +461,10 @@ def test_masking_a_compressor_is_refused_naming_keep_dense(wrapper):
 def test_inject_hyperparams_names_static_args_and_works_with_them():
   with pytest.raises(ValueError, match="static_args=.*'rank'"):
     optax.inject_hyperparams(acp_jax.acp_sgd)(rank=2).init(helpers.MIXED)
-  injected = optax.inject_hyperparams(
-      acp_jax.acp_sgd, static_args=("rank", "min_compression_rate", "seed")
-  )(rank=2)
+  # The settings ride in options (or **settings), which optax keeps static.
+  injected = optax.inject_hyperparams(acp_jax.acp_sgd, static_args=("rank",))(
+      rank=2, options=acp_jax.LowRankOptions(seed=0), warm_start=True
+  )
   grads = helpers.random_grads(0, helpers.MIXED)
   by_inject, _ = helpers.mapped(injected.update, "shard_map")(
       grads, helpers.replicate(injected.init(helpers.MIXED))
