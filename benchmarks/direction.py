@@ -171,7 +171,7 @@ class _Reference:
     self.adam_update = jax.jit(self.adam.update)
     self.cosines = jax.jit(self._cosines)
     self.momentum_cosines = jax.jit(_momentum_cosines)
-    self.cosine = jax.jit(_cosine)
+    self.cosine = jax.jit(simulated.cosine)
     self.apply = jax.jit(self._apply)
 
   def _cosines(self, approx, mean, own_adam, ref_adam, ref_dir):

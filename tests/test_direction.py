@@ -129,3 +129,17 @@ def test_geometry_keeps_the_unscaled_residual(geometry):
     np.testing.assert_allclose(
         s_state.inner.error["w"] / weights, residual, rtol=1e-4, atol=1e-4
     )
+
+
+@pytest.mark.slow
+def test_subspace_adam_at_full_rank_is_s_sgds_adam(text):
+  # Every leaf dense: subspace_adam is Adam on the exact mean, its update
+  # S-SGD's; at rank 1 it turns, and it has no mean of its own to measure.
+  by_name = _two_steps(text, "acp_sgd", ("subspace_adam",))
+  dense, low = by_name["acp_sgd_r64_subspace_adam"], by_name[
+      "acp_sgd_r1_subspace_adam"
+  ]
+  assert dense["adam"] == pytest.approx(1.0, abs=1e-5)
+  assert 0.0 < low["adam"] < 0.999
+  assert dense["steps"] == low["steps"] == 2
+  assert dense["grad"] is None and dense["adam_shared"] is None
