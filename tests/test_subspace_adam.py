@@ -261,3 +261,32 @@ def test_match_rms_scales_each_step_by_the_root_of_the_reduced_dimension():
         scaled[-1][leaf], plain[-1][leaf] * np.sqrt(n / 2), rtol=1e-4
     )
   np.testing.assert_array_equal(scaled[-1]["bias"], plain[-1]["bias"])
+
+
+def test_in_a_users_loop_it_trains_and_at_full_rank_is_adamw():
+  """A plain jitted optax loop on dp.chain, against the same loop with
+  optax.adamw on the whole batch (the dense reference)."""
+  from tests import test_user_loops_compressor as loops
+
+  decay = optax.chain(
+      optax.add_decayed_weights(1e-4), optax.scale_by_learning_rate(1e-2)
+  )
+  steps = loops.batches(bad=False)
+
+  def run(compressor, tx):
+    dp = acp_jax.DataParallel(compressor, helpers.mesh())
+    return [p for p, _ in loops.train(dp, tx, steps)]
+
+  adamw = optax.adamw(1e-2, b1=B1, b2=B2, eps=EPS, weight_decay=1e-4)
+  dense = run(acp_jax.ssgd(), adamw)
+  with pytest.warns(UserWarning, match="no matrix leaf is compressed"):
+    full = run(
+        acp_jax.subspace_adam(acp_jax.acp_sgd(32), b1=B1, b2=B2, eps=EPS),
+        decay,
+    )
+  for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(dense)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  low = run(acp_jax.subspace_adam(acp_jax.acp_sgd(2), b1=B1, b2=B2), decay)
+  loss = lambda p: float(loops.mlp_loss(p, loops.XS[0], loops.YS[0]))
+  assert loss(low[-1]) < loss(loops.PARAMS)
+  assert not np.allclose(low[-1]["w1"], dense[-1]["w1"], rtol=1e-3)
