@@ -4,39 +4,56 @@
 For a model, a few batches, a number of workers and a link, ``advise``:
 
 1. measures this device's forward and backward time on one worker's share
-   of a batch;
-2. times each candidate's update on one device (``acp_jax.timing``), and
-   runs it for a few steps on the user's own gradients, on the workers
-   simulated by ``jax.vmap`` (``acp_jax.simulated``), to measure the cosine
-   of its compressed mean with the true mean (S-SGD's);
-3. reads each candidate's bytes per phase from ``acp_jax.comm_bytes``;
-4. predicts each candidate's step with the alpha-beta model
+   of a batch, and times each candidate's update on one device
+   (``acp_jax.timing``);
+2. reads each candidate's bytes per phase from ``acp_jax.comm_bytes``;
+3. predicts each candidate's step with the alpha-beta model
    (``acp_jax.costmodel``): compute and update, plus each phase's
    communication on the link, averaged over the phases;
-5. ranks the candidates by predicted step and recommends the fastest whose
-   cosine is at or above a threshold. The threshold comes from the
-   convergence records (``Calibration``): the lowest cosine at and above
-   which every recorded variant ended within ``max_gap`` of S-SGD's
-   held-out loss.
+4. runs the candidates, fastest first, for a few steps on the user's own
+   gradients, on the workers simulated by ``jax.vmap``
+   (``acp_jax.simulated``), to measure how far each one's compressed mean
+   lies from the true mean (S-SGD's): its squared distance in units of the
+   sampling noise that the true mean itself carries (``error_to_noise``),
+   with the cosine beside it;
+5. recommends the fastest candidate whose ``error_to_noise`` is at or below
+   a threshold, and stops measuring there: a slower candidate cannot be
+   the pick (``measure_all`` measures them all). The threshold comes from
+   the convergence records (``Calibration``): the highest recorded error at
+   and below which every recorded variant ended within ``max_gap`` of
+   S-SGD's held-out loss.
 
-Steps 1 and 2 are the only measurements; given ``Measurements``, the advice
-is arithmetic on the accounting, the same for the same inputs.
+Given ``Measurements``, the advice is arithmetic on the accounting, the same
+for the same inputs.
 
-The cosines are measured as the trainer's configs train: each Power-SGD and
+Why the error is counted in units of the noise, not as a cosine: SGD
+already follows a noisy mean, and a compressor's error matters beside that
+noise. At ``error_to_noise = 1`` the compressed mean lies as far from the
+true mean as the true mean lies from the full-data gradient: were the two
+errors independent, the noise of a batch half the size (error feedback
+sends the compressor's error later, so less than that). A cosine leaves
+the noise out and does not carry from one model to another: at their
+initial params, the char LM's mean of 32 sequences carries a sampling
+noise of 2 % of its squared length, and Power-SGD at rank 4 keeps a cosine
+of 0.99 with it (an error of 0.7 times that noise); the cluster's BERT
+layers, fed 2 sequences a worker, carry a noise as large as their mean, and
+the same compressor's cosine is 0.73 (an error of 0.5 times the noise).
+
+The errors are measured as the trainer's configs train: each Power-SGD and
 ACP-SGD candidate first takes ``WARMUP`` dense steps (its ``warmup_steps``)
-that warm its factors on the true mean, then compresses; the cosine is the
+that warm its factors on the true mean, then compresses; the error is the
 mean over the steps after the warm-up, all at the given params (the initial
 ones, or a checkpoint's). Fresh factors turn far from the mean on their
 first steps, ACP-SGD's most, as it refreshes each factor from the other's
 previous value; the warm-up takes that start out of the measurement, and
 the pick is to be trained with a dense warm-up too (``Advice.compressor``
 takes ``warmup_steps``; the trainer's configs carry one). The threshold is
-calibrated on cosines measured in this same way on the char LM
+calibrated on errors measured in this same way on the char LM
 (``python -m benchmarks advise --calibrate``), for the variants whose
 held-out loss the convergence records give after the same kind of warm-up.
 It holds for that measurement only: each compressed step's error adds up
-in the residuals, and a cosine averaged over more steps is lower (the
-candidates' order stays), so ``advise`` warns when it measures over other
+in the residuals, so an error averaged over more steps is larger (the
+candidates' order stays), and ``advise`` warns when it measures over other
 steps than ``WARMUP`` and ``STEPS``.
 
 Power-SGD's and ACP-SGD's updates are timed at the lowest, the middle and
@@ -46,6 +63,7 @@ linearly in rank (``timed_ranks``), which saves most of the compiles.
 
 from collections.abc import Callable, Mapping, Sequence
 import dataclasses
+import functools
 import importlib.resources
 import json
 import math
@@ -187,35 +205,45 @@ class Measurements:
       its share of the batch.
     update: seconds of each candidate's update on one worker (the mean over
       its phases), communication left out.
+    error_to_noise: each candidate's mean per-step squared distance between
+      its compressed mean gradient and the true mean (S-SGD's, whose error
+      is 0), over the true mean's sampling noise
+      (``simulated.sampling_noise``).
     cosine: each candidate's mean per-step cosine between its compressed
-      mean gradient and the true mean (S-SGD's, whose cosine is 1).
+      mean gradient and the true mean (S-SGD's is 1).
+
+  A candidate left out of ``error_to_noise`` was not measured: it is not
+  picked, and one predicted faster than the pick is an error.
   """
 
   forward_backward: float
   update: Mapping[str, float]
-  cosine: Mapping[str, float]
+  error_to_noise: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  cosine: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
 class CalibrationPoint:
-  """A recorded variant: its cosine and its held-out loss gap to S-SGD
-  (a fraction: 0.05 is 5 % above S-SGD's loss)."""
+  """A recorded variant: its measured error (``error_to_noise``) and
+  cosine, and its held-out loss gap to S-SGD (a fraction: 0.05 is 5 % above
+  S-SGD's loss)."""
 
   variant: str
+  error_to_noise: float
   cosine: float
   gap: float
 
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-  """The threshold on the cosine, and the records it comes from.
+  """The threshold on the error, and the records it comes from.
 
-  ``cosine`` is the lowest recorded cosine at and above which every
-  recorded variant ended within ``max_gap`` of S-SGD's held-out loss (1.0,
+  ``error_to_noise`` is the highest recorded error at and below which every
+  recorded variant ended within ``max_gap`` of S-SGD's held-out loss (0.0,
   S-SGD alone, if none did).
   """
 
-  cosine: float
+  error_to_noise: float
   max_gap: float
   points: tuple[CalibrationPoint, ...]
   source: str
@@ -225,13 +253,18 @@ class Calibration:
       cls, points: Sequence[CalibrationPoint], max_gap: float, source: str
   ) -> "Calibration":
     _positive_number("max_gap", max_gap)
-    ordered = sorted(points, key=lambda p: -p.cosine)
-    threshold = 1.0
+    ordered = sorted(points, key=lambda p: p.error_to_noise)
+    threshold = 0.0
     for point in ordered:
       if point.gap > max_gap:
         break
-      threshold = point.cosine
+      threshold = point.error_to_noise
     return cls(threshold, max_gap, tuple(ordered), source)
+
+  def admits(self, error_to_noise: float) -> bool:
+    """Whether a candidate of this measured error is within the
+    threshold."""
+    return error_to_noise <= self.error_to_noise
 
   @classmethod
   def recorded(cls, max_gap: float = MAX_GAP) -> "Calibration":
@@ -245,29 +278,33 @@ class Calibration:
     )
     data = json.loads(text)
     points = [
-        CalibrationPoint(p["variant"], p["cosine"], p["gap"])
+        CalibrationPoint(
+            p["variant"], p["error_to_noise"], p["cosine"], p["gap"]
+        )
         for p in data["points"]
     ]
     return cls.from_points(points, max_gap, data["source"])
 
   def describe(self) -> str:
     """The threshold and why, in a sentence or two."""
-    within = [p for p in self.points if p.cosine >= self.cosine]
-    below = [p for p in self.points if p.cosine < self.cosine]
+    within = [p for p in self.points if self.admits(p.error_to_noise)]
+    above = [p for p in self.points if not self.admits(p.error_to_noise)]
     text = (
-        f"threshold: cosine >= {self.cosine:.3f}, at and above which every"
-        f" recorded variant ended within {100 * self.max_gap:.1f} % of"
-        " S-SGD's held-out loss ("
+        f"threshold: error/noise <= {self.error_to_noise:.3f}, at and below"
+        " which every recorded variant ended within"
+        f" {100 * self.max_gap:.1f} % of S-SGD's held-out loss ("
         + ", ".join(
-            f"{p.variant} {p.cosine:.3f}: {100 * p.gap:+.1f} %" for p in within
+            f"{p.variant} {p.error_to_noise:.3f} (cosine {p.cosine:.3f}):"
+            f" {100 * p.gap:+.1f} %"
+            for p in within
         )
         + ")"
     )
-    if below:
-      p = below[0]
+    if above:
+      p = above[0]
       text += (
-          f"; the next below it, {p.variant} at {p.cosine:.3f}, ended"
-          f" {100 * p.gap:+.1f} %"
+          f"; the next above it, {p.variant} at {p.error_to_noise:.3f}"
+          f" (cosine {p.cosine:.3f}), ended {100 * p.gap:+.1f} %"
       )
     return text + f". Records: {self.source}."
 
@@ -277,14 +314,16 @@ class Row:
   """One candidate's prediction: ``step_s`` seconds a step (the mean over
   its phases), ``examples_per_s`` of the global batch, ``bytes_per_step``
   (each worker's, ``CommVolume.total``, the mean over the phases),
-  ``update_s`` its measured update and ``cosine`` its measured cosine."""
+  ``update_s`` its measured update, and its measured ``error_to_noise`` and
+  ``cosine`` (None where not measured)."""
 
   candidate: Candidate
   step_s: float
   examples_per_s: float
   bytes_per_step: float
   update_s: float
-  cosine: float
+  error_to_noise: float | None
+  cosine: float | None
 
   def as_dict(self) -> dict[str, Any]:
     return {
@@ -304,8 +343,13 @@ _COLUMNS = (
     ("examples/s", 12, lambda r: f"{r['examples_per_s']:.2f}"),
     ("bytes/step", 12, lambda r: f"{r['bytes_per_step']:.0f}"),
     ("update (s)", 11, lambda r: f"{r['update_s']:.4f}"),
-    ("cosine", 8, lambda r: f"{r['cosine']:.3f}"),
+    ("err/noise", 11, lambda r: _measured(r["error_to_noise"])),
+    ("cosine", 8, lambda r: _measured(r["cosine"])),
 )
+
+
+def _measured(value: float | None) -> str:
+  return "-" if value is None else f"{value:.3f}"
 
 
 def table(record: Sequence[Mapping[str, Any]]) -> str:
@@ -323,7 +367,8 @@ def table(record: Sequence[Mapping[str, Any]]) -> str:
       f" {first['forward_backward_s']:.4f} s on one worker's"
       f" {first['global_batch'] // first['workers']} examples",
       first["calibration"],
-      f"recommended: {pick['name']}, the fastest at or above the threshold",
+      f"recommended: {pick['name']}, the fastest within the threshold"
+      " (-: not measured, as slower than it)",
   ]
   return "\n".join(lines)
 
@@ -369,7 +414,7 @@ class Advice:
         "latency": self.link.latency,
         "global_batch": self.global_batch,
         "forward_backward_s": self.measurements.forward_backward,
-        "threshold": self.calibration.cosine,
+        "threshold": self.calibration.error_to_noise,
         "max_gap": self.calibration.max_gap,
         "calibration": self.calibration.describe(),
     }
@@ -378,26 +423,16 @@ class Advice:
     ]
 
 
-def recommend(
+def _ranked(
     measurements: Measurements,
     volumes: Mapping[str, Mapping[str, compressor_lib.CommVolume]],
     candidates: Sequence[Candidate],
-    *,
     workers: int,
     link: Link,
     global_batch: int,
-    calibration: Calibration,
-    overlap: bool = False,
-) -> Advice:
-  """The advice from measurements and each candidate's ``comm_bytes``
-  (``volumes``, by candidate name): arithmetic only.
-
-  With ``overlap``, the pipelined methods (``costmodel.PIPELINED``) hide
-  their communication behind backprop, as GPU runtimes can; XLA:CPU does
-  not.
-  """
-  _checks.integer("workers", workers, 1)
-  _checks.integer("global_batch", global_batch, 1)
+    overlap: bool,
+) -> list[Row]:
+  """Each candidate's predicted row, fastest first."""
   costs = link.costs()
   forward_backward = measurements.forward_backward
   rows = []
@@ -423,24 +458,54 @@ def recommend(
             global_batch / step,
             statistics.fmean(v.total for v in phases.values()),
             update,
-            measurements.cosine[c.name],
+            measurements.error_to_noise.get(c.name),
+            measurements.cosine.get(c.name),
         )
     )
   rows.sort(key=lambda r: (r.step_s, r.bytes_per_step, r.candidate.name))
-  eligible = [r for r in rows if r.cosine >= calibration.cosine]
-  if not eligible:
+  return rows
+
+
+def recommend(
+    measurements: Measurements,
+    volumes: Mapping[str, Mapping[str, compressor_lib.CommVolume]],
+    candidates: Sequence[Candidate],
+    *,
+    workers: int,
+    link: Link,
+    global_batch: int,
+    calibration: Calibration,
+    overlap: bool = False,
+) -> Advice:
+  """The advice from measurements and each candidate's ``comm_bytes``
+  (``volumes``, by candidate name): arithmetic only.
+
+  With ``overlap``, the pipelined methods (``costmodel.PIPELINED``) hide
+  their communication behind backprop, as GPU runtimes can; XLA:CPU does
+  not.
+  """
+  _checks.integer("workers", workers, 1)
+  _checks.integer("global_batch", global_batch, 1)
+  rows = _ranked(
+      measurements, volumes, candidates, workers, link, global_batch, overlap
+  )
+  for row in rows:
+    if row.error_to_noise is None:
+      raise ValueError(
+          f"{row.candidate.name} is predicted faster than every candidate"
+          " within the threshold, but its error was not measured: give"
+          " measurements.error_to_noise for it"
+      )
+    if calibration.admits(row.error_to_noise):
+      break
+  else:
     raise ValueError(
-        f"no candidate reaches the threshold cosine {calibration.cosine:.3f};"
-        " include ssgd among the candidates"
+        "no candidate is within the threshold error/noise"
+        f" {calibration.error_to_noise:.3f}; include ssgd among the"
+        " candidates"
     )
   return Advice(
-      tuple(rows),
-      eligible[0],
-      calibration,
-      workers,
-      link,
-      global_batch,
-      measurements,
+      tuple(rows), row, calibration, workers, link, global_batch, measurements
   )
 
 
@@ -457,21 +522,69 @@ def _split(batch: Any, workers: int) -> Any:
   return jax.tree.map(split, batch)
 
 
-_cosine = jax.jit(simulated.cosine)
+@functools.lru_cache(maxsize=4)
+def _grad(loss_fn: Callable[[Any, Any], jax.Array]) -> Callable:
+  """``loss_fn``'s gradient, compiled once for the times and the errors."""
+  return jax.jit(jax.grad(loss_fn))
 
 
-def _cosine_over_steps(
+@dataclasses.dataclass(frozen=True)
+class _Steps:
+  """The steps the errors are measured on: each worker's gradients
+  (stacked on a leading worker axis), their true mean, and its sampling
+  noise (``simulated.sampling_noise``), one of each a batch."""
+
+  grads: list[Any]
+  means: list[Any]
+  noise: list[float]
+
+
+def _steps(grad, params: Any, batches: Sequence[Any], workers: int) -> _Steps:
+  one = lambda b, i: jax.tree.map(lambda x: x[i], b)
+  # The simulated devices are one device's: the gradients are put there.
+  device = jax.local_devices()[0]
+  grads = [
+      jax.device_put(
+          jax.tree.map(
+              lambda *g: jnp.stack(g),
+              *(grad(params, one(b, i)) for i in range(workers)),
+          ),
+          device,
+      )
+      for b in (_split(b, workers) for b in batches)
+  ]
+  means = [jax.tree.map(lambda g: g.mean(0), g) for g in grads]
+  noise = [float(_noise(g)) for g in grads]
+  return _Steps(grads, means, noise)
+
+
+_noise = jax.jit(simulated.sampling_noise)
+
+
+@jax.jit
+def _distance(estimate: Any, mean: Any) -> tuple[jax.Array, jax.Array]:
+  return simulated.squared_distance(estimate, mean), simulated.cosine(
+      estimate, mean
+  )
+
+
+def _ratio(error: float, noise: float) -> float:
+  if noise > 0:
+    return error / noise
+  return 0.0 if error == 0 else math.inf
+
+
+def _errors_over_steps(
     candidate: Candidate,
     params: Any,
-    grads: Sequence[Any],
-    means: Sequence[Any],
+    steps: _Steps,
     workers: int,
     warmup: int,
-) -> float:
-  """``candidate``'s mean cosine with the true ``means`` over the steps
-  after ``warmup``, on ``workers`` simulated devices fed the stacked
-  ``grads``; a low-rank candidate takes those first steps dense, warming its
-  factors (its ``warmup_steps``)."""
+) -> tuple[float, float]:
+  """``candidate``'s mean ``error_to_noise`` and cosine with the true means
+  over the steps after ``warmup``, on ``workers`` simulated devices; a
+  low-rank candidate takes those first steps dense, warming its factors
+  (its ``warmup_steps``)."""
   warm = warmup and candidate.method in LOW_RANK
   tx = candidate.make(**({"warmup_steps": warmup} if warm else {}))
   state = jax.jit(tx.init)(params)
@@ -480,15 +593,18 @@ def _cosine_over_steps(
   )
   # The phase markers that at_step sets are not yet on the device, the
   # update's outputs are: put there alike, the program that compresses is
-  # compiled once rather than again on the step after the switch. The
-  # simulated devices are one device's: the gradients go there too.
+  # compiled once rather than again on the step after the switch.
   device = jax.local_devices()[0]
-  cosines = []
-  for step, (g, m) in enumerate(zip(grads, means)):
+  errors, cosines = [], []
+  for step, (g, m, noise) in enumerate(
+      zip(steps.grads, steps.means, steps.noise)
+  ):
     devices.state = jax.device_put(tx.at_step(devices.state, step), device)
-    g, m = jax.device_put((g, m), device)
-    cosines.append(_cosine(devices(g), m))
-  return statistics.fmean(float(c) for c in cosines[warmup:])
+    error, cosine = _distance(devices(g), m)
+    if step >= warmup:
+      errors.append(_ratio(float(error), noise))
+      cosines.append(float(cosine))
+  return statistics.fmean(errors), statistics.fmean(cosines)
 
 
 def _update_seconds(
@@ -551,39 +667,29 @@ def _check_warmup(warmup: int, batches: Sequence[Any]) -> None:
     )
 
 
-def _cosines(
-    grad: Callable[[Any, Any], Any],
+def measure_times(
+    loss_fn: Callable[[Any, Any], jax.Array],
     params: Any,
     batches: Sequence[Any],
     candidates: Sequence[Candidate],
+    *,
     workers: int,
-    warmup: int,
-    say: Callable[[str], None],
-) -> dict[str, float]:
-  """Each candidate's cosine (``_cosine_over_steps``) on each worker's
-  gradients by ``grad``."""
-  one = lambda b, i: jax.tree.map(lambda x: x[i], b)
-  grads = [
-      jax.tree.map(
-          lambda *g: jnp.stack(g),
-          *(grad(params, one(b, i)) for i in range(workers)),
-      )
-      for b in (_split(b, workers) for b in batches)
-  ]
-  means = [jax.tree.map(lambda g: g.mean(0), g) for g in grads]
-  by_name = {}
-  for i, c in enumerate(candidates):
-    say(f"[{i + 1}/{len(candidates)}] cosine of {c.name}")
-    # S-SGD is the reference: its cosine is 1 by definition.
-    by_name[c.name] = (
-        1.0
-        if c.method == "ssgd"
-        else _cosine_over_steps(c, params, grads, means, workers, warmup)
-    )
-  return by_name
+    repeats: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> Measurements:
+  """The forward and backward time and each candidate's update time, on
+  this device (no errors); the arguments are ``measure``'s."""
+  _checks.integer("workers", workers, 1)
+  say = progress or (lambda line: None)
+  say(f"forward and backward on one worker's share of {workers}")
+  grad = _grad(loss_fn)
+  first = jax.tree.map(lambda x: x[0], _split(batches[0], workers))
+  times = timing.interleaved({0: lambda: grad(params, first)}, repeats, 1)
+  update = _update_times(candidates, params, repeats, say)
+  return Measurements(statistics.median(times[0]), update)
 
 
-def cosines(
+def measure_errors(
     loss_fn: Callable[[Any, Any], jax.Array],
     params: Any,
     batches: Sequence[Any],
@@ -591,15 +697,29 @@ def cosines(
     *,
     workers: int,
     warmup: int = WARMUP,
+    enough: Callable[[float], bool] | None = None,
     progress: Callable[[str], None] | None = None,
-) -> dict[str, float]:
-  """The cosines ``measure`` takes, alone (the calibration measures its
-  variants with this); the arguments are ``measure``'s."""
+) -> tuple[dict[str, float], dict[str, float]]:
+  """Each candidate's ``error_to_noise`` and cosine, by name, measured in
+  the order of ``candidates``; with ``enough``, the measuring stops after
+  the first candidate whose error it accepts. The other arguments are
+  ``measure``'s."""
   _checks.integer("workers", workers, 1)
   _check_warmup(warmup, batches)
-  grad = jax.jit(jax.grad(loss_fn))
   say = progress or (lambda line: None)
-  return _cosines(grad, params, batches, candidates, workers, warmup, say)
+  steps = _steps(_grad(loss_fn), params, batches, workers)
+  errors, cosines = {}, {}
+  for i, c in enumerate(candidates):
+    say(f"[{i + 1}/{len(candidates)}] error of {c.name}")
+    # S-SGD is the reference: its mean is the true mean.
+    errors[c.name], cosines[c.name] = (
+        (0.0, 1.0)
+        if c.method == "ssgd"
+        else _errors_over_steps(c, params, steps, workers, warmup)
+    )
+    if enough is not None and enough(errors[c.name]):
+      break
+  return errors, cosines
 
 
 def measure(
@@ -613,36 +733,43 @@ def measure(
     repeats: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> Measurements:
-  """Measures on this device what ``recommend`` needs.
+  """Measures on this device what ``recommend`` needs, for every candidate.
 
   Args:
     loss_fn: ``(params, batch) -> scalar loss`` of one worker's batch.
     params: the parameters (the initial ones, or a checkpoint's).
     batches: global batches, one a step, each leaf's rows split evenly over
-      the ``workers``; the cosines are taken over all but the first
+      the ``workers``; the errors are taken over all but the first
       ``warmup`` steps.
     candidates: the compressors to measure.
     workers: how many workers to simulate.
     warmup: the dense steps each Power-SGD and ACP-SGD candidate takes
       first, warming its factors (the others' residuals settle in them);
-      the cosines are taken after them.
+      the errors are taken after them.
     repeats: timed calls of each update after the one that compiles it
       (the median is kept); ranks between those of ``timed_ranks`` are
       interpolated.
     progress: called with a line before each measurement.
   """
-  _checks.integer("workers", workers, 1)
-  _check_warmup(warmup, batches)
-  say = progress or (lambda line: None)
-  say(f"forward and backward on one worker's share of {workers}")
-  grad = jax.jit(jax.grad(loss_fn))
-  first = jax.tree.map(lambda x: x[0], _split(batches[0], workers))
-  times = timing.interleaved({0: lambda: grad(params, first)}, repeats, 1)
-  forward_backward = statistics.median(times[0])
-  update = _update_times(candidates, params, repeats, say)
-  # The gradients by the program just timed.
-  cosine = _cosines(grad, params, batches, candidates, workers, warmup, say)
-  return Measurements(forward_backward, update, cosine)
+  timed = measure_times(
+      loss_fn,
+      params,
+      batches,
+      candidates,
+      workers=workers,
+      repeats=repeats,
+      progress=progress,
+  )
+  errors, cosines = measure_errors(
+      loss_fn,
+      params,
+      batches,
+      candidates,
+      workers=workers,
+      warmup=warmup,
+      progress=progress,
+  )
+  return dataclasses.replace(timed, error_to_noise=errors, cosine=cosines)
 
 
 def volumes(
@@ -666,6 +793,7 @@ def advise(
     max_gap: float = MAX_GAP,
     overlap: bool = False,
     measurements: Measurements | None = None,
+    measure_all: bool = False,
     warmup: int = WARMUP,
     progress: Callable[[str], None] | None = None,
 ) -> Advice:
@@ -686,7 +814,9 @@ def advise(
       (GPUs can; XLA:CPU does not).
     measurements: what ``measure`` returns, to skip measuring (the advice
       is then the same for the same inputs).
-    warmup: dense steps before the cosines are taken (see ``measure``;
+    measure_all: measure every candidate's error, not only those of the
+      candidates predicted faster than the pick, and the pick's.
+    warmup: dense steps before the errors are taken (see ``measure``;
       the calibration's measurement took ``WARMUP``).
     progress: called with a line before each measurement.
 
@@ -711,28 +841,45 @@ def advise(
   if not first:
     raise ValueError(f"batches must hold at least one batch, got {batches!r}")
   global_batch = first[0].shape[0]
+  sent = volumes(candidates, params, workers)
   if measurements is None:
     if (warmup, len(batches)) != (WARMUP, STEPS):
       warnings.warn(
-          f"the threshold was calibrated on cosines over {STEPS - WARMUP}"
+          f"the threshold was calibrated on errors over {STEPS - WARMUP}"
           f" steps after {WARMUP} dense ones, these are over"
-          f" {len(batches) - warmup} after {warmup}: the cosines fall as"
+          f" {len(batches) - warmup} after {warmup}: the errors grow as"
           " compressed steps add up, so the threshold does not apply as"
           f" calibrated (give {STEPS} batches and warmup={WARMUP})",
           stacklevel=2,
       )
-    measurements = measure(
+    _check_warmup(warmup, batches)
+    timed = measure_times(
         loss_fn,
         params,
         batches,
         candidates,
         workers=workers,
-        warmup=warmup,
         progress=progress,
+    )
+    ranked = _ranked(
+        timed, sent, candidates, workers, link, global_batch, overlap
+    )
+    errors, cosines = measure_errors(
+        loss_fn,
+        params,
+        batches,
+        candidates if measure_all else [r.candidate for r in ranked],
+        workers=workers,
+        warmup=warmup,
+        enough=None if measure_all else calibration.admits,
+        progress=progress,
+    )
+    measurements = dataclasses.replace(
+        timed, error_to_noise=errors, cosine=cosines
     )
   return recommend(
       measurements,
-      volumes(candidates, params, workers),
+      sent,
       candidates,
       workers=workers,
       link=link,
@@ -740,4 +887,3 @@ def advise(
       calibration=calibration,
       overlap=overlap,
   )
-

@@ -1,6 +1,7 @@
 """Devices simulated by ``jax.vmap``: a compressor's mean of several devices'
-gradients computed on one device, and the cosine that says how far it turns
-from the true mean.
+gradients computed on one device, and the measures of how far it lies from
+the true mean: the cosine, and the squared distance beside the sampling
+noise that the true mean itself carries.
 
 Under ``jax.vmap`` over the compressor's axis name, its collectives run in one
 program on one device: the same arithmetic as under ``shard_map``, with no
@@ -25,6 +26,31 @@ def cosine(a: Any, b: Any) -> jax.Array:
   na = sum(jnp.vdot(x, x) for x in la)
   nb = sum(jnp.vdot(y, y) for y in lb)
   return dot / jnp.sqrt(na * nb)
+
+
+def squared_distance(a: Any, b: Any) -> jax.Array:
+  """The squared Euclidean distance between two trees, as vectors of all
+  their leaves."""
+  return sum(
+      jnp.sum(jnp.square(x - y))
+      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
+
+
+def sampling_noise(stacked: Any) -> jax.Array:
+  """How far the mean of devices' gradients (each leaf stacked on a leading
+  device axis) is expected to lie from the true gradient, squared: the
+  variance of a mean of ``n`` samples, estimated from their spread,
+  ``sum_i |g_i - mean|^2 / (n (n - 1))``; 0 for one device."""
+  n = jax.tree.leaves(stacked)[0].shape[0]
+  if n < 2:
+    return jnp.zeros(())
+  mean = jax.tree.map(lambda g: g.mean(0), stacked)
+  spread = sum(
+      jnp.sum(jnp.square(g - m[None]))
+      for g, m in zip(jax.tree.leaves(stacked), jax.tree.leaves(mean))
+  )
+  return spread / (n * (n - 1))
 
 
 def device_axes(tx: compressor_lib.Compressor, state: Any) -> Any:

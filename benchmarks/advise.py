@@ -13,14 +13,19 @@ The model is a training config of ``configs/`` (``--config``, with
 all-reduce microbenchmark of ``benchmarks.worker`` times the link between
 them, and process 0 gives the advice for as many workers as processes.
 
+The advice measures the errors of the candidates predicted fastest until
+one is within the threshold; ``--measure_all`` measures every candidate's
+(the report's record does, to check the advice at each point of the
+cluster sweep).
+
 ``--calibrate --char_lm_path PATH`` writes the threshold's records into
 the package (``acp_jax/advice_calibration.json``): for each char-LM variant
 of the convergence records (``convergence.json``) that trained Power-SGD or
 ACP-SGD on the gradient after a dense warm-up that warmed its factors, its
-held-out loss gap to S-SGD (the mean over seeds) and its cosine measured as
-the advice measures a candidate's (``acp_jax.advice.cosines``: the same
-warm-up and steps) on the convergence runs' char LM, workers and batch,
-from its initial params.
+held-out loss gap to S-SGD (the mean over seeds) and its error and cosine
+measured as the advice measures a candidate's
+(``acp_jax.advice.measure_errors``: the same warm-up and steps) on the
+convergence runs' char LM, workers and batch, from its initial params.
 """
 
 import argparse
@@ -89,7 +94,7 @@ def calibration_runs(results_dir) -> list[dict[str, Any]]:
 
 
 def calibration_measurement() -> dict[str, Any]:
-  """How the calibration measures its cosines: the advice's measurement on
+  """How the calibration measures its errors: the advice's measurement on
   the convergence runs' char LM (``convergence.TASKS``), workers and
   batch."""
   config = workloads.load_config(*convergence.TASKS[_TASK])
@@ -110,7 +115,9 @@ def calibration_source(runs, measurement) -> str:
   seeds = "/".join(str(s) for s in sorted({r["seeds"] for r in runs}))
   warmups = "/".join(str(s) for s in sorted({r["warmup_steps"] for r in runs}))
   return (
-      f"the cosine as acp_jax.advise measures it ({m['warmup']} dense steps"
+      "the error (squared distance to the true mean over its sampling"
+      " noise) and the cosine as acp_jax.advise measures them"
+      f" ({m['warmup']} dense steps"
       " that warm the factors, then the mean over"
       f" {m['steps'] - m['warmup']} compressed steps, at {m['params']} of"
       f" {m['config']}, batch {m['global_batch']} x {m['seq_len']} on"
@@ -125,14 +132,14 @@ def calibration_source(runs, measurement) -> str:
 
 def calibrate(results_dir, char_lm_path: str, progress=None) -> dict:
   """The threshold's records: each of ``calibration_runs``' variants with
-  its cosine measured on the char LM at ``char_lm_path``."""
+  its error and cosine measured on the char LM at ``char_lm_path``."""
   runs = calibration_runs(results_dir)
   measurement = calibration_measurement()
   config = convergence.config(_TASK, "ssgd", char_lm_path, quick=False)
   loss_fn, params, batches = train_advice.inputs(
       config, measurement["workers"], measurement["steps"]
   )
-  cosines = advice_lib.cosines(
+  errors, cosines = advice_lib.measure_errors(
       loss_fn,
       params,
       batches,
@@ -148,6 +155,7 @@ def calibrate(results_dir, char_lm_path: str, progress=None) -> dict:
           {
               "variant": r["variant"],
               "run": r["run"],
+              "error_to_noise": errors[r["variant"]],
               "cosine": cosines[r["variant"]],
               "gap": r["gap"],
           }
@@ -246,7 +254,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "--steps",
       type=cli.int_at_least(2),
       default=advice_lib.STEPS,
-      help="batches the cosines are taken on (the first"
+      help="batches the errors are taken on (the first"
       f" {advice_lib.WARMUP} warm the factors up)",
   )
   parser.add_argument(
@@ -254,6 +262,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       type=cli.ints_at_least(1),
       default=list(advice_lib.RANKS),
       help="comma-separated ranks of Power-SGD and ACP-SGD",
+  )
+  parser.add_argument(
+      "--measure_all",
+      action="store_true",
+      help="measure every candidate's error, not only until the pick's",
   )
   parser.add_argument(
       "--max_gap",
@@ -277,7 +290,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "--calibrate",
       action="store_true",
       help="write the threshold's records into acp_jax: the convergence"
-      " records' loss gaps, the cosines measured on --char_lm_path",
+      " records' loss gaps, the errors measured on --char_lm_path",
   )
   parser.add_argument(
       "--char_lm_path",
@@ -301,7 +314,7 @@ def main(args) -> None:
     if not args.char_lm_path:
       raise SystemExit(
           "advise --calibrate: give --char_lm_path (tiny-shakespeare's"
-          " input.txt), the text the cosines are measured on"
+          " input.txt), the text the errors are measured on"
       )
     cli.start(args, 1)
     calibration = calibrate(
@@ -342,6 +355,7 @@ def main(args) -> None:
         candidates=advice_lib.default_candidates(ranks=args.ranks),
         max_gap=args.max_gap,
         overlap=args.overlap,
+        measure_all=args.measure_all,
         progress=_progress(start),
     )
     wall = time.perf_counter() - start

@@ -52,7 +52,7 @@ RECORD_FILES = (
 # The subcommand that writes a record file, where it is not the file's name.
 _COMMANDS = {
     "advice": "advise --model bert_base_2l --workers 2,4 --bandwidth inf"
-    " --ranks 4 --json",
+    " --ranks 4 --measure_all --json",
     "projection": "project",
     "cluster_hierarchical": "cluster --hierarchical",
 }

@@ -447,16 +447,17 @@ _ADVICE_COLUMNS = {
     "best": "measured best",
     "best_examples_per_sec": "its examples/s",
     "ratio": "advised / best",
-    "best_eligible": "best at or above the threshold",
+    "best_eligible": "best within the threshold",
     "eligible_ratio": "advised / it",
 }
 
 
-def advice_at(point, link, cosines, params) -> dict[str, Any]:
+def advice_at(point, link, errors, params) -> dict[str, Any]:
   """The advice at one measured ``point`` (its rows of acp_jax's methods),
   from the point's measured ``link`` record, its local steps and the
-  advice's ``cosines`` of the same model and workers, restricted to the
-  methods measured there; beside the measured best."""
+  ``errors`` (``error_to_noise``) the advice measured on the same model and
+  workers, restricted to the methods measured there; beside the measured
+  best."""
   rank = workloads.CLUSTER_MODELS[point[0]["model"]]["rank"]
   measured = {}
   for r in point:
@@ -477,14 +478,14 @@ def advice_at(point, link, cosines, params) -> dict[str, Any]:
       "best": best,
       "best_examples_per_sec": speed[best],
   }
-  eligible = [n for n in speed if cosines[n] >= calibration.cosine]
+  eligible = [n for n in speed if calibration.admits(errors[n])]
   if not eligible:
-    return {**row, "advised": "none at or above the threshold"}
+    return {**row, "advised": "none within the threshold"}
   advice = advice_lib.recommend(
       advice_lib.Measurements(
           fastest_local,
           {n: r["step_local_s"] - fastest_local for n, r in names.items()},
-          {n: cosines[n] for n in names},
+          {n: errors[n] for n in names},
       ),
       advice_lib.volumes(measured, params, workers),
       tuple(measured),
@@ -510,9 +511,11 @@ def advice_at(point, link, cosines, params) -> dict[str, Any]:
 def advice_section(rows, calibration, advice) -> list[str]:
   """At each measured point of the shaped-link sweep (acp_jax's methods,
   ``ADVICE_LINKS``), the advice against the measured best."""
-  cosines = {}
+  errors, cosines = {}, {}
   for r in advice:
-    cosines.setdefault((r["model"], r["workers"]), {})[r["name"]] = r["cosine"]
+    key = r["model"], r["workers"]
+    errors.setdefault(key, {})[r["name"]] = r["error_to_noise"]
+    cosines.setdefault(key, {})[r["name"]] = r["cosine"]
   points = {}
   for r in rows:
     if r["system"] == "acp_jax" and r["bandwidth"] in ADVICE_LINKS:
@@ -523,24 +526,29 @@ def advice_section(rows, calibration, advice) -> list[str]:
       points.items(), key=lambda kv: (kv[0][1], _mbit(kv[0][0]))
   ):
     key = (point[0]["model"], workers)
-    if key not in cosines:
+    if key not in errors:
       missing.append(f"{key[0]} on {workers} workers")
       continue
     params = cluster_params(key[0])
     table.append(
-        advice_at(point, links[bandwidth, workers], cosines[key], params)
+        advice_at(point, links[bandwidth, workers], errors[key], params)
     )
   calibration_line = advice_lib.Calibration.recorded().describe()
-  measured_cosines = "; ".join(
+  measured = "; ".join(
       f"{model} on {workers} workers: "
-      + ", ".join(f"{n} {c:.3f}" for n, c in by_name.items() if c < 1)
-      for (model, workers), by_name in cosines.items()
+      + ", ".join(
+          f"{n} {e:.3f} (cosine {cosines[key][n]:.3f})"
+          for n, e in by_name.items()
+          if e is not None and e > 0
+      )
+      for key, by_name in errors.items()
+      for model, workers in [key]
   )
   return [
       fill(
           "advice",
           provenance=template.provenance(advice),
-          cosines=measured_cosines,
+          errors=measured,
           calibration=calibration_line,
           table=records.table(table, _ADVICE_COLUMNS) if table else "",
           missing=(

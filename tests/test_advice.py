@@ -11,6 +11,7 @@ import pytest
 import acp_jax
 from acp_jax import advice as advice_lib
 from acp_jax import costmodel
+from acp_jax import simulated
 from tests.test_train import small_config
 from train import advice as train_advice
 from train import train
@@ -23,21 +24,15 @@ CANDIDATES = (
     advice_lib.Candidate("acp_sgd", 1),
     advice_lib.Candidate("acp_sgd", 4),
 )
-THRESHOLD = advice_lib.Calibration.recorded().cosine
+THRESHOLD = advice_lib.Calibration.recorded().error_to_noise
 
-
-def _above(share):
-  """A cosine ``share`` of the way from the shipped threshold up to 1."""
-  return THRESHOLD + share * (1 - THRESHOLD)
-
-
-# Cosines on both sides of the threshold (acp_sgd_r1 below it).
-COSINES = {
-    "ssgd": 1.0,
-    "power_sgd_r1": _above(0.2),
-    "power_sgd_r4": _above(0.8),
-    "acp_sgd_r1": THRESHOLD / 2,
-    "acp_sgd_r4": _above(0.5),
+# Errors on both sides of the threshold (acp_sgd_r1 beyond it).
+ERRORS = {
+    "ssgd": 0.0,
+    "power_sgd_r1": 0.8 * THRESHOLD,
+    "power_sgd_r4": 0.2 * THRESHOLD,
+    "acp_sgd_r1": 2 * THRESHOLD,
+    "acp_sgd_r4": 0.5 * THRESHOLD,
 }
 MEASURED = advice_lib.Measurements(
     forward_backward=0.01,
@@ -48,7 +43,7 @@ MEASURED = advice_lib.Measurements(
         "acp_sgd_r1": 1e-3,
         "acp_sgd_r4": 2e-3,
     },
-    cosine=COSINES,
+    error_to_noise=ERRORS,
 )
 
 
@@ -118,11 +113,13 @@ def test_the_advice_is_the_same_for_the_same_measurements():
   ]
   assert row.step_s == pytest.approx(np.mean(steps))
   assert row.examples_per_s == pytest.approx(8 / np.mean(steps))
-  # Fastest first; the pick the fastest at or above the threshold.
+  # Fastest first; the pick the fastest within the threshold.
   assert [r.step_s for r in first.rows] == sorted(r.step_s for r in first.rows)
-  threshold = first.calibration.cosine
-  assert first.pick == next(r for r in first.rows if r.cosine >= threshold)
-  assert f"cosine >= {threshold:.3f}" in first.table()
+  threshold = first.calibration.error_to_noise
+  assert first.pick == next(
+      r for r in first.rows if r.error_to_noise <= threshold
+  )
+  assert f"error/noise <= {threshold:.3f}" in first.table()
 
 
 def test_a_free_link_picks_ssgd():
@@ -131,30 +128,32 @@ def test_a_free_link_picks_ssgd():
   assert all(r["bandwidth"] is None for r in advice.to_record())
 
 
-def test_a_slow_link_picks_the_fewest_bytes_above_the_threshold():
+def test_a_slow_link_picks_the_fewest_bytes_within_the_threshold():
   advice = _advise(advice_lib.Link(bandwidth=1e3, latency=1e-3))
-  threshold = advice.calibration.cosine
-  above = [r for r in advice.rows if r.cosine >= threshold]
-  assert len(above) < len(advice.rows)  # the threshold turns one away
-  assert advice.pick == min(above, key=lambda r: r.bytes_per_step)
-  # The fewest bytes of all is below the threshold, and not picked.
+  admits = advice.calibration.admits
+  within = [r for r in advice.rows if admits(r.error_to_noise)]
+  assert len(within) < len(advice.rows)  # the threshold turns one away
+  assert advice.pick == min(within, key=lambda r: r.bytes_per_step)
+  # The fewest bytes of all is beyond the threshold, and not picked.
   fewest = min(advice.rows, key=lambda r: r.bytes_per_step)
-  assert fewest.cosine < threshold and advice.pick != fewest
+  assert fewest.error_to_noise > THRESHOLD and advice.pick != fewest
   assert isinstance(advice.compressor(), acp_jax.Compressor)
   assert advice.compressor().made_by == advice.pick.candidate.make().made_by
 
 
-def test_the_threshold_is_the_records_lowest_cosine_within_the_gap():
+def test_the_threshold_is_the_records_highest_error_within_the_gap():
   points = [
-      advice_lib.CalibrationPoint("a", 0.95, 0.02),
-      advice_lib.CalibrationPoint("b", 0.80, 0.06),
-      advice_lib.CalibrationPoint("c", 0.70, 0.04),
-      advice_lib.CalibrationPoint("d", 0.50, 0.20),
+      advice_lib.CalibrationPoint("a", 0.1, 0.99, 0.02),
+      advice_lib.CalibrationPoint("b", 0.5, 0.98, 0.06),
+      advice_lib.CalibrationPoint("c", 0.8, 0.97, 0.04),
+      advice_lib.CalibrationPoint("d", 2.0, 0.90, 0.20),
   ]
-  at = lambda gap: advice_lib.Calibration.from_points(points, gap, "").cosine
-  assert at(0.10) == 0.70
-  assert at(0.05) == 0.95  # b at 6 % stops the walk down
-  assert at(0.01) == 1.0  # none within: S-SGD alone
+  at = lambda gap: advice_lib.Calibration.from_points(
+      points, gap, ""
+  ).error_to_noise
+  assert at(0.10) == 0.8
+  assert at(0.05) == 0.1  # b at 6 % stops the walk up
+  assert at(0.01) == 0.0  # none within: S-SGD alone
   recorded = advice_lib.Calibration.recorded()
   assert recorded.points and recorded.max_gap == advice_lib.MAX_GAP
 
@@ -168,7 +167,7 @@ def test_the_shipped_calibration_is_the_records():
   )
   with open(shipped) as f:
     calibration = json.load(f)
-  # Its cosines were measured as the advice measures them now, on the
+  # Its errors were measured as the advice measures them now, on the
   # recorded variants, whose loss gaps it holds.
   measurement = advise.calibration_measurement()
   assert calibration["measurement"] == measurement
@@ -182,6 +181,7 @@ def test_the_shipped_calibration_is_the_records():
       (r["variant"], r["run"], r["gap"]) for r in runs
   ]
   assert all(0 < p["cosine"] <= 1 for p in points)
+  assert all(p["error_to_noise"] > 0 for p in points)
 
 
 def test_update_times_between_the_timed_ranks_are_interpolated():
@@ -196,18 +196,67 @@ def test_update_times_between_the_timed_ranks_are_interpolated():
   assert times["power_sgd_r2"] == pytest.approx(r1 + (r4 - r1) / 3)
 
 
-def test_measured_cosines_order_the_ranks_and_ssgd_is_fastest_unshaped():
+def test_measured_errors_order_the_ranks_and_ssgd_is_fastest_unshaped():
   loss_fn, params, batches = _mlp()
   candidates = CANDIDATES[:3]
   measured = advice_lib.measure(
       loss_fn, params, batches, candidates, workers=WORKERS, repeats=1
   )
   assert measured.cosine["ssgd"] == 1.0
+  assert measured.error_to_noise["ssgd"] == 0.0
   # Rank 4 keeps more of the mean than rank 1; neither is exact.
-  assert measured.cosine["power_sgd_r1"] < measured.cosine["power_sgd_r4"]
-  assert measured.cosine["power_sgd_r4"] < 1.0
+  errors, cosines = measured.error_to_noise, measured.cosine
+  assert errors["power_sgd_r1"] > errors["power_sgd_r4"] > 0
+  assert cosines["power_sgd_r1"] < cosines["power_sgd_r4"] < 1.0
   assert measured.forward_backward > 0
   assert all(t > 0 for t in measured.update.values())
+
+
+def test_errors_are_measured_fastest_first_until_one_is_within():
+  loss_fn, params, batches = _mlp()
+  batches = batches + batches[:1]  # the calibration's STEPS
+  candidates = CANDIDATES[:3]
+  link = advice_lib.Link(bandwidth=1e3, latency=1e-3)
+  kwargs = dict(workers=WORKERS, link=link, candidates=candidates)
+  everything = acp_jax.advise(
+      loss_fn, params, batches, measure_all=True, **kwargs
+  )
+  lazy = acp_jax.advise(loss_fn, params, batches, **kwargs)
+  assert set(everything.measurements.error_to_noise) == {
+      c.name for c in candidates
+  }
+  # The same pick; the candidates after it, slower, are not measured.
+  assert lazy.pick.candidate == everything.pick.candidate
+  after = lazy.rows[lazy.rows.index(lazy.pick) + 1 :]
+  assert after and all(r.error_to_noise is None for r in after)
+  assert lazy.pick.error_to_noise == everything.pick.error_to_noise
+  assert lazy.table().count(" - ") >= len(after)
+  # A faster candidate left unmeasured cannot be passed over.
+  fast = next(r for r in everything.rows).candidate.name
+  partial = advice_lib.Measurements(
+      MEASURED.forward_backward,
+      MEASURED.update,
+      {n: e for n, e in ERRORS.items() if n != fast},
+  )
+  with pytest.raises(ValueError, match=f"{fast} is predicted faster"):
+    _advise(link, measurements=partial, candidates=candidates)
+
+
+def test_the_sampling_noise_is_the_variance_of_the_mean():
+  rng = np.random.default_rng(1)
+  workers, size, sigma = 4, 20_000, 0.5
+  center = rng.standard_normal(size)
+  stacked = {"g": jnp.asarray(center + sigma * rng.standard_normal(
+      (workers, size)), jnp.float32)}
+  noise = float(simulated.sampling_noise(stacked))
+  # Each coordinate's mean of 4 draws has variance sigma^2 / 4.
+  assert noise == pytest.approx(size * sigma**2 / workers, rel=0.03)
+  # Equal gradients carry none; one device's mean has none to estimate.
+  same = {"g": jnp.broadcast_to(jnp.asarray(center), (workers, size))}
+  assert float(simulated.sampling_noise(same)) == 0.0
+  assert float(simulated.sampling_noise({"g": stacked["g"][:1]})) == 0.0
+  assert advice_lib._ratio(0.0, 0.0) == 0.0
+  assert advice_lib._ratio(1.0, 0.0) == math.inf
 
 
 def test_a_measurement_over_other_steps_than_the_calibrations_warns():
@@ -315,7 +364,7 @@ def test_auto_trains_with_the_pick_saves_it_and_a_resume_keeps_it(
   assert "recommended: power_sgd_r4" in capsys.readouterr().out
   saved = _checkpoint_settings(workdir)["advice"]
   assert saved["name"] == "power_sgd_r4"
-  assert saved["threshold"] == advice_lib.Calibration.recorded().cosine
+  assert saved["threshold"] == THRESHOLD
   # A resume given an advice of another pick is refused, naming both.
   config.num_train_steps = 4
   config.compressor.auto.advice = str(other)
@@ -354,22 +403,22 @@ def test_the_report_checks_the_advice_at_a_measured_point():
   row = report_cluster.advice_at(
       point,
       {"alpha_s": 1e-4, "beta_s_per_byte": 1e-6},  # 1 MB/s
-      {"ssgd": 1.0, "power_sgd_r4": _above(0.5), "acp_sgd_r4": THRESHOLD / 2},
+      {"ssgd": 0.0, "power_sgd_r4": THRESHOLD / 2, "acp_sgd_r4": 2 * THRESHOLD},
       report_cluster.cluster_params("tiny"),
   )
-  # ACP-SGD measured fastest but below the threshold: the advice is the
-  # fastest above it, Power-SGD.
+  # ACP-SGD measured fastest but beyond the threshold: the advice is the
+  # fastest within it, Power-SGD.
   assert row["advised"] == row["best_eligible"] == "power_sgd_r4"
   assert row["best"] == "acp_sgd_r4"
   assert row["ratio"] == pytest.approx(0.9)
   assert row["eligible_ratio"] == 1.0
-  # Where S-SGD was not measured and neither low-rank method reaches the
-  # threshold, nothing is advised.
+  # Where S-SGD was not measured and neither low-rank method is within
+  # the threshold, nothing is advised.
   low = report_cluster.advice_at(
       point[1:],
       {"alpha_s": 1e-4, "beta_s_per_byte": 1e-6},
-      {"power_sgd_r4": THRESHOLD / 2, "acp_sgd_r4": THRESHOLD / 2},
+      {"power_sgd_r4": 2 * THRESHOLD, "acp_sgd_r4": 2 * THRESHOLD},
       report_cluster.cluster_params("tiny"),
   )
-  assert low["advised"] == "none at or above the threshold"
+  assert low["advised"] == "none within the threshold"
   assert low["best"] == "acp_sgd_r4" and "ratio" not in low

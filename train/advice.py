@@ -167,6 +167,7 @@ def resolve(
           "bandwidth",  # bytes/s; None: infinite
           "latency",
           "step_s",
+          "error_to_noise",
           "cosine",
           "threshold",
           "calibration",
