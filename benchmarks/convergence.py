@@ -79,6 +79,13 @@ class Variant(NamedTuple):
   comm_dtype: str | None = None
 
 
+def _warm(compressor, rank_factor, compress="gradient", comm_dtype=None):
+  """``compressor`` after WARMUP_STEPS dense steps, its factors warmed."""
+  return Variant(
+      compressor, rank_factor, WARMUP_STEPS, True, compress, comm_dtype
+  )
+
+
 VARIANTS = {
     # Each compressor as the config gives it, at the config's rank.
     **{
@@ -86,62 +93,40 @@ VARIANTS = {
         for n in registry.names()
     },
     "acp_sgd_2r": Variant("acp_sgd", 2, 0, False),
-    "power_sgd_warm": Variant("power_sgd", 1, WARMUP_STEPS, True),
-    "acp_sgd_warm": Variant("acp_sgd", 1, WARMUP_STEPS, True),
-    "acp_sgd_2r_warm": Variant("acp_sgd", 2, WARMUP_STEPS, True),
+    "power_sgd_warm": _warm("power_sgd", 1),
+    "acp_sgd_warm": _warm("acp_sgd", 1),
+    "acp_sgd_2r_warm": _warm("acp_sgd", 2),
     # The same warm-up without warming the factors: the stall it leaves.
     "acp_sgd_warm_cold": Variant("acp_sgd", 1, WARMUP_STEPS, False),
     # Twice the rank in half the bytes per float: each sends what it sends
     # at half that rank in float32 (Power-SGD at 2r, ACP-SGD at 4r: both
     # Power-SGD rank r's bytes); error feedback keeps the rounding.
-    "power_sgd_2r_bf16_warm": Variant(
-        "power_sgd", 2, WARMUP_STEPS, True, comm_dtype="bfloat16"
-    ),
-    "acp_sgd_4r_bf16_warm": Variant(
-        "acp_sgd", 4, WARMUP_STEPS, True, comm_dtype="bfloat16"
-    ),
+    "power_sgd_2r_bf16_warm": _warm("power_sgd", 2, comm_dtype="bfloat16"),
+    "acp_sgd_4r_bf16_warm": _warm("acp_sgd", 4, comm_dtype="bfloat16"),
     # Where rank 4r leaves matrices dense (the small CNN), ACP-SGD's
     # bfloat16 factors at 2r: between its rank-r and 2r bytes in float32.
-    "acp_sgd_2r_bf16_warm": Variant(
-        "acp_sgd", 2, WARMUP_STEPS, True, comm_dtype="bfloat16"
-    ),
+    "acp_sgd_2r_bf16_warm": _warm("acp_sgd", 2, comm_dtype="bfloat16"),
     # AdamW's first moment compressed, its second frozen after the warm-up
     # (acp_jax.compressed_adam), as it is or in Adam's geometry.
-    "power_sgd_momentum": Variant(
-        "power_sgd", 1, WARMUP_STEPS, True, "momentum"
-    ),
-    "acp_sgd_2r_momentum": Variant(
-        "acp_sgd", 2, WARMUP_STEPS, True, "momentum"
-    ),
-    "power_sgd_precond": Variant(
-        "power_sgd", 1, WARMUP_STEPS, True, "preconditioned_momentum"
-    ),
-    "acp_sgd_2r_precond": Variant(
-        "acp_sgd", 2, WARMUP_STEPS, True, "preconditioned_momentum"
-    ),
+    "power_sgd_momentum": _warm("power_sgd", 1, "momentum"),
+    "acp_sgd_2r_momentum": _warm("acp_sgd", 2, "momentum"),
+    "power_sgd_precond": _warm("power_sgd", 1, "preconditioned_momentum"),
+    "acp_sgd_2r_precond": _warm("acp_sgd", 2, "preconditioned_momentum"),
     # AdamW's moments in the coordinates the factors carry
     # (acp_jax.subspace_adam), with and without a dense warm-up.
     "acp_sgd_2r_subspace": Variant("acp_sgd", 2, 0, False, "subspace_adam"),
-    "acp_sgd_2r_subspace_warm": Variant(
-        "acp_sgd", 2, WARMUP_STEPS, True, "subspace_adam"
-    ),
-    "power_sgd_subspace_warm": Variant(
-        "power_sgd", 1, WARMUP_STEPS, True, "subspace_adam"
-    ),
+    "acp_sgd_2r_subspace_warm": _warm("acp_sgd", 2, "subspace_adam"),
+    "power_sgd_subspace_warm": _warm("power_sgd", 1, "subspace_adam"),
     # The same, the factors' power iteration run on the first moment.
-    "acp_sgd_2r_subspace_track_warm": Variant(
-        "acp_sgd", 2, WARMUP_STEPS, True, "subspace_adam_momentum"
+    "acp_sgd_2r_subspace_track_warm": _warm(
+        "acp_sgd", 2, "subspace_adam_momentum"
     ),
     # Each step scaled to Adam's root mean square on the whole matrix.
-    "acp_sgd_2r_subspace_rms_warm": Variant(
-        "acp_sgd", 2, WARMUP_STEPS, True, "subspace_adam_rms"
+    "acp_sgd_2r_subspace_rms_warm": _warm("acp_sgd", 2, "subspace_adam_rms"),
+    "acp_sgd_2r_subspace_track_rms_warm": _warm(
+        "acp_sgd", 2, "subspace_adam_momentum_rms"
     ),
-    "acp_sgd_2r_subspace_track_rms_warm": Variant(
-        "acp_sgd", 2, WARMUP_STEPS, True, "subspace_adam_momentum_rms"
-    ),
-    "power_sgd_subspace_rms_warm": Variant(
-        "power_sgd", 1, WARMUP_STEPS, True, "subspace_adam_rms"
-    ),
+    "power_sgd_subspace_rms_warm": _warm("power_sgd", 1, "subspace_adam_rms"),
 }
 SUBSPACE_VARIANTS = tuple(
     v for v in VARIANTS if VARIANTS[v].compress.startswith("subspace_adam")

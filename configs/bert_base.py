@@ -25,14 +25,10 @@ def get_config():
   config.per_device_batch_size = 32
   config.compressor.power_sgd.rank = 32
   config.compressor.acp_sgd.rank = 32
-  config.num_train_steps = 100_000
-  config.log_every_steps = 100
-  config.eval_every_steps = 5000
-  config.checkpoint_every_steps = 5000
+  default.train_steps(config, 100_000, eval_every=5000, log_every=100)
   config.optimizer.name = "adamw"
   config.optimizer.learning_rate = 1e-4
   config.optimizer.weight_decay = 0.01
   config.optimizer.adamw.eps = 1e-6
-  config.schedule.warmup_steps = 10_000
-  default.dense_warmup(config)
+  default.warmup(config, 10_000)
   return config

@@ -9,21 +9,17 @@ import ml_collections
 
 from configs import bert_base
 from configs import default
+from configs import tinyshakespeare
 
 
 def get_config():
   config = bert_base.get_config()
-  config.data = ml_collections.ConfigDict(
-      {
-          "name": "masked_text",
-          # Required: tiny-shakespeare's input.txt (train/data/, DATA_SOURCES).
-          "path": "",
-          "seq_len": 128,
-          "vocab_size": 8192,
-          # "": PATH.wordpiece-VOCAB_SIZE.json beside the text.
-          "tokenizer": "",
-      }
-  )
+  # The char LM's text and sequences, masked.
+  config.data = tinyshakespeare.get_config().data
+  config.data.name = "masked_text"
+  config.data.vocab_size = 8192
+  # "": PATH.wordpiece-VOCAB_SIZE.json beside the text.
+  config.data.tokenizer = ""
   # A small BERT: 4 layers of width 256.
   config.model = ml_collections.ConfigDict(
       {
@@ -34,11 +30,7 @@ def get_config():
   )
   config.per_device_batch_size = 0
   config.batch_size = 64
-  config.num_train_steps = 3000
-  config.log_every_steps = 10
-  config.eval_every_steps = 500
-  config.checkpoint_every_steps = 500
+  default.train_steps(config, 3000, eval_every=500, log_every=10)
   config.optimizer.learning_rate = 5e-4
-  config.schedule.warmup_steps = 200
-  default.dense_warmup(config)
+  default.warmup(config, 200)
   return config

@@ -27,12 +27,55 @@ def dense_warmup(config: ml_collections.ConfigDict) -> None:
   low-rank compression costs most in loss while the rate climbs and the
   gradient's leading directions move, and the warm-up also aligns the
   factors with them at no extra bytes (docs/guides/trainer.md gives the
-  measured effect). A config that changes ``schedule.warmup_steps`` calls
-  this again."""
+  measured effect). A config that changes the learning-rate warm-up sets
+  it with ``warmup``, which calls this again."""
   steps = round(1.2 * config.schedule.warmup_steps)
   for name in registry.names():
     if registry.get(name).low_rank:
       config.compressor[name].warmup_steps = steps
+
+
+def warmup(config: ml_collections.ConfigDict, steps: int) -> None:
+  """Sets the learning-rate warm-up to ``steps``, and the dense warm-up
+  that ends just past it (``dense_warmup``)."""
+  config.schedule.warmup_steps = steps
+  dense_warmup(config)
+
+
+def train_steps(
+    config: ml_collections.ConfigDict,
+    num_train_steps: int,
+    *,
+    eval_every: int,
+    log_every: int | None = None,
+) -> None:
+  """Trains for ``num_train_steps``, evaluating and checkpointing every
+  ``eval_every`` steps and logging every ``log_every`` (None: as ``config``
+  does)."""
+  config.num_train_steps = num_train_steps
+  config.eval_every_steps = eval_every
+  config.checkpoint_every_steps = eval_every
+  if log_every is not None:
+    config.log_every_steps = log_every
+
+
+def tfds(
+    tfds_name: str, eval_split: str, **fields
+) -> ml_collections.ConfigDict:
+  """The data: ``tfds_name`` as prepared by ``tfds build`` into
+  ~/tensorflow_datasets, trained on its "train" split and evaluated on
+  ``eval_split``; ``fields``, the tfds loader's other arguments
+  (train/data/tfds.py)."""
+  return ml_collections.ConfigDict(
+      {
+          "name": "tfds",
+          "tfds_name": tfds_name,
+          "data_dir": "~/tensorflow_datasets",
+          "train_split": "train",
+          "eval_split": eval_split,
+          **fields,
+      }
+  )
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -14,5 +14,4 @@ def get_config():
   config.data.path = ""  # required: a folder of IDX files
   config.data.eval_examples = 2000
   config.num_train_steps = 500
-  config.batch_size = 128
   return config

@@ -19,25 +19,20 @@ from train import images
 
 def get_config():
   config = default.get_config()
-  config.data = ml_collections.ConfigDict(
-      {
-          "name": "tfds",
-          "tfds_name": "imagenet2012",
-          "data_dir": "~/tensorflow_datasets",
-          "train_split": "train",
-          "eval_split": "validation",
-          # Images of any size: random-resized crops and flips for
-          # training, resize and central crop for evaluation.
-          "preprocess": "imagenet",
-          # The crops' side (also the side of --config.data.name=
-          # synthetic_images), a training crop's area (fraction of the
-          # image) and aspect ratio, the crop_fraction of the shorter side
-          # that evaluation keeps, ImageNet's channel mean and std:
-          # images.Preprocess's defaults, here so that each can be set.
-          **dataclasses.asdict(images.Preprocess()),
-          # Used by --config.data.name=synthetic_images:
-          "num_classes": 1000,
-      }
+  config.data = default.tfds(
+      "imagenet2012",
+      "validation",
+      # Images of any size: random-resized crops and flips for training,
+      # resize and central crop for evaluation.
+      preprocess="imagenet",
+      # The crops' side (also the side of --config.data.name=
+      # synthetic_images), a training crop's area (fraction of the image)
+      # and aspect ratio, the crop_fraction of the shorter side that
+      # evaluation keeps, ImageNet's channel mean and std:
+      # images.Preprocess's defaults, here so that each can be set.
+      **dataclasses.asdict(images.Preprocess()),
+      # Used by --config.data.name=synthetic_images:
+      num_classes=1000,
   )
   config.model = ml_collections.ConfigDict(
       {"name": "resnet50", "stem": "imagenet"}
@@ -46,16 +41,9 @@ def get_config():
   config.per_device_batch_size = 64
   # JPEG decoding and cropping in worker processes, ahead of the step.
   config.data_workers = 8
-  config.compressor.power_sgd.rank = 4
-  config.compressor.acp_sgd.rank = 4
-  config.num_train_steps = 450_000
-  config.log_every_steps = 100
-  config.eval_every_steps = 5000
-  config.checkpoint_every_steps = 5000
-  config.optimizer.learning_rate = 0.1
+  default.train_steps(config, 450_000, eval_every=5000, log_every=100)
   config.optimizer.weight_decay = 1e-4
   config.schedule.name = "step"
-  config.schedule.warmup_steps = 2500
   config.schedule.step.boundaries = (1 / 3, 2 / 3, 8 / 9)
-  default.dense_warmup(config)
+  default.warmup(config, 2500)
   return config

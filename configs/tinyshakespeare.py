@@ -24,14 +24,11 @@ def get_config():
           "num_heads": 4,
       }
   )
-  config.num_train_steps = 1000
   config.batch_size = 64
-  config.eval_every_steps = 250
-  config.checkpoint_every_steps = 250
+  default.train_steps(config, 1000, eval_every=250)
   config.optimizer.name = "adamw"
   config.optimizer.learning_rate = 3e-3
   config.optimizer.weight_decay = 0.01
   config.optimizer.adamw.b2 = 0.99
-  config.schedule.warmup_steps = 50
-  default.dense_warmup(config)
+  default.warmup(config, 50)
   return config

@@ -21,27 +21,24 @@ COMM = os.path.join(HERE, "..", "benchmarks", "results", "comm.json")
 OUT = os.path.join(HERE, "_static", "acp_sgd_steps.svg")
 
 COMPUTE, SEND, WAIT = "#9ecae1", "#fdae6b", "#d9d9d9"
-# (label, start, length, colour) per lane, in units of one backprop.
+# (label, length, colour) per lane, in units of one backprop; each box
+# starts where the one before it ends.
+BACKPROP = ("backprop", 1.0, COMPUTE)
 LANES = {
-    "Power-SGD": [
-        ("backprop", 0.0, 1.0, COMPUTE),
-        ("P = MQ", 1.0, 0.3, COMPUTE),
-        ("all-reduce P", 1.3, 0.5, SEND),
-        ("Q = M^T P", 1.8, 0.3, COMPUTE),
-        ("all-reduce Q", 2.1, 0.5, SEND),
-        ("backprop", 2.6, 1.0, COMPUTE),
-        ("P = MQ", 3.6, 0.3, COMPUTE),
-        ("all-reduce P", 3.9, 0.5, SEND),
-        ("Q = M^T P", 4.4, 0.3, COMPUTE),
-        ("all-reduce Q", 4.7, 0.5, SEND),
+    "Power-SGD": 2 * [
+        BACKPROP,
+        ("P = MQ", 0.3, COMPUTE),
+        ("all-reduce P", 0.5, SEND),
+        ("Q = M^T P", 0.3, COMPUTE),
+        ("all-reduce Q", 0.5, SEND),
     ],
     "ACP-SGD": [
-        ("backprop", 0.0, 1.0, COMPUTE),
-        ("P = MQ'", 1.0, 0.3, COMPUTE),
-        ("all-reduce P", 1.3, 0.5, SEND),
-        ("backprop", 1.8, 1.0, COMPUTE),
-        ("Q = M^T P'", 2.8, 0.3, COMPUTE),
-        ("all-reduce Q", 3.1, 0.5, SEND),
+        BACKPROP,
+        ("P = MQ'", 0.3, COMPUTE),
+        ("all-reduce P", 0.5, SEND),
+        BACKPROP,
+        ("Q = M^T P'", 0.3, COMPUTE),
+        ("all-reduce Q", 0.5, SEND),
     ],
 }
 METHODS = [
@@ -63,11 +60,13 @@ def resnet50_bytes():
 def draw_lanes(ax):
   for row, (name, boxes) in enumerate(LANES.items()):
     y = len(LANES) - 1 - row
-    for label, start, length, colour in boxes:
+    start = 0.0
+    for label, length, colour in boxes:
       ax.broken_barh([(start, length)], (y - 0.35, 0.7), color=colour,
                      edgecolor="black", linewidth=0.5)
       ax.text(start + length / 2, y, label, ha="center", va="center",
               fontsize=6, rotation=0 if length >= 0.5 else 90)
+      start += length
   ax.set_yticks(range(len(LANES)), list(LANES)[::-1])
   ax.set_xlabel(
       "time: two steps of each; every box waits for the one before it"

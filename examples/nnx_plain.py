@@ -1,7 +1,8 @@
 """Plain data parallelism with Flax NNX: jit and NamedSharding on 8 devices.
 
 Every step all-reduces the full gradient (XLA inserts it for the sharded
-batch). `nnx_compressed.py` is the same loop with ACP-SGD.
+batch). `nnx_compressed.py` is the same loop with ACP-SGD; both train the
+MLP of `mlp_task.py`.
 
   python examples/nnx_plain.py [STEPS]
 """
@@ -12,35 +13,12 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)  # simulated; drop it on GPUs
 
-import numpy as np  # pylint: disable=g-import-not-at-top
-import optax
+import optax  # pylint: disable=g-import-not-at-top
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-
-class MLP(nnx.Module):
-
-  def __init__(self, rngs):
-    self.hidden = nnx.Linear(64, 256, rngs=rngs)
-    self.out = nnx.Linear(256, 10, rngs=rngs)
-
-  def __call__(self, x):
-    return self.out(jax.nn.relu(self.hidden(x)))
-
-
-def loss_fn(model, x, y):
-  return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
-
-
-TEACHER = np.random.default_rng(1).standard_normal((64, 10)).astype(np.float32)
-
-
-def batch(step, size=256):
-  """Inputs and a random teacher network's labels."""
-  x = np.random.default_rng(step).standard_normal((size, 64), np.float32)
-  return x, (x @ TEACHER).argmax(-1)
-
+from mlp_task import MLP, batch, loss_fn
 
 mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 model = MLP(nnx.Rngs(0))
