@@ -153,7 +153,7 @@ def get_config() -> ml_collections.ConfigDict:
               "bandwidth": config_dict.placeholder(float),
               "latency": 0.0,
               "workers": 0,  # 0: this run's devices
-              # Batches the cosines are taken on (the first two warm the
+              # Batches the errors are taken on (the first two warm the
               # factors: acp_jax.advice.STEPS, WARMUP).
               "steps": 4,
               # The held-out loss gap to S-SGD the threshold promises.
