@@ -367,9 +367,10 @@ def table(record: Sequence[Mapping[str, Any]]) -> str:
       f" {first['forward_backward_s']:.4f} s on one worker's"
       f" {first['global_batch'] // first['workers']} examples",
       first["calibration"],
-      f"recommended: {pick['name']}, the fastest within the threshold"
-      " (-: not measured, as slower than it)",
+      f"recommended: {pick['name']}, the fastest within the threshold",
   ]
+  if any(r["error_to_noise"] is None for r in record):
+    lines.append("-: not measured, as slower than the pick")
   return "\n".join(lines)
 
 

@@ -7,7 +7,6 @@ from the constants of the code that the prose names.
 """
 
 import fractions
-import functools
 import pathlib
 import re
 import statistics
@@ -15,8 +14,8 @@ from typing import Any
 
 from acp_jax import advice as advice_lib
 from acp_jax import costmodel
+from benchmarks import advice_check
 from benchmarks import cluster
-from benchmarks import launch
 from benchmarks import plots
 from benchmarks import project
 from benchmarks import records
@@ -25,7 +24,6 @@ from benchmarks import thresholds
 from benchmarks import template
 from benchmarks import workloads
 from benchmarks.template import fill
-from train import experiment as experiment_lib
 from train import models
 
 _STEP_PARTS_COLUMNS = {
@@ -437,8 +435,6 @@ def summary_table(rows) -> str:
   return "\n".join("| " + " | ".join(line) + " |" for line in lines)
 
 
-# The links of the sweep the advice is checked on: 1 Gb/s and slower.
-ADVICE_LINKS = ("10mbit", "100mbit", "1gbit")
 _ADVICE_COLUMNS = {
     "workers": "workers",
     "bandwidth": "link",
@@ -452,103 +448,26 @@ _ADVICE_COLUMNS = {
 }
 
 
-def advice_at(point, link, errors, params) -> dict[str, Any]:
-  """The advice at one measured ``point`` (its rows of acp_jax's methods),
-  from the point's measured ``link`` record, its local steps and the
-  ``errors`` (``error_to_noise``) the advice measured on the same model and
-  workers, restricted to the methods measured there; beside the measured
-  best."""
-  rank = workloads.CLUSTER_MODELS[point[0]["model"]]["rank"]
-  measured = {}
-  for r in point:
-    c = r["compressor"]
-    candidate = advice_lib.Candidate(
-        c, rank if c in advice_lib.LOW_RANK else None
-    )
-    measured[candidate] = r
-  fastest_local = min(r["step_local_s"] for r in measured.values())
-  names = {c.name: r for c, r in measured.items()}
-  workers = point[0]["workers"]
-  calibration = advice_lib.Calibration.recorded()
-  speed = {n: r["examples_per_sec"] for n, r in names.items()}
-  best = max(speed, key=speed.get)
-  row = {
-      "workers": workers,
-      "bandwidth": point[0]["bandwidth"],
-      "best": best,
-      "best_examples_per_sec": speed[best],
-  }
-  eligible = [n for n in speed if calibration.admits(errors[n])]
-  if not eligible:
-    return {**row, "advised": "none within the threshold"}
-  advice = advice_lib.recommend(
-      advice_lib.Measurements(
-          fastest_local,
-          {n: r["step_local_s"] - fastest_local for n, r in names.items()},
-          {n: errors[n] for n in names},
-      ),
-      advice_lib.volumes(measured, params, workers),
-      tuple(measured),
-      workers=workers,
-      link=advice_lib.Link(1 / link["beta_s_per_byte"], link["alpha_s"]),
-      global_batch=workers * workloads.CLUSTER_MODELS[point[0]["model"]][
-          "batch_size"
-      ],
-      calibration=calibration,
-  )
-  advised = advice.pick.candidate.name
-  best_eligible = max(eligible, key=speed.get)
-  return {
-      **row,
-      "advised": advised,
-      "advised_examples_per_sec": speed[advised],
-      "ratio": speed[advised] / speed[best],
-      "best_eligible": best_eligible,
-      "eligible_ratio": speed[advised] / speed[best_eligible],
-  }
-
-
 def advice_section(rows, calibration, advice) -> list[str]:
-  """At each measured point of the shaped-link sweep (acp_jax's methods,
-  ``ADVICE_LINKS``), the advice against the measured best."""
-  errors, cosines = {}, {}
+  """At each measured point of the shaped-link sweep
+  (``advice_check.points``), the advice against the measured best."""
+  table, missing = advice_check.points(rows, calibration, advice)
+  measured = {}
   for r in advice:
-    key = r["model"], r["workers"]
-    errors.setdefault(key, {})[r["name"]] = r["error_to_noise"]
-    cosines.setdefault(key, {})[r["name"]] = r["cosine"]
-  points = {}
-  for r in rows:
-    if r["system"] == "acp_jax" and r["bandwidth"] in ADVICE_LINKS:
-      points.setdefault((r["bandwidth"], r["workers"]), []).append(r)
-  links = {(r["bandwidth"], r["workers"]): r for r in calibration}
-  table, missing = [], []
-  for (bandwidth, workers), point in sorted(
-      points.items(), key=lambda kv: (kv[0][1], _mbit(kv[0][0]))
-  ):
-    key = (point[0]["model"], workers)
-    if key not in errors:
-      missing.append(f"{key[0]} on {workers} workers")
-      continue
-    params = cluster_params(key[0])
-    table.append(
-        advice_at(point, links[bandwidth, workers], errors[key], params)
-    )
-  calibration_line = advice_lib.Calibration.recorded().describe()
-  measured = "; ".join(
-      f"{model} on {workers} workers: "
-      + ", ".join(
-          f"{n} {e:.3f} (cosine {cosines[key][n]:.3f})"
-          for n, e in by_name.items()
-          if e is not None and e > 0
+    if r["error_to_noise"]:
+      measured.setdefault((r["model"], r["workers"]), []).append(
+          f"{r['name']} {r['error_to_noise']:.3f} (cosine {r['cosine']:.3f})"
       )
-      for key, by_name in errors.items()
-      for model, workers in [key]
+  errors = "; ".join(
+      f"{model} on {workers} workers: " + ", ".join(names)
+      for (model, workers), names in measured.items()
   )
+  calibration_line = advice_lib.Calibration.recorded().describe()
   return [
       fill(
           "advice",
           provenance=template.provenance(advice),
-          errors=measured,
+          errors=errors,
           calibration=calibration_line,
           table=records.table(table, _ADVICE_COLUMNS) if table else "",
           missing=(
@@ -558,15 +477,3 @@ def advice_section(rows, calibration, advice) -> list[str]:
           ),
       )
   ]
-
-
-def _mbit(bandwidth: str) -> float:
-  return launch.BANDWIDTHS[bandwidth] or float("inf")
-
-
-@functools.cache
-def cluster_params(model: str):
-  """The abstract params of cluster workload ``model``."""
-  return experiment_lib.build(
-      workloads.cluster_config(model, "ssgd", 1)
-  ).abstract_params

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import statistics
 from typing import Any, NamedTuple
 
+from benchmarks import advice_check
 from benchmarks import convergence_summary
 from benchmarks import plots
 from benchmarks import project
@@ -18,6 +19,7 @@ from benchmarks import records as records_lib
 from benchmarks.thresholds import (
     ACP_BYTES_VS_POWER_SGD,
     ACP_UPSTREAM_OVERLAP,
+    ADVICE_VS_BEST,
     ACP_VS_POWER_SGD,
     CHAR_LM_LOSS_VS_SSGD_PCT,
     CHAR_LM_SGD_LOSS_VS_SSGD_PCT,
@@ -408,6 +410,25 @@ def _projection(records: Records) -> list[Row]:
   ]
 
 
+def _advice(records: Records) -> list[Row]:
+  if not records.get("cluster") or not records.get("cluster_links"):
+    return []
+  checked, _ = advice_check.points(
+      records["cluster"], records["cluster_links"], records["advice"]
+  )
+  ratios = [r["eligible_ratio"] for r in checked if "eligible_ratio" in r]
+  if not ratios:
+    return []
+  return [(
+      "At every point of the shaped-link sweep, the advised method's"
+      f" examples/s >= {ADVICE_VS_BEST}x the fastest measured method's"
+      " within the advice's threshold",
+      f"{len(ratios)} of {len(checked)} points advised; lowest"
+      f" {min(ratios):.2f}x",
+      len(ratios) == len(checked) and min(ratios) >= ADVICE_VS_BEST,
+  )]
+
+
 # (record file, check): the report's targets, in the order it lists them.
 TARGETS: tuple[tuple[str, Callable[[Records], list[Row]]], ...] = (
     ("comm", _bytes),
@@ -415,6 +436,7 @@ TARGETS: tuple[tuple[str, Callable[[Records], list[Row]]], ...] = (
     ("overhead", _overhead),
     ("convergence", _accuracy),
     ("cluster", _cluster),
+    ("advice", _advice),
     ("projection", _projection),
     ("cluster_hierarchical", _sharded),
 )

@@ -44,3 +44,7 @@ SHARDED_VS_HIERARCHICAL = 0.9
 # step with the default buckets (the share of the step's compute each of its
 # collectives could hide behind), at least, in each phase, by model.
 ACP_UPSTREAM_OVERLAP = {"resnet50": 0.55, "bert_base": 0.25}
+# At each point of the shaped-link sweep, the advised method's examples/s
+# over the fastest measured method's within the advice's threshold, at
+# least.
+ADVICE_VS_BEST = 0.9

@@ -386,7 +386,7 @@ def test_auto_without_a_link_or_an_advice_names_the_setting(tmp_path):
 
 
 def test_the_report_checks_the_advice_at_a_measured_point():
-  from benchmarks import report_cluster
+  from benchmarks import advice_check
 
   measured = {"ssgd": 2.0, "power_sgd": 9.0, "acp_sgd": 10.0}  # examples/s
   point = [
@@ -400,11 +400,11 @@ def test_the_report_checks_the_advice_at_a_measured_point():
       }
       for c, speed in measured.items()
   ]
-  row = report_cluster.advice_at(
+  row = advice_check.advice_at(
       point,
       {"alpha_s": 1e-4, "beta_s_per_byte": 1e-6},  # 1 MB/s
       {"ssgd": 0.0, "power_sgd_r4": THRESHOLD / 2, "acp_sgd_r4": 2 * THRESHOLD},
-      report_cluster.cluster_params("tiny"),
+      advice_check.cluster_params("tiny"),
   )
   # ACP-SGD measured fastest but beyond the threshold: the advice is the
   # fastest within it, Power-SGD.
@@ -414,11 +414,11 @@ def test_the_report_checks_the_advice_at_a_measured_point():
   assert row["eligible_ratio"] == 1.0
   # Where S-SGD was not measured and neither low-rank method is within
   # the threshold, nothing is advised.
-  low = report_cluster.advice_at(
+  low = advice_check.advice_at(
       point[1:],
       {"alpha_s": 1e-4, "beta_s_per_byte": 1e-6},
       {"power_sgd_r4": 2 * THRESHOLD, "acp_sgd_r4": 2 * THRESHOLD},
-      report_cluster.cluster_params("tiny"),
+      advice_check.cluster_params("tiny"),
   )
   assert low["advised"] == "none within the threshold"
   assert low["best"] == "acp_sgd_r4" and "ratio" not in low

@@ -1,0 +1,115 @@
+"""The advice checked against the shaped-link sweep: at each measured point,
+what ``acp_jax.advise`` picks among the methods measured there, beside the
+measured best (the report's section and its target both read it)."""
+
+import functools
+from typing import Any
+
+from acp_jax import advice as advice_lib
+from benchmarks import launch
+from benchmarks import workloads
+from train import experiment as experiment_lib
+
+# The links of the sweep the advice is checked on: 1 Gb/s and slower.
+ADVICE_LINKS = ("10mbit", "100mbit", "1gbit")
+
+
+def advice_at(point, link, errors, params) -> dict[str, Any]:
+  """The advice at one measured ``point`` (its rows of acp_jax's methods),
+  from the point's measured ``link`` record, its local steps and the
+  ``errors`` (``error_to_noise``) the advice measured on the same model and
+  workers, restricted to the methods measured there; beside the measured
+  best."""
+  rank = workloads.CLUSTER_MODELS[point[0]["model"]]["rank"]
+  measured = {}
+  for r in point:
+    c = r["compressor"]
+    candidate = advice_lib.Candidate(
+        c, rank if c in advice_lib.LOW_RANK else None
+    )
+    measured[candidate] = r
+  fastest_local = min(r["step_local_s"] for r in measured.values())
+  names = {c.name: r for c, r in measured.items()}
+  workers = point[0]["workers"]
+  calibration = advice_lib.Calibration.recorded()
+  speed = {n: r["examples_per_sec"] for n, r in names.items()}
+  best = max(speed, key=speed.get)
+  row = {
+      "workers": workers,
+      "bandwidth": point[0]["bandwidth"],
+      "best": best,
+      "best_examples_per_sec": speed[best],
+  }
+  eligible = [n for n in speed if calibration.admits(errors[n])]
+  if not eligible:
+    return {**row, "advised": "none within the threshold"}
+  advice = advice_lib.recommend(
+      advice_lib.Measurements(
+          fastest_local,
+          {n: r["step_local_s"] - fastest_local for n, r in names.items()},
+          {n: errors[n] for n in names},
+      ),
+      advice_lib.volumes(measured, params, workers),
+      tuple(measured),
+      workers=workers,
+      link=advice_lib.Link(1 / link["beta_s_per_byte"], link["alpha_s"]),
+      global_batch=workers * workloads.CLUSTER_MODELS[point[0]["model"]][
+          "batch_size"
+      ],
+      calibration=calibration,
+  )
+  advised = advice.pick.candidate.name
+  best_eligible = max(eligible, key=speed.get)
+  return {
+      **row,
+      "advised": advised,
+      "advised_examples_per_sec": speed[advised],
+      "ratio": speed[advised] / speed[best],
+      "best_eligible": best_eligible,
+      "eligible_ratio": speed[advised] / speed[best_eligible],
+  }
+
+
+def points(rows, links, advice) -> tuple[list[dict[str, Any]], list[str]]:
+  """``advice_at`` at each point of the sweep's ``rows`` (acp_jax's methods,
+  ``ADVICE_LINKS``), given the calibrated ``links`` records and the
+  ``advice`` records, fewest workers and slowest link first; and the models
+  and worker counts that no advice record covers."""
+  errors = {}
+  for r in advice:
+    key = r["model"], r["workers"]
+    errors.setdefault(key, {})[r["name"]] = r["error_to_noise"]
+  by_point = {}
+  for r in rows:
+    if r["system"] == "acp_jax" and r["bandwidth"] in ADVICE_LINKS:
+      by_point.setdefault((r["bandwidth"], r["workers"]), []).append(r)
+  linked = {(r["bandwidth"], r["workers"]): r for r in links}
+  checked, missing = [], []
+  for (bandwidth, workers), point in sorted(
+      by_point.items(), key=lambda kv: (kv[0][1], _mbit(kv[0][0]))
+  ):
+    key = (point[0]["model"], workers)
+    if key not in errors:
+      missing.append(f"{key[0]} on {workers} workers")
+      continue
+    checked.append(
+        advice_at(
+            point,
+            linked[bandwidth, workers],
+            errors[key],
+            cluster_params(key[0]),
+        )
+    )
+  return checked, missing
+
+
+def _mbit(bandwidth: str) -> float:
+  return launch.BANDWIDTHS[bandwidth] or float("inf")
+
+
+@functools.cache
+def cluster_params(model: str):
+  """The abstract params of cluster workload ``model``."""
+  return experiment_lib.build(
+      workloads.cluster_config(model, "ssgd", 1)
+  ).abstract_params
