@@ -425,15 +425,10 @@ class Advice:
 
 
 def _ranked(
-    measurements: Measurements,
-    volumes: Mapping[str, Mapping[str, compressor_lib.CommVolume]],
-    candidates: Sequence[Candidate],
-    workers: int,
-    link: Link,
-    global_batch: int,
-    overlap: bool,
+    measurements, volumes, candidates, workers, link, global_batch, overlap
 ) -> list[Row]:
-  """Each candidate's predicted row, fastest first."""
+  """Each candidate's predicted row, fastest first (``recommend``'s
+  arguments)."""
   costs = link.costs()
   forward_backward = measurements.forward_backward
   rows = []
@@ -668,47 +663,21 @@ def _check_warmup(warmup: int, batches: Sequence[Any]) -> None:
     )
 
 
-def measure_times(
-    loss_fn: Callable[[Any, Any], jax.Array],
-    params: Any,
-    batches: Sequence[Any],
-    candidates: Sequence[Candidate],
-    *,
-    workers: int,
-    repeats: int = 3,
-    progress: Callable[[str], None] | None = None,
-) -> Measurements:
-  """The forward and backward time and each candidate's update time, on
-  this device (no errors); the arguments are ``measure``'s."""
-  _checks.integer("workers", workers, 1)
-  say = progress or (lambda line: None)
+def _times(grad, params, batches, candidates, workers, repeats, say):
+  """The forward and backward time by ``grad`` and each candidate's update
+  time, on this device (no errors yet)."""
   say(f"forward and backward on one worker's share of {workers}")
-  grad = _grad(loss_fn)
   first = jax.tree.map(lambda x: x[0], _split(batches[0], workers))
   times = timing.interleaved({0: lambda: grad(params, first)}, repeats, 1)
   update = _update_times(candidates, params, repeats, say)
   return Measurements(statistics.median(times[0]), update)
 
 
-def measure_errors(
-    loss_fn: Callable[[Any, Any], jax.Array],
-    params: Any,
-    batches: Sequence[Any],
-    candidates: Sequence[Candidate],
-    *,
-    workers: int,
-    warmup: int = WARMUP,
-    enough: Callable[[float], bool] | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> tuple[dict[str, float], dict[str, float]]:
+def _errors(grad, params, batches, candidates, workers, warmup, enough, say):
   """Each candidate's ``error_to_noise`` and cosine, by name, measured in
-  the order of ``candidates``; with ``enough``, the measuring stops after
-  the first candidate whose error it accepts. The other arguments are
-  ``measure``'s."""
-  _checks.integer("workers", workers, 1)
-  _check_warmup(warmup, batches)
-  say = progress or (lambda line: None)
-  steps = _steps(_grad(loss_fn), params, batches, workers)
+  the order of ``candidates``, stopping after the first whose error
+  ``enough`` (if given) accepts."""
+  steps = _steps(grad, params, batches, workers)
   errors, cosines = {}, {}
   for i, c in enumerate(candidates):
     say(f"[{i + 1}/{len(candidates)}] error of {c.name}")
@@ -733,8 +702,11 @@ def measure(
     warmup: int = WARMUP,
     repeats: int = 3,
     progress: Callable[[str], None] | None = None,
+    order: Callable[[Measurements], Sequence[Candidate]] | None = None,
+    enough: Callable[[float], bool] | None = None,
 ) -> Measurements:
-  """Measures on this device what ``recommend`` needs, for every candidate.
+  """Measures on this device what ``recommend`` needs: the times, then the
+  errors.
 
   Args:
     loss_fn: ``(params, batch) -> scalar loss`` of one worker's batch.
@@ -751,24 +723,24 @@ def measure(
       (the median is kept); ranks between those of ``timed_ranks`` are
       interpolated.
     progress: called with a line before each measurement.
+    order: from the times, the candidates whose errors are measured, in
+      that order; default ``candidates``.
+    enough: stop measuring errors after the first that it accepts.
   """
-  timed = measure_times(
-      loss_fn,
+  _checks.integer("workers", workers, 1)
+  _check_warmup(warmup, batches)
+  say = progress or (lambda line: None)
+  grad = _grad(loss_fn)
+  timed = _times(grad, params, batches, candidates, workers, repeats, say)
+  errors, cosines = _errors(
+      grad,
       params,
       batches,
-      candidates,
-      workers=workers,
-      repeats=repeats,
-      progress=progress,
-  )
-  errors, cosines = measure_errors(
-      loss_fn,
-      params,
-      batches,
-      candidates,
-      workers=workers,
-      warmup=warmup,
-      progress=progress,
+      order(timed) if order else candidates,
+      workers,
+      warmup,
+      enough,
+      say,
   )
   return dataclasses.replace(timed, error_to_noise=errors, cosine=cosines)
 
@@ -853,30 +825,22 @@ def advise(
           f" calibrated (give {STEPS} batches and warmup={WARMUP})",
           stacklevel=2,
       )
-    _check_warmup(warmup, batches)
-    timed = measure_times(
+    ranked = lambda timed: [
+        r.candidate
+        for r in _ranked(
+            timed, sent, candidates, workers, link, global_batch, overlap
+        )
+    ]
+    measurements = measure(
         loss_fn,
         params,
         batches,
         candidates,
         workers=workers,
-        progress=progress,
-    )
-    ranked = _ranked(
-        timed, sent, candidates, workers, link, global_batch, overlap
-    )
-    errors, cosines = measure_errors(
-        loss_fn,
-        params,
-        batches,
-        candidates if measure_all else [r.candidate for r in ranked],
-        workers=workers,
         warmup=warmup,
-        enough=None if measure_all else calibration.admits,
         progress=progress,
-    )
-    measurements = dataclasses.replace(
-        timed, error_to_noise=errors, cosine=cosines
+        order=None if measure_all else ranked,
+        enough=None if measure_all else calibration.admits,
     )
   return recommend(
       measurements,

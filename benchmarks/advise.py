@@ -24,7 +24,7 @@ of the convergence records (``convergence.json``) that trained Power-SGD or
 ACP-SGD on the gradient after a dense warm-up that warmed its factors, its
 held-out loss gap to S-SGD (the mean over seeds) and its error and cosine
 measured as the advice measures a candidate's
-(``acp_jax.advice.measure_errors``: the same warm-up and steps) on the
+(``acp_jax.advice.measure``: the same warm-up and steps) on the
 convergence runs' char LM, workers and batch, from its initial params.
 """
 
@@ -139,7 +139,7 @@ def calibrate(results_dir, char_lm_path: str, progress=None) -> dict:
   loss_fn, params, batches = train_advice.inputs(
       config, measurement["workers"], measurement["steps"]
   )
-  errors, cosines = advice_lib.measure_errors(
+  measured = advice_lib.measure(
       loss_fn,
       params,
       batches,
@@ -155,8 +155,8 @@ def calibrate(results_dir, char_lm_path: str, progress=None) -> dict:
           {
               "variant": r["variant"],
               "run": r["run"],
-              "error_to_noise": errors[r["variant"]],
-              "cosine": cosines[r["variant"]],
+              "error_to_noise": measured.error_to_noise[r["variant"]],
+              "cosine": measured.cosine[r["variant"]],
               "gap": r["gap"],
           }
           for r in runs
