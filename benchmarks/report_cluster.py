@@ -14,6 +14,7 @@ from typing import Any
 
 from acp_jax import advice as advice_lib
 from acp_jax import costmodel
+from acp_jax import registry
 from benchmarks import advice_check
 from benchmarks import cluster
 from benchmarks import plots
@@ -397,7 +398,7 @@ def _method_label(system: str, name: str, rank: int) -> str:
   """A cluster method as the README names it: ``ACP-SGD (r=4)``,
   ``PyTorch DDP + `powerSGD_hook` (r=4)``."""
   label = plots.LABELS[name]
-  if name in ("power_sgd", "acp_sgd"):
+  if registry.get(name).low_rank:
     label += f" (r={rank})"
   if system == "torch":
     label = "PyTorch DDP" + (
