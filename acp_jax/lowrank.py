@@ -1,9 +1,9 @@
 """Pieces shared by the low-rank compressors (Power-SGD and ACP-SGD).
 
 Their settings and plan (which leaves are compressed, at what rank), their
-state trees, one round of their exchange and its bytes: one module for the
-plumbing around their updates, whose arithmetic lives in ``orthogonalize``
-and ``projection``.
+state trees, the ``Compressor`` their factories return, one round of their
+exchange and its bytes: one module for the plumbing around their updates,
+whose arithmetic lives in ``orthogonalize`` and ``projection``.
 """
 
 from collections.abc import Callable
