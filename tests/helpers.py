@@ -1,6 +1,10 @@
-"""Running a compressor's update on the simulated devices; a free port."""
+"""Running a compressor's update on the simulated devices; running the
+repository's commands; a free port."""
 
+import os
 import socket
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +16,8 @@ import acp_jax
 from tests.conftest import NUM_DEVICES
 
 AXIS = "data"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 
 def mesh():
@@ -163,6 +169,20 @@ def finish(procs, timeout: float) -> list[tuple[str, str]]:
         proc.kill()
         proc.communicate()
   return outputs
+
+
+def run_module(
+    module: str, *args: str, timeout: float
+) -> subprocess.CompletedProcess:
+  """``python -m module *args`` in the repository's root, its output
+  captured as text."""
+  return subprocess.run(
+      [sys.executable, "-m", module, *args],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+  )
 
 
 def free_port() -> int:
