@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import acp_jax
+from acp_jax import checkpoint as acp_checkpoint
 from tests.conftest import NUM_DEVICES
 
 AXIS = "data"
@@ -115,6 +116,38 @@ def random_grads(seed, params, n=NUM_DEVICES):
           lambda x: rng.standard_normal((n,) + x.shape).astype(x.dtype), params
       )
   )
+
+
+def run_steps(dp, params, steps, state=None, start=0):
+  """``steps`` steps of ``dp.compress``, jitted, from step ``start`` on
+  ``random_grads`` like ``params``, each after ``at_step``; from
+  ``dp.init_comm(params)`` if ``state`` is None. Returns the directions, as
+  numpy, and the last state."""
+  compress = jax.jit(dp.compress)
+  state = dp.init_comm(params) if state is None else state
+  directions = []
+  for step in range(start, start + steps):
+    state = dp.compressor.at_step(state, step)
+    direction, state = compress(random_grads(step, params), state)
+    directions.append(to_numpy(direction))
+  return directions, state
+
+
+def assert_resume_is_bitwise(make_dp, params, directory, steps, stop):
+  """``run_steps`` over ``steps`` steps gives, bit for bit, what its first
+  ``stop`` steps, a checkpoint in ``directory`` restored into a fresh
+  state, and the remaining steps give; ``make_dp()`` makes each run's
+  ``DataParallel``."""
+  whole, _ = run_steps(make_dp(), params, steps)
+  first, state = run_steps(make_dp(), params, stop)
+  dp = make_dp()
+  acp_checkpoint.save(directory, state, compressor=dp.compressor)
+  restored = acp_checkpoint.restore(
+      directory, dp.init_comm(params), compressor=dp.compressor
+  )
+  rest, _ = run_steps(make_dp(), params, steps - stop, restored, stop)
+  for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(first + rest)):
+    np.testing.assert_array_equal(a, b)
 
 
 def to_numpy(tree):
