@@ -1,5 +1,5 @@
-"""Running a compressor's update on the simulated devices; running the
-repository's commands; a free port."""
+"""Running a compressor's update on the simulated devices; every compressor
+and a small MLP to train; running the repository's commands; a free port."""
 
 import os
 import socket
@@ -9,6 +9,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -19,6 +20,14 @@ from tests.conftest import NUM_DEVICES
 AXIS = "data"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Every compressor, with settings that compress the small MLP.
+COMPRESSORS = {
+    "ssgd": acp_jax.ssgd,
+    "sign_sgd": acp_jax.sign_sgd,
+    "topk_sgd": lambda: acp_jax.topk_sgd(0.3),
+    "power_sgd": lambda: acp_jax.power_sgd(2),
+    "acp_sgd": lambda: acp_jax.acp_sgd(2),
+}
 
 
 def mesh():
@@ -116,6 +125,41 @@ def random_grads(seed, params, n=NUM_DEVICES):
           lambda x: rng.standard_normal((n,) + x.shape).astype(x.dtype), params
       )
   )
+
+
+def mlp_problem(steps):
+  """The small MLP's data and params, drawn from one seed: ``steps``
+  batches of inputs (4 per device, 12 features) and of labels (5 classes),
+  and params for ``mlp_loss``."""
+  rng = np.random.default_rng(0)
+  xs = rng.standard_normal((steps, 4 * NUM_DEVICES, 12)).astype(np.float32)
+  ys = rng.integers(0, 5, (steps, 4 * NUM_DEVICES))
+  params = {
+      "w1": rng.standard_normal((12, 32)).astype(np.float32) / 4,
+      "b1": np.zeros(32, np.float32),
+      "w2": rng.standard_normal((32, 5)).astype(np.float32) / 6,
+  }
+  return xs, ys, params
+
+
+def mlp_loss(params, x, y):
+  h = jax.nn.relu(x @ params["w1"] + params["b1"])
+  logits = h @ params["w2"]
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def train_step(dp, tx, loss_fn):
+  """The jitted step of ``tx`` (chained by ``dp``) on the gradients of
+  ``loss_fn(params, x, y)``: ``(params, state, x, y) -> (params, state,
+  loss)``."""
+
+  @jax.jit
+  def step(params, state, x, y):
+    loss, grads = dp.value_and_grad(loss_fn)(params, x, y)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  return step
 
 
 def run_steps(dp, params, steps, state=None, start=0):
