@@ -213,27 +213,17 @@ def test_resume_inside_and_just_after_the_warmup_is_bitwise(name, stop, tmp_path
 
 def test_nnx_optimizer_leaves_the_warmup_in_place():
   nnx = pytest.importorskip("flax.nnx")
-
-  class Mlp(nnx.Module):
-    def __init__(self, rngs):
-      self.hidden = nnx.Linear(12, 32, rngs=rngs)
-      self.out = nnx.Linear(32, 5, rngs=rngs)
-
-    def __call__(self, x):
-      return self.out(jax.nn.relu(self.hidden(x)))
-
-  def loss_fn(model, x, y):
-    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+  from tests import test_data_parallel  # pylint: disable=g-import-not-at-top
 
   dp = acp_jax.DataParallel(
       acp_jax.acp_sgd(2, warmup_steps=1), helpers.mesh()
   )
-  model = Mlp(nnx.Rngs(0))
+  model = test_data_parallel.Mlp(nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, dp.chain(optax.sgd(0.1)), wrt=nnx.Param)
 
   @nnx.jit
   def step(model, optimizer, x, y):
-    loss, grads = dp.value_and_grad(loss_fn)(model, x, y)
+    loss, grads = dp.value_and_grad(test_data_parallel.nnx_loss)(model, x, y)
     optimizer.update(model, grads)
     return loss
 
