@@ -3,7 +3,6 @@
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from acp_jax import buckets
@@ -40,7 +39,13 @@ class AcpSgdState(NamedTuple):
 
   @property
   def next_phase(self) -> Phase:
+    """What the next step does: ``Phase.P``, ``Phase.Q`` (compressing
+    steps, in turn) or ``Phase.DENSE`` (a warm-up step)."""
     return phase_lib.phase_of(self.phase)
+
+
+# The phases of the compressing steps, in the order they alternate.
+_CYCLE = (Phase.P, Phase.Q)
 
 
 def acp_sgd(
@@ -78,10 +83,9 @@ def acp_sgd(
   Args:
     rank: rank r of the factors, clipped per leaf to min(n, m).
     axis_name: the mapped axis over which devices hold their data shards.
-    options: the settings Power-SGD and ACP-SGD share
-      (``acp_jax.LowRankOptions``: error feedback, warm start, dense warm-up,
-      buckets, the factors' dtype...); None for their defaults.
-    **settings: any of those settings by name, replacing ``options``'.
+    options: the settings it shares with ``power_sgd`` (see there), an
+      ``acp_jax.LowRankOptions``; None for their defaults.
+    **settings: any of its fields by name, replacing ``options``'.
 
   Returns:
     A ``Compressor`` whose update, called inside ``jax.shard_map`` or
@@ -105,16 +109,6 @@ def acp_sgd(
   """
   cfg = lowrank.settings("acp_sgd", rank, options, settings)
 
-  def init_fn(params):
-    error, p, q = lowrank.init_trees(cfg, params)
-    return AcpSgdState(
-        error=error,
-        p=p,
-        q=q,
-        phase=cfg.first_phase(Phase.P),
-        count=jnp.zeros((), jnp.int32),
-    )
-
   def volume(params, num_devices):
     del num_devices
     phase_volume = lambda rows: compressor.CommVolume(
@@ -130,24 +124,18 @@ def acp_sgd(
     )
 
   def phases(state):
-    names = [Phase.P, Phase.Q]
-    if cfg.warmup_steps:
-      names.insert(0, Phase.DENSE)
+    names = (Phase.DENSE, *_CYCLE) if cfg.warmup_steps else _CYCLE
     return phase_lib.abstract_states(state, {p.value: p for p in names})
 
-  return compressor.Compressor(
-      init_fn,
-      lowrank.update_fn(cfg, axis_name, AcpSgdState, exchange),
+  return lowrank.factory_compressor(
+      cfg,
+      axis_name,
+      AcpSgdState,
+      exchange,
       volume,
-      axis_name=axis_name,
-      phases=phases,
-      bucket_bytes=cfg.bucket_bytes,
-      leaf_order=cfg.leaf_order,
+      phases,
       packed_rounds=collectives.network_sends_each_operand,
-      cycle=(Phase.P.value, Phase.Q.value),
-      warmup_steps=cfg.warmup_steps,
-      to_phase=phase_lib.switch_to(Phase.P),
-      made_by=("acp_sgd", lowrank.made_by(cfg, axis_name)),
+      cycle=tuple(p.value for p in _CYCLE),
   )
 
 

@@ -1,9 +1,9 @@
 """Pieces shared by the low-rank compressors (Power-SGD and ACP-SGD).
 
 Their settings and plan (which leaves are compressed, at what rank), their
-state trees, one round of their exchange and its bytes: one module for the
-plumbing around their updates, whose arithmetic lives in ``orthogonalize``
-and ``projection``.
+state trees, the ``Compressor`` their factories return, one round of their
+exchange and its bytes: one module for the plumbing around their updates,
+whose arithmetic lives in ``orthogonalize`` and ``projection``.
 """
 
 from collections.abc import Callable
@@ -387,6 +387,47 @@ def split_state(cfg: LowRank, grads: Any, state: Any) -> Split:
   s = split(cfg, grads, state.error)
   check_factors(cfg, s, state.q, "m")
   return s
+
+
+def factory_compressor(
+    cfg: LowRank,
+    axis_name: str,
+    state_type: type,
+    exchange: Callable[..., tuple["Round", Any]],
+    volume: compressor.VolumeFn,
+    phases: compressor.PhasesFn,
+    **spec: Any,
+) -> compressor.Compressor:
+  """What a low-rank factory returns: the ``Compressor`` whose state is a
+  ``state_type`` (its fields among error, p, q, phase and count, started by
+  ``init_trees`` and ``cfg.first_phase``), whose update is ``update_fn``'s
+  and whose settings are ``cfg``'s; ``spec`` adds the factory's own fields
+  of ``Compressor`` (``packed_rounds``, ``cycle``)."""
+
+  def init_fn(params):
+    error, p, q = init_trees(cfg, params)
+    fields = {
+        "error": error,
+        "p": p,
+        "q": q,
+        "phase": cfg.first_phase(phase_lib.Phase.P),
+        "count": jnp.zeros((), jnp.int32),
+    }
+    return state_type(**{f: fields[f] for f in state_type._fields})
+
+  return compressor.Compressor(
+      init_fn,
+      update_fn(cfg, axis_name, state_type, exchange),
+      volume,
+      axis_name=axis_name,
+      phases=phases,
+      bucket_bytes=cfg.bucket_bytes,
+      leaf_order=cfg.leaf_order,
+      warmup_steps=cfg.warmup_steps,
+      to_phase=phase_lib.switch_to(phase_lib.Phase.P),
+      made_by=(cfg.caller, made_by(cfg, axis_name)),
+      **spec,
+  )
 
 
 def update_fn(

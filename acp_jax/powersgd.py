@@ -3,7 +3,6 @@
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from acp_jax import buckets
@@ -98,15 +97,6 @@ def power_sgd(
   """
   cfg = lowrank.settings("power_sgd", rank, options, settings)
 
-  def init_fn(params):
-    error, _, q = lowrank.init_trees(cfg, params)
-    return PowerSgdState(
-        error=error,
-        q=q,
-        phase=cfg.first_phase(Phase.P),
-        count=jnp.zeros((), jnp.int32),
-    )
-
   def volume(params, num_devices):
     del num_devices
     step = lowrank.volume(cfg, params, lambda spec: spec.n + spec.m)
@@ -121,18 +111,14 @@ def power_sgd(
         state, {Phase.DENSE.value: Phase.DENSE, phase_lib.STEP: Phase.P}
     )
 
-  return compressor.Compressor(
-      init_fn,
-      lowrank.update_fn(cfg, axis_name, PowerSgdState, exchange),
+  return lowrank.factory_compressor(
+      cfg,
+      axis_name,
+      PowerSgdState,
+      exchange,
       volume,
-      axis_name=axis_name,
-      phases=phases,
-      bucket_bytes=cfg.bucket_bytes,
-      leaf_order=cfg.leaf_order,
+      phases,
       packed_rounds=True,
-      warmup_steps=cfg.warmup_steps,
-      to_phase=phase_lib.switch_to(Phase.P),
-      made_by=("power_sgd", lowrank.made_by(cfg, axis_name)),
   )
 
 

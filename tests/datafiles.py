@@ -12,10 +12,18 @@ import os
 import pathlib
 import struct
 
+import ml_collections
 import numpy as np
 import pytest
 
+from train import data
+
 DATA_DIR_VARIABLE = "ACP_DATA_DIR"
+
+
+def build(**config) -> data.Dataset:
+  """``train.data.build`` of a config with these fields."""
+  return data.build(ml_collections.ConfigDict(config))
 
 
 def real_data(relative: str) -> str:

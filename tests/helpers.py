@@ -1,17 +1,33 @@
-"""Running a compressor's update on the simulated devices; a free port."""
+"""Running a compressor's update on the simulated devices; every compressor
+and a small MLP to train; running the repository's commands; a free port."""
 
+import os
 import socket
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import acp_jax
+from acp_jax import checkpoint as acp_checkpoint
 from tests.conftest import NUM_DEVICES
 
 AXIS = "data"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Every compressor, with settings that compress the small MLP.
+COMPRESSORS = {
+    "ssgd": acp_jax.ssgd,
+    "sign_sgd": acp_jax.sign_sgd,
+    "topk_sgd": lambda: acp_jax.topk_sgd(0.3),
+    "power_sgd": lambda: acp_jax.power_sgd(2),
+    "acp_sgd": lambda: acp_jax.acp_sgd(2),
+}
 
 
 def mesh():
@@ -111,6 +127,73 @@ def random_grads(seed, params, n=NUM_DEVICES):
   )
 
 
+def mlp_problem(steps):
+  """The small MLP's data and params, drawn from one seed: ``steps``
+  batches of inputs (4 per device, 12 features) and of labels (5 classes),
+  and params for ``mlp_loss``."""
+  rng = np.random.default_rng(0)
+  xs = rng.standard_normal((steps, 4 * NUM_DEVICES, 12)).astype(np.float32)
+  ys = rng.integers(0, 5, (steps, 4 * NUM_DEVICES))
+  params = {
+      "w1": rng.standard_normal((12, 32)).astype(np.float32) / 4,
+      "b1": np.zeros(32, np.float32),
+      "w2": rng.standard_normal((32, 5)).astype(np.float32) / 6,
+  }
+  return xs, ys, params
+
+
+def mlp_loss(params, x, y):
+  h = jax.nn.relu(x @ params["w1"] + params["b1"])
+  logits = h @ params["w2"]
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def train_step(dp, tx, loss_fn):
+  """The jitted step of ``tx`` (chained by ``dp``) on the gradients of
+  ``loss_fn(params, x, y)``: ``(params, state, x, y) -> (params, state,
+  loss)``."""
+
+  @jax.jit
+  def step(params, state, x, y):
+    loss, grads = dp.value_and_grad(loss_fn)(params, x, y)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  return step
+
+
+def run_steps(dp, params, steps, state=None, start=0):
+  """``steps`` steps of ``dp.compress``, jitted, from step ``start`` on
+  ``random_grads`` like ``params``, each after ``at_step``; from
+  ``dp.init_comm(params)`` if ``state`` is None. Returns the directions, as
+  numpy, and the last state."""
+  compress = jax.jit(dp.compress)
+  state = dp.init_comm(params) if state is None else state
+  directions = []
+  for step in range(start, start + steps):
+    state = dp.compressor.at_step(state, step)
+    direction, state = compress(random_grads(step, params), state)
+    directions.append(to_numpy(direction))
+  return directions, state
+
+
+def assert_resume_is_bitwise(make_dp, params, directory, steps, stop):
+  """``run_steps`` over ``steps`` steps gives, bit for bit, what its first
+  ``stop`` steps, a checkpoint in ``directory`` restored into a fresh
+  state, and the remaining steps give; ``make_dp()`` makes each run's
+  ``DataParallel``."""
+  whole, _ = run_steps(make_dp(), params, steps)
+  first, state = run_steps(make_dp(), params, stop)
+  dp = make_dp()
+  acp_checkpoint.save(directory, state, compressor=dp.compressor)
+  restored = acp_checkpoint.restore(
+      directory, dp.init_comm(params), compressor=dp.compressor
+  )
+  rest, _ = run_steps(make_dp(), params, steps - stop, restored, stop)
+  for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(first + rest)):
+    np.testing.assert_array_equal(a, b)
+
+
 def to_numpy(tree):
   return jax.tree.map(np.asarray, tree)
 
@@ -163,6 +246,20 @@ def finish(procs, timeout: float) -> list[tuple[str, str]]:
         proc.kill()
         proc.communicate()
   return outputs
+
+
+def run_module(
+    module: str, *args: str, timeout: float
+) -> subprocess.CompletedProcess:
+  """``python -m module *args`` in the repository's root, its output
+  captured as text."""
+  return subprocess.run(
+      [sys.executable, "-m", module, *args],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+  )
 
 
 def free_port() -> int:

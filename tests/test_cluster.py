@@ -3,7 +3,6 @@
 import json
 import pathlib
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,8 +17,8 @@ from benchmarks import records
 from benchmarks import report_cluster
 from benchmarks import targets
 from benchmarks import worker
+from tests import helpers
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 needs_root = pytest.mark.skipif(
     links.unavailable() is not None,
     reason=f"cannot build links here: {links.unavailable()}",
@@ -79,25 +78,18 @@ def test_links_are_shaped_and_torn_down_on_error():
 @pytest.mark.slow
 def test_two_workers_train_on_a_shaped_link(tmp_path):
   before = _namespaces()
-  done = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "benchmarks",
-          f"--results_dir={tmp_path}",
-          "cluster",
-          "--quick",
-          "--model=tiny",
-          "--workers=2",
-          "--bandwidths=100mbit,1gbit",
-          "--compressors=ssgd,acp_sgd",
-          "--repeats=2",
-          "--no_torch",
-          "--timeout=240",
-      ],
-      cwd=ROOT,
-      capture_output=True,
-      text=True,
+  done = helpers.run_module(
+      "benchmarks",
+      f"--results_dir={tmp_path}",
+      "cluster",
+      "--quick",
+      "--model=tiny",
+      "--workers=2",
+      "--bandwidths=100mbit,1gbit",
+      "--compressors=ssgd,acp_sgd",
+      "--repeats=2",
+      "--no_torch",
+      "--timeout=240",
       timeout=1200,
   )
   assert done.returncode == 0, done.stderr[-3000:]

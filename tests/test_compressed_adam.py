@@ -29,29 +29,21 @@ WARMUP = 2
 STEPS = 6
 
 
-def _exchange(compressor, preconditioned=False):
-  """``compressed_adam(compressor)``'s jitted exchange, its initial state,
-  and the ``DataParallel`` it runs in."""
-  dp = acp_jax.DataParallel(
+def _data_parallel(compressor, preconditioned=False):
+  """The ``DataParallel`` that runs ``compressed_adam(compressor)``."""
+  return acp_jax.DataParallel(
       acp_jax.compressed_adam(
           compressor, b1=B1, b2=B2, eps=EPS, preconditioned=preconditioned
       ),
       helpers.mesh(),
   )
-  return jax.jit(dp.compress), dp.init_comm(PARAMS), dp
 
 
 def _run(compressor, steps=STEPS, state=None, start=0, preconditioned=False):
   """Adam's directions of ``steps`` steps on random per-device gradients,
   and the last state."""
-  compress, initial, dp = _exchange(compressor, preconditioned)
-  state = initial if state is None else state
-  directions = []
-  for step in range(start, start + steps):
-    state = dp.compressor.at_step(state, step)
-    direction, state = compress(helpers.random_grads(step, PARAMS), state)
-    directions.append(helpers.to_numpy(direction))
-  return directions, state
+  dp = _data_parallel(compressor, preconditioned)
+  return helpers.run_steps(dp, PARAMS, steps, state, start)
 
 
 def _frozen_adam(steps, freeze_after):
@@ -176,22 +168,18 @@ def test_compiled_bytes_equal_the_accounting_and_the_compressors(
 
 
 def test_checkpoint_resume_is_bitwise(tmp_path):
-  make = lambda: acp_jax.acp_sgd(4, warmup_steps=WARMUP)
-  whole, _ = _run(make())
-  first, state = _run(make(), steps=3)  # through the switch, into phase Q
-  _, fresh, dp = _exchange(make())
-  acp_checkpoint.save(tmp_path / "ckpt", state, compressor=dp.compressor)
-  restored = acp_checkpoint.restore(
-      tmp_path / "ckpt", fresh, compressor=dp.compressor
+  helpers.assert_resume_is_bitwise(
+      lambda: _data_parallel(acp_jax.acp_sgd(4, warmup_steps=WARMUP)),
+      PARAMS,
+      tmp_path / "ckpt",
+      STEPS,
+      stop=3,  # through the switch, into phase Q
   )
-  rest, _ = _run(make(), steps=STEPS - 3, state=restored, start=3)
-  for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(first + rest)):
-    np.testing.assert_array_equal(a, b)
 
 
 def test_a_restore_into_the_bare_compressor_is_refused(tmp_path):
   _, state = _run(acp_jax.acp_sgd(4, warmup_steps=WARMUP), steps=1)
-  _, _, dp = _exchange(acp_jax.acp_sgd(4, warmup_steps=WARMUP))
+  dp = _data_parallel(acp_jax.acp_sgd(4, warmup_steps=WARMUP))
   acp_checkpoint.save(tmp_path / "ckpt", state, compressor=dp.compressor)
   bare = acp_jax.acp_sgd(4, warmup_steps=WARMUP)
   with pytest.raises(ValueError, match="compressed_adam"):
@@ -224,7 +212,7 @@ def test_misuse_is_refused():
 def test_adam_after_it_in_dp_chain_is_refused(tx):
   """It is Adam already: a second preconditioner would rescale its
   direction by its own moments."""
-  _, _, dp = _exchange(acp_jax.ssgd())
+  dp = _data_parallel(acp_jax.ssgd())
   with pytest.raises(ValueError, match="Adam's direction already"):
     dp.chain(tx).init(PARAMS)
   # What follows scale_by_adam in optax.adamw is the spelling it names.
@@ -259,22 +247,29 @@ def test_the_trainer_with_ssgd_and_momentum_is_its_adamw_run(tmp_path):
   assert len(runs[0]) == 4 and runs[0] == runs[1]
 
 
-def test_the_trainer_refuses_momentum_without_adamw_or_a_warmup():
-  sgd = small_config("acp_sgd")
-  sgd.compressor.compress = "momentum"
-  with pytest.raises(ValueError, match="config.optimizer.name='sgd'"):
-    config_lib.validate(sgd, NUM_DEVICES)
-  cold = _adamw_config("acp_sgd")
-  cold.compressor.acp_sgd.warmup_steps = 0
-  cold.compressor.compress = "momentum"
-  with pytest.raises(ValueError, match="compress='momentum'.*warmup_steps"):
-    config_lib.validate(cold, NUM_DEVICES)
-  typo = _adamw_config("acp_sgd")
-  typo.compressor.compress = "moment"
-  with pytest.raises(ValueError, match="config.compressor.compress"):
-    config_lib.validate(typo, NUM_DEVICES)
-  unknown = _adamw_config("acp_sgd")
-  unknown.compressor.compress = "momentum"
-  unknown.optimizer.adamw.amsgrad = True
-  with pytest.raises(ValueError, match="config.optimizer.adamw.*amsgrad"):
-    config_lib.validate(unknown, NUM_DEVICES)
+def assert_refused(compressor, compress, changes, match):
+  """The trainer refuses ``compress`` over ``compressor`` in the AdamW
+  config with ``changes`` (by dotted key), by an error matching ``match``."""
+  config = _adamw_config(compressor)
+  config.compressor.compress = compress
+  config.update_from_flattened_dict(changes)
+  with pytest.raises(ValueError, match=match):
+    config_lib.validate(config, NUM_DEVICES)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"optimizer.name": "sgd"}, "config.optimizer.name='sgd'"),
+        (
+            {"compressor.acp_sgd.warmup_steps": 0},
+            "compress='momentum'.*warmup_steps",
+        ),
+        ({"compressor.compress": "moment"}, "config.compressor.compress"),
+        ({"optimizer.adamw.amsgrad": True}, "config.optimizer.adamw.*amsgrad"),
+    ],
+)
+def test_the_trainer_refuses_momentum_without_adamw_or_a_warmup(
+    changes, match
+):
+  assert_refused("acp_sgd", "momentum", changes, match)

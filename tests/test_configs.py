@@ -6,10 +6,9 @@ import inspect
 import json
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
+import optax
 import pytest
 
 import acp_jax
@@ -17,13 +16,13 @@ import acp_jax
 from acp_jax import registry
 from configs import default
 from tests import datafiles
+from tests import helpers
 from train import config as config_lib
 from train import models
 from train import optimizers
 from train import experiment as experiment_lib
 from train import train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PAPER = {
     # config: (parameters, override to synthetic data)
@@ -176,18 +175,11 @@ def test_nan_loss_stops_with_a_clear_error(tmp_path):
 
 
 def test_command_line_names_an_unknown_override(tmp_path):
-  result = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "train",
-          "--config=configs/default.py",
-          f"--workdir={tmp_path}",
-          "--config.compressor.acp_sgd.rnk=8",
-      ],
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-      capture_output=True,
-      text=True,
+  result = helpers.run_module(
+      "train",
+      "--config=configs/default.py",
+      f"--workdir={tmp_path}",
+      "--config.compressor.acp_sgd.rnk=8",
       timeout=120,
   )
   assert result.returncode != 0
@@ -251,12 +243,8 @@ def test_the_default_config_holds_every_compressor_argument():
 
 
 def _command(tmp_path, *args):
-  return subprocess.run(
-      [sys.executable, "-m", "train", f"--workdir={tmp_path / 'run'}", *args],
-      cwd=ROOT,
-      capture_output=True,
-      text=True,
-      timeout=300,
+  return helpers.run_module(
+      "train", f"--workdir={tmp_path / 'run'}", *args, timeout=300
   )
 
 
@@ -350,7 +338,7 @@ def test_the_trainer_buckets_gradients_in_backward_order():
 
 CONFIGS = sorted(
     name[:-3]
-    for name in os.listdir(os.path.join(ROOT, "configs"))
+    for name in os.listdir(os.path.join(helpers.ROOT, "configs"))
     if name.endswith(".py") and name != "__init__.py"
 )
 
@@ -368,59 +356,53 @@ def _flags_config(*argv):
   return values.config
 
 
-def _update(tx, params, grads):
-  updates, _ = tx.update(grads, tx.init(params), params)
-  return updates
+def _sgd(optimizer):
+  return optax.chain(
+      optax.add_decayed_weights(optimizer.weight_decay),
+      optax.sgd(0.1, momentum=0.5, nesterov=True),
+  )
 
 
+def _adamw(optimizer):
+  adamw = optimizer.adamw
+  return optax.adamw(
+      0.1,
+      b1=adamw.b1,
+      b2=0.95,
+      eps=adamw.eps,
+      weight_decay=optimizer.weight_decay,
+  )
+
+
+@pytest.mark.parametrize(
+    "chosen, overrides, expected, other",
+    [
+        ("sgd", ["sgd.momentum=0.5", "sgd.nesterov=True"], _sgd, "adamw"),
+        ("adamw", ["adamw.b2=0.95"], _adamw, "sgd"),
+    ],
+)
 @pytest.mark.parametrize("name", CONFIGS)
-def test_every_optimizer_is_chosen_by_name_on_every_config(name):
+def test_every_optimizer_is_chosen_by_name_on_every_config(
+    name, chosen, overrides, expected, other
+):
   """Switching the optimizer from the command line builds exactly optax's
   optimizer with the shared and that optimizer's own arguments; the other
   optimizer's arguments stay as they were."""
-  import optax  # pylint: disable=g-import-not-at-top
-
-  path = os.path.join(ROOT, "configs", f"{name}.py")
+  config = _flags_config(
+      f"--config={os.path.join(helpers.ROOT, 'configs', f'{name}.py')}",
+      f"--config.optimizer.name={chosen}",
+      *(f"--config.optimizer.{o}" for o in overrides),
+  )
+  config_lib.validate(config, 8)
+  as_defined = get_config(name).optimizer[other]
+  assert dict(config.optimizer[other]) == dict(as_defined)
   params = {"w": np.linspace(-1.0, 1.0, 6, dtype=np.float32).reshape(2, 3)}
   grads = {"w": np.full((2, 3), 0.5, np.float32)}
-  config = _flags_config(
-      f"--config={path}",
-      "--config.optimizer.name=sgd",
-      "--config.optimizer.sgd.momentum=0.5",
-      "--config.optimizer.sgd.nesterov=True",
-  )
-  config_lib.validate(config, 8)
-  assert dict(config.optimizer.adamw) == dict(get_config(name).optimizer.adamw)
-  decay = config.optimizer.weight_decay
-  np.testing.assert_array_equal(
-      _update(optimizers.optimizer(config, 0.1), params, grads)["w"],
-      _update(
-          optax.chain(
-              optax.add_decayed_weights(decay),
-              optax.sgd(0.1, momentum=0.5, nesterov=True),
-          ),
-          params,
-          grads,
-      )["w"],
-  )
-  config = _flags_config(
-      f"--config={path}",
-      "--config.optimizer.name=adamw",
-      "--config.optimizer.adamw.b2=0.95",
-  )
-  config_lib.validate(config, 8)
-  assert dict(config.optimizer.sgd) == dict(get_config(name).optimizer.sgd)
-  adamw = config.optimizer.adamw
-  np.testing.assert_array_equal(
-      _update(optimizers.optimizer(config, 0.1), params, grads)["w"],
-      _update(
-          optax.adamw(
-              0.1, b1=adamw.b1, b2=0.95, eps=adamw.eps, weight_decay=decay
-          ),
-          params,
-          grads,
-      )["w"],
-  )
+  steps = [
+      tx.update(grads, tx.init(params), params)[0]["w"]
+      for tx in (optimizers.optimizer(config, 0.1), expected(config.optimizer))
+  ]
+  np.testing.assert_array_equal(*steps)
 
 
 def test_an_argument_of_another_optimizer_is_refused_naming_it():
@@ -437,7 +419,7 @@ def test_an_argument_of_another_optimizer_is_refused_naming_it():
 def test_every_schedule_is_chosen_by_name_on_every_config(name):
   """``--config.schedule.name`` alone switches the schedule: each takes its
   arguments from a dict of its own, never meeting another's."""
-  path = os.path.join(ROOT, "configs", f"{name}.py")
+  path = os.path.join(helpers.ROOT, "configs", f"{name}.py")
   for schedule in ("constant", "cosine", "step"):
     config = _flags_config(
         f"--config={path}", f"--config.schedule.name={schedule}"

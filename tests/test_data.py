@@ -6,7 +6,6 @@ import gzip
 import math
 import os
 
-import ml_collections
 import numpy as np
 import pytest
 
@@ -16,10 +15,6 @@ from train import images
 
 # Label counts of MNIST's t10k file, as published with the data set.
 T10K_LABEL_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
-
-
-def _build(**config):
-  return data.build(ml_collections.ConfigDict(config))
 
 
 def _numbered(size: int) -> data.ArraySource:
@@ -35,12 +30,12 @@ def _numbered(size: int) -> data.ArraySource:
 
 @pytest.fixture(scope="module")
 def digits():
-  return _build(name="digits")
+  return datafiles.build(name="digits")
 
 
 @pytest.fixture(scope="module")
 def small_images():
-  return _build(name="synthetic_images", image_size=8, num_classes=10)
+  return datafiles.build(name="synthetic_images", image_size=8, num_classes=10)
 
 
 # Batch order.
@@ -156,7 +151,7 @@ def test_eval_batches_cover_the_split_once():
 
 
 def test_eval_batches_zero_padding_weights_of_sequences():
-  lm = _build(name="synthetic_tokens", seq_len=8, num_examples=5)
+  lm = datafiles.build(name="synthetic_tokens", seq_len=8, num_examples=5)
   batches = list(data.eval_batches(lm.eval, global_batch=4))
   assert [b["weights"].shape for b in batches] == [(4, 8), (4, 8)]
   np.testing.assert_array_equal(batches[1]["weights"][1:], 0)
@@ -195,7 +190,7 @@ def test_digits_fixed_split(digits):
 def test_mnist_from_idx_files(tmp_path):
   labels = datafiles.write_mnist(tmp_path, 500)
   raw = data.read_idx(str(tmp_path / "t10k-images-idx3-ubyte.gz"), 3)
-  mnist = _build(name="mnist", path=str(tmp_path), eval_examples=100)
+  mnist = datafiles.build(name="mnist", path=str(tmp_path), eval_examples=100)
   assert (len(mnist.train), len(mnist.eval)) == (400, 100)
   assert (mnist.num_classes, mnist.input_shape) == (10, (28, 28, 1))
   train = mnist.train.get(np.arange(400))
@@ -217,7 +212,7 @@ def test_mnist_reads_train_files_before_t10k(tmp_path):
   datafiles.write_idx(
       tmp_path / "train-images-idx3-ubyte.gz", np.zeros((20, 28, 28))
   )
-  mnist = _build(name="mnist", path=str(tmp_path), eval_examples=30)
+  mnist = datafiles.build(name="mnist", path=str(tmp_path), eval_examples=30)
   np.testing.assert_array_equal(
       mnist.train.get(np.arange(20))["targets"], labels
   )
@@ -229,7 +224,7 @@ def test_mnist_reads_train_files_before_t10k(tmp_path):
 def test_mnist_t10k():
   """MNIST's real test set, where ACP_DATA_DIR holds it."""
   mnist_dir = datafiles.real_data("mnist-t10k")
-  mnist = _build(name="mnist", path=mnist_dir)
+  mnist = datafiles.build(name="mnist", path=mnist_dir)
   assert (len(mnist.train), len(mnist.eval)) == (8000, 2000)
   assert (mnist.num_classes, mnist.input_shape) == (10, (28, 28, 1))
   train = mnist.train.get(np.arange(8000))
@@ -245,7 +240,7 @@ def test_mnist_t10k():
   raw = data.read_idx(os.path.join(mnist_dir, "t10k-images-idx3-ubyte.gz"), 3)
   np.testing.assert_array_equal(eval_["inputs"][0, ..., 0] * 255, raw[8000])
 
-  other = _build(name="mnist", path=mnist_dir, eval_examples=500)
+  other = datafiles.build(name="mnist", path=mnist_dir, eval_examples=500)
   assert (len(other.train), len(other.eval)) == (9500, 500)
 
 
@@ -278,7 +273,7 @@ def test_damaged_files_are_named(tmp_path):
   latin1 = tmp_path / "latin1.txt"
   latin1.write_bytes("caf\xe9 ".encode("latin-1") * 100)
   with pytest.raises(ValueError, match=f"{latin1} is not UTF-8 text"):
-    _build(name="text", path=str(latin1))
+    datafiles.build(name="text", path=str(latin1))
 
 
 def test_mnist_labels_out_of_range_are_refused(tmp_path):
@@ -288,18 +283,18 @@ def test_mnist_labels_out_of_range_are_refused(tmp_path):
   labels = tmp_path / "t10k-labels-idx1-ubyte"
   labels.write_bytes(bytes([0, 0, 8, 1, 0, 0, 0, 2, 3, 12]))
   with pytest.raises(ValueError, match=f"{labels} holds label 12"):
-    _build(name="mnist", path=str(tmp_path), eval_examples=1)
+    datafiles.build(name="mnist", path=str(tmp_path), eval_examples=1)
 
 
 def test_mnist_needs_labels_for_each_images_file(tmp_path):
   (tmp_path / "t10k-images-idx3-ubyte").write_bytes(bytes([0, 0, 8, 3]))
   with pytest.raises(FileNotFoundError, match="t10k-labels-idx1-ubyte"):
-    _build(name="mnist", path=str(tmp_path))
+    datafiles.build(name="mnist", path=str(tmp_path))
 
 
 def _check_text(path: str) -> tuple[data.Dataset, str]:
   """The char loader's invariants on the text at ``path``."""
-  text = _build(name="text", path=path)
+  text = datafiles.build(name="text", path=path)
   with open(path, encoding="utf-8") as f:
     chars = f.read()
   assert text.task == "causal_lm"
@@ -345,7 +340,7 @@ def test_text_tinyshakespeare():
 
 
 def test_synthetic_masked_lm():
-  lm = _build(name="synthetic_tokens", seq_len=64, num_examples=32)
+  lm = datafiles.build(name="synthetic_tokens", seq_len=64, num_examples=32)
   assert (lm.task, lm.num_classes, lm.input_shape) == (
       "masked_lm",
       30522,
@@ -367,7 +362,7 @@ def test_synthetic_masked_lm():
 
 
 def test_synthetic_causal_lm_and_images(small_images):
-  lm = _build(name="synthetic_tokens", task="causal_lm", vocab_size=50)
+  lm = datafiles.build(name="synthetic_tokens", task="causal_lm", vocab_size=50)
   batch = lm.train.get(np.arange(4))
   np.testing.assert_array_equal(
       batch["targets"][:, :-1], batch["inputs"][:, 1:]
@@ -413,12 +408,12 @@ def test_synthetic_causal_lm_and_images(small_images):
 )
 def test_build_errors(config, error, message):
   with pytest.raises(error, match=message):
-    _build(**config)
+    datafiles.build(**config)
 
 
 def test_arguments_of_other_loaders_are_ignored():
   """One override of the name switches a config to synthetic data."""
-  data = _build(
+  data = datafiles.build(
       name="synthetic_images",
       image_size=8,
       num_classes=3,
@@ -475,7 +470,7 @@ def tfds_dir(tmp_path_factory):
 
 def test_tfds_array_record(tfds_dir):
   root, splits = tfds_dir
-  tiny = _build(
+  tiny = datafiles.build(
       name="tfds",
       tfds_name="acp_tiny_images",
       data_dir=root,
@@ -511,9 +506,9 @@ def test_tfds_array_record(tfds_dir):
 def test_tfds_errors(tfds_dir):
   root, _ = tfds_dir
   with pytest.raises(FileNotFoundError, match="no prepared 'cifar10'"):
-    _build(name="tfds", tfds_name="cifar10", data_dir=root)
+    datafiles.build(name="tfds", tfds_name="cifar10", data_dir=root)
   with pytest.raises(ValueError, match="config.data.image_key='image'"):
-    _build(name="tfds", tfds_name="acp_tiny_images", data_dir=root)
+    datafiles.build(name="tfds", tfds_name="acp_tiny_images", data_dir=root)
 
 
 def test_tfds_source_reads_one_record_at_a_time_without_getitems():

@@ -50,12 +50,17 @@ def pure_loss(graphdef):
   return lambda params, x, y: nnx_loss(nnx.merge(graphdef, params), x, y)
 
 
+def pure_mlp():
+  """``Mlp`` as plain functions: its loss of ``(params, x, y)`` and its
+  params, a dict."""
+  graphdef, params = nnx.split(Mlp(nnx.Rngs(0)))
+  return pure_loss(graphdef), nnx.to_pure_dict(params)
+
+
 def functional_losses(compressor, steps):
   """The reference: the raw transform in a hand-written shard_map step."""
-  graphdef, params = nnx.split(Mlp(nnx.Rngs(0)))
-  params = nnx.to_pure_dict(params)
+  loss_fn, params = pure_mlp()
   tx = optax.chain(compressor, optax.adam(1e-2))
-  loss_fn = pure_loss(graphdef)
 
   def local(params, state, x, y):
     loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
@@ -193,10 +198,8 @@ def test_restore_refuses_a_checkpoint_of_another_compressor(
 def test_accumulated_micro_batches_equal_one_large_batch():
   """k micro-batches' local gradients added up, one compressed exchange."""
   dp = dp_of(acp_jax.acp_sgd(2))
-  graphdef, params = nnx.split(Mlp(nnx.Rngs(0)))
-  params = nnx.to_pure_dict(params)
+  loss_fn, params = pure_mlp()
   tx = dp.chain(optax.sgd(0.1))
-  loss_fn = pure_loss(graphdef)
 
   @jax.jit
   def whole(params, state, x, y):
@@ -240,16 +243,9 @@ def test_accumulated_micro_batches_equal_one_large_batch():
 )
 def test_compiled_step_sends_the_accounting_plus_the_loss(make):
   dp = dp_of(make())
-  graphdef, params = nnx.split(Mlp(nnx.Rngs(0)))
-  params = nnx.to_pure_dict(params)
+  loss_fn, params = pure_mlp()
   tx = dp.chain(optax.adam(1e-3))
-
-  @jax.jit
-  def step(params, state, x, y):
-    loss, grads = dp.value_and_grad(pure_loss(graphdef))(params, x, y)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss
-
+  step = helpers.train_step(dp, tx, loss_fn)
   state = tx.init(params)
   volume = acp_jax.comm_bytes(dp.compressor, params, num_devices=NUM_DEVICES)
   for phase, comm in dp.phase_states(state.comm).items():
@@ -363,13 +359,12 @@ def test_a_wrapper_around_chain_is_refused_naming_what_to_do(wrap, fix):
   from acp_jax._local_grads import LocalGradsError
 
   dp = dp_of(acp_jax.acp_sgd(2))
-  graphdef, params = nnx.split(Mlp(nnx.Rngs(0)))
-  params = nnx.to_pure_dict(params)
+  loss_fn, params = pure_mlp()
   tx = wrap(dp.chain(optax.sgd(0.1)), params)
 
   @jax.jit
   def step(params, state, x, y):
-    _, grads = dp.value_and_grad(pure_loss(graphdef))(params, x, y)
+    _, grads = dp.value_and_grad(loss_fn)(params, x, y)
     return tx.update(grads, state, params)
 
   with pytest.raises(LocalGradsError) as error:
@@ -392,15 +387,14 @@ def test_local_grads_in_type_annotations_compare_as_types():
 def test_masked_inside_chain_masks_the_mean():
   """The fix the refusal names: the mask applies to the compressed mean."""
   dp = dp_of(acp_jax.ssgd())
-  graphdef, params = nnx.split(Mlp(nnx.Rngs(0)))
-  params = nnx.to_pure_dict(params)
+  loss_fn, params = pure_mlp()
   mask = jax.tree.map(lambda p: p.ndim == 2, params)
   masked = dp.chain(optax.masked(optax.sgd(0.1), mask))
   plain = dp.chain(optax.sgd(0.1))
 
   @jax.jit
   def updates(params, x, y):
-    _, grads = dp.value_and_grad(pure_loss(graphdef))(params, x, y)
+    _, grads = dp.value_and_grad(loss_fn)(params, x, y)
     return (
         masked.update(grads, masked.init(params), params)[0],
         plain.update(grads, plain.init(params), params)[0],
@@ -422,7 +416,7 @@ def test_multisteps_inside_chain_is_refused(nested):
       if nested
       else inner
   )
-  params = nnx.to_pure_dict(nnx.split(Mlp(nnx.Rngs(0)))[1])
+  _, params = pure_mlp()
   with pytest.raises(ValueError, match="holds optax.MultiSteps.*with \\+"):
     dp.chain(tx).init(params)
 
@@ -478,10 +472,8 @@ def test_inject_hyperparams_names_static_args_and_works_with_them():
 
 def test_scan_over_step_pairs_equals_the_loop_and_single_steps_are_refused():
   dp = dp_of(acp_jax.acp_sgd(2))
-  graphdef, params = nnx.split(Mlp(nnx.Rngs(0)))
-  params = nnx.to_pure_dict(params)
+  loss_fn, params = pure_mlp()
   tx = dp.chain(optax.sgd(0.1))
-  loss_fn = pure_loss(graphdef)
   x, y = batch()
 
   def one(carry, _):

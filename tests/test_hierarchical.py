@@ -22,6 +22,8 @@ import acp_jax
 from acp_jax import collectives
 from tests import helpers
 from tests.conftest import NUM_DEVICES
+from tests.helpers import COMPRESSORS
+from tests.helpers import mlp_loss
 
 NODES, LOCAL = 2, NUM_DEVICES // 2
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,12 +38,6 @@ PARAMS = {
 # No all-reduce is merged with another, so each one's group says its axis.
 
 
-def mlp_loss(params, x, y):
-  h = jax.nn.relu(x @ params["w1"] + params["b1"])
-  logits = h @ params["w2"]
-  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-
 def mesh2d():
   auto = jax.sharding.AxisType.Auto
   return jax.make_mesh(
@@ -53,22 +49,12 @@ def hierarchical(compressor):
   return acp_jax.DataParallel(compressor, mesh2d(), local_axis="local")
 
 
-def make_step(dp, tx):
-  @jax.jit
-  def step(params, state, x, y):
-    loss, grads = dp.value_and_grad(mlp_loss)(params, x, y)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss
-
-  return step
-
-
 def train(dp, steps, lr=0.1):
   tx = dp.chain(optax.sgd(lr, momentum=0.9))
   params = jax.device_put(PARAMS, NamedSharding(dp.mesh, P()))
   state = tx.init(params)
   x, y = jax.device_put((X, Y), NamedSharding(dp.mesh, dp.device_spec))
-  step = make_step(dp, tx)
+  step = helpers.train_step(dp, tx, mlp_loss)
   losses = []
   for _ in range(steps):
     params, state, loss = jax.block_until_ready(step(params, state, x, y))
@@ -169,16 +155,6 @@ def node_mesh():
   )
 
 
-# Every compressor, with settings that compress the small MLP.
-COMPRESSORS = {
-    "ssgd": acp_jax.ssgd,
-    "sign_sgd": acp_jax.sign_sgd,
-    "topk_sgd": lambda: acp_jax.topk_sgd(0.3),
-    "power_sgd": lambda: acp_jax.power_sgd(2),
-    "acp_sgd": lambda: acp_jax.acp_sgd(2),
-}
-
-
 def flat_buffers(make, phase: str) -> list[collectives.Sent]:
   """The buffers that ``make()``'s compressor sends in ``phase`` without a
   split, over a 1-D mesh of NODES devices, as traced."""
@@ -200,7 +176,7 @@ def test_compiled_hierarchical_step_sends_the_accounting_by_axis(name):
   flat = acp_jax.comm_bytes(dp.compressor, PARAMS, num_devices=NODES)
   dense = sum(x.nbytes for x in PARAMS.values())
   assert set(volumes) == {"data", "local"}
-  step = make_step(dp, tx)
+  step = helpers.train_step(dp, tx, mlp_loss)
   for phase, comm in dp.phase_states(state.comm).items():
     compiled = step.lower(params, state._replace(comm=comm), x, y).compile(
         compiler_options=helpers.ONE_BY_ONE

@@ -5,12 +5,12 @@ import io
 import math
 import multiprocessing
 
-import ml_collections
 import numpy as np
 import pytest
 from PIL import Image
 
 from configs import resnet50_imagenet
+from tests import datafiles
 from train import data
 from train import images
 from train import pipeline
@@ -30,18 +30,14 @@ def jpeg_dir(tmp_path_factory):
 
 
 def build(root, name, **overrides):
-  return data.build(
-      ml_collections.ConfigDict(
-          {
-              "name": "tfds",
-              "tfds_name": name,
-              "data_dir": root,
-              "preprocess": "imagenet",
-              "image_size": 24,
-              **overrides,
-          }
-      )
+  config = dict(
+      name="tfds",
+      tfds_name=name,
+      data_dir=root,
+      preprocess="imagenet",
+      image_size=24,
   )
+  return datafiles.build(**(config | overrides))
 
 
 def encode(pixels: np.ndarray) -> bytes:

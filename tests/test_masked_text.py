@@ -4,7 +4,6 @@ small BERT whose held-out loss falls, on a play-like text written here."""
 import json
 import os
 
-import ml_collections
 import numpy as np
 import pytest
 
@@ -27,18 +26,14 @@ def text_path(tmp_path_factory):
 
 
 def build(text_path, tmp_path, **overrides):
-  return data.build(
-      ml_collections.ConfigDict(
-          {
-              "name": "masked_text",
-              "path": text_path,
-              "seq_len": SEQ_LEN,
-              "vocab_size": VOCAB_SIZE,
-              "tokenizer": str(tmp_path / "wordpiece.json"),
-              **overrides,
-          }
-      )
+  config = dict(
+      name="masked_text",
+      path=text_path,
+      seq_len=SEQ_LEN,
+      vocab_size=VOCAB_SIZE,
+      tokenizer=str(tmp_path / "wordpiece.json"),
   )
+  return datafiles.build(**(config | overrides))
 
 
 def test_tokenizer_numbers_its_tokens_in_sorted_order(tmp_path):

@@ -8,13 +8,11 @@ import optax
 import pytest
 
 import acp_jax
-from acp_jax import checkpoint as acp_checkpoint
 from acp_jax.subspace_adam import carry
 from acp_jax.phase import Phase
 from tests import helpers
 from tests.conftest import NUM_DEVICES
-from tests.test_compressed_adam import _adamw_config
-from train import config as config_lib
+from tests.test_compressed_adam import assert_refused
 
 B1, B2, EPS = 0.9, 0.99, 1e-8
 # Two compressed leaves (one a conv kernel, viewed as 36 x 8) and a bias
@@ -42,14 +40,7 @@ def _run(tx, steps=STEPS, state=None, start=0):
   """The directions of ``steps`` steps on random per-device gradients, and
   the last state."""
   dp = acp_jax.DataParallel(tx, helpers.mesh())
-  compress = jax.jit(dp.compress)
-  state = dp.init_comm(PARAMS) if state is None else state
-  directions = []
-  for step in range(start, start + steps):
-    state = dp.compressor.at_step(state, step)
-    direction, state = compress(helpers.random_grads(step, PARAMS), state)
-    directions.append(helpers.to_numpy(direction))
-  return directions, state
+  return helpers.run_steps(dp, PARAMS, steps, state, start)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -173,17 +164,13 @@ def test_the_moments_are_bitwise_identical_on_every_device(method):
 
 
 def test_checkpoint_resume_is_bitwise(tmp_path):
-  make = lambda: _make("acp_sgd")
-  whole, _ = _run(make())
-  first, state = _run(make(), steps=3)  # through the switch, into phase Q
-  dp = acp_jax.DataParallel(make(), helpers.mesh())
-  acp_checkpoint.save(tmp_path / "ckpt", state, compressor=dp.compressor)
-  restored = acp_checkpoint.restore(
-      tmp_path / "ckpt", dp.init_comm(PARAMS), compressor=dp.compressor
+  helpers.assert_resume_is_bitwise(
+      lambda: acp_jax.DataParallel(_make("acp_sgd"), helpers.mesh()),
+      PARAMS,
+      tmp_path / "ckpt",
+      STEPS,
+      stop=3,  # through the switch, into phase Q
   )
-  rest, _ = _run(make(), steps=STEPS - 3, state=restored, start=3)
-  for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(first + rest)):
-    np.testing.assert_array_equal(a, b)
 
 
 def test_the_moments_loss_goes_to_the_residual_only_with_feedback():
@@ -218,16 +205,17 @@ def test_misuse_is_refused():
     dp.chain(optax.adamw(1e-3)).init(PARAMS)
 
 
-def test_the_trainer_refuses_it_without_adamw_or_a_low_rank_compressor():
-  sgd = _adamw_config("acp_sgd")
-  sgd.optimizer.name = "sgd"
-  sgd.compressor.compress = "subspace_adam"
-  with pytest.raises(ValueError, match="config.optimizer.name='sgd'"):
-    config_lib.validate(sgd, NUM_DEVICES)
-  sign = _adamw_config("sign_sgd")
-  sign.compressor.compress = "subspace_adam"
-  with pytest.raises(ValueError, match="subspace_adam.*sign_sgd"):
-    config_lib.validate(sign, NUM_DEVICES)
+@pytest.mark.parametrize(
+    "compressor, changes, match",
+    [
+        ("acp_sgd", {"optimizer.name": "sgd"}, "config.optimizer.name='sgd'"),
+        ("sign_sgd", {}, "subspace_adam.*sign_sgd"),
+    ],
+)
+def test_the_trainer_refuses_it_without_adamw_or_a_low_rank_compressor(
+    compressor, changes, match
+):
+  assert_refused(compressor, "subspace_adam", changes, match)
 
 
 @pytest.mark.parametrize("method", METHODS)

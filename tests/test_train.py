@@ -3,8 +3,6 @@
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import chex
 import jax
@@ -16,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import acp_jax
 from configs import default
+from tests import helpers
 from tests.conftest import NUM_DEVICES
 from train import experiment as experiment_lib
 from train import loss as loss_lib
@@ -23,7 +22,6 @@ from train import metrics as metrics_lib
 from train import plots
 from train import train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPRESSORS = ("ssgd", "sign_sgd", "topk_sgd", "power_sgd", "acp_sgd")
 
 
@@ -146,22 +144,15 @@ def test_comparison_figure_draws_each_run_against_steps_and_bytes(acp_run):
 @pytest.mark.slow
 def test_compare_command_writes_the_plot_and_tensorboard(tmp_path):
   pytest.importorskip("matplotlib")
-  result = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "train",
-          "--config=configs/default.py",
-          f"--workdir={tmp_path}",
-          "--num_cpu_devices=8",
-          "--compare=ssgd,acp_sgd",
-          "--config.num_train_steps=4",
-          "--config.model.width=8",
-          "--config.checkpoint_every_steps=0",
-      ],
-      cwd=ROOT,
-      capture_output=True,
-      text=True,
+  result = helpers.run_module(
+      "train",
+      "--config=configs/default.py",
+      f"--workdir={tmp_path}",
+      "--num_cpu_devices=8",
+      "--compare=ssgd,acp_sgd",
+      "--config.num_train_steps=4",
+      "--config.model.width=8",
+      "--config.checkpoint_every_steps=0",
       timeout=600,
   )
   assert result.returncode == 0, result.stderr[-3000:]

@@ -17,31 +17,13 @@ from jax.sharding import PartitionSpec as P
 import acp_jax
 from tests import helpers
 from tests.conftest import NUM_DEVICES
+from tests.helpers import COMPRESSORS
+from tests.helpers import mlp_loss
 
-RNG = np.random.default_rng(0)
 STEPS, BAD = 8, 3
-XS = RNG.standard_normal((STEPS, 4 * NUM_DEVICES, 12)).astype(np.float32)
-YS = RNG.integers(0, 5, (STEPS, 4 * NUM_DEVICES))
-PARAMS = {
-    "w1": RNG.standard_normal((12, 32)).astype(np.float32) / 4,
-    "b1": np.zeros(32, np.float32),
-    "w2": RNG.standard_normal((32, 5)).astype(np.float32) / 6,
-}
-COMPRESSORS = {
-    "ssgd": acp_jax.ssgd,
-    "sign_sgd": acp_jax.sign_sgd,
-    "topk_sgd": lambda: acp_jax.topk_sgd(0.3),
-    "power_sgd": lambda: acp_jax.power_sgd(2),
-    "acp_sgd": lambda: acp_jax.acp_sgd(2),
-}
+XS, YS, PARAMS = helpers.mlp_problem(STEPS)
 # ACP-SGD's phase is a shape: after a skipped step it still advances.
 EXACT = sorted(set(COMPRESSORS) - {"acp_sgd"})
-
-
-def mlp_loss(params, x, y):
-  h = jax.nn.relu(x @ params["w1"] + params["b1"])
-  logits = h @ params["w2"]
-  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
 def train(dp, tx, batches):

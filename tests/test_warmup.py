@@ -17,24 +17,12 @@ import acp_jax
 from acp_jax import checkpoint
 from tests import helpers
 from tests.conftest import NUM_DEVICES
+from tests.helpers import mlp_loss
 
-RNG = np.random.default_rng(0)
 STEPS = 6
-XS = RNG.standard_normal((STEPS, 4 * NUM_DEVICES, 12)).astype(np.float32)
-YS = RNG.integers(0, 5, (STEPS, 4 * NUM_DEVICES))
-PARAMS = {
-    "w1": RNG.standard_normal((12, 32)).astype(np.float32) / 4,
-    "b1": np.zeros(32, np.float32),
-    "w2": RNG.standard_normal((32, 5)).astype(np.float32) / 6,
-}
+XS, YS, PARAMS = helpers.mlp_problem(STEPS)
 WARMUP = 3
 LOW_RANK = {"power_sgd": acp_jax.power_sgd, "acp_sgd": acp_jax.acp_sgd}
-
-
-def mlp_loss(params, x, y):
-  h = jax.nn.relu(x @ params["w1"] + params["b1"])
-  logits = h @ params["w2"]
-  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
 class Run:
