@@ -43,7 +43,7 @@ def train(dp, steps):
   params = jax.device_put(th.PARAMS, dp.param_shardings(th.PARAMS))
   state = tx.init(params)
   x, y = jax.device_put((th.X, th.Y), NamedSharding(dp.mesh, dp.device_spec))
-  step = th.make_step(dp, tx)
+  step = helpers.train_step(dp, tx, helpers.mlp_loss)
   trajectory = []
   for i in range(steps):
     state = dp.at_step(state, i)
@@ -86,7 +86,7 @@ def test_compiled_sharded_step_sends_the_accounting_by_axis(name):
   state = tx.init(params)
   volumes = dp.comm_bytes(params)
   across = th.hierarchical(COMPRESSORS[name]()).comm_bytes(th.PARAMS)["data"]
-  step = th.make_step(dp, tx)
+  step = helpers.train_step(dp, tx, helpers.mlp_loss)
   phases = dp.phase_states(state.comm)
   # The warm-up's dense phase, then the compressing ones.
   assert len(phases) == {"power_sgd": 2, "acp_sgd": 3}.get(name, 1)
@@ -234,7 +234,7 @@ def test_resumes_bitwise_from_a_sharded_checkpoint(tmp_path):
   dp = sharded(acp_jax.acp_sgd(2, warmup_steps=1))
   tx = dp.chain(optax.adam(1e-2))
   x, y = jax.device_put((th.X, th.Y), NamedSharding(dp.mesh, dp.device_spec))
-  step = th.make_step(dp, tx)
+  step = helpers.train_step(dp, tx, helpers.mlp_loss)
 
   def run(params, state, start, stop):
     for i in range(start, stop):
@@ -335,7 +335,7 @@ def test_leaves_that_the_local_axis_does_not_divide_compress_alike(name):
       "s": jax.ShapeDtypeStruct((), jnp.float32),
   }
   # Sign-SGD's scale and Top-k's k are the unpadded leaf's.
-  make = th.COMPRESSORS[name]
+  make = helpers.COMPRESSORS[name]
   mine, whole = sharded(make()), th.hierarchical(make())
   assert [mine.param_spec(x.shape) for x in params.values()] == [
       P(None, "local"),
