@@ -56,7 +56,7 @@ def convergence(curves, path) -> None:
   dashed without warm-up, dotted with unwarmed factors, thick at twice the
   rank."""
   tasks = list(dict.fromkeys(c["task"] for c in curves))
-  metric = {"mnist": "eval_accuracy", "char_lm": "eval_loss"}
+  metric = {"mnist": "eval_accuracy", "mnist_long": "eval_accuracy"}
   fig, axes = plt.subplots(
       len(tasks), 2, figsize=(11, 4 * len(tasks)), squeeze=False
   )

@@ -61,6 +61,7 @@ def test_flags_parse_into_values(parser):
       "char_lm_sgd",
       "char_lm",
       "mnist",
+      "mnist_long",
   ]
   assert parser.parse_args(
       ["convergence", "--variants=acp_sgd_warm,ssgd"]

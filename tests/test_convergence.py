@@ -37,6 +37,18 @@ def test_every_planned_run_has_a_valid_config_naming_its_optimizer(text):
     assert long[key] == short[key], key
 
 
+def test_the_long_mnist_task_is_the_300_step_one_but_for_its_budget(
+    tmp_path,
+):
+  def mnist(task):
+    return convergence.config(task, "ssgd", str(tmp_path), quick=False)
+
+  long, short = mnist("mnist_long"), mnist("mnist")
+  assert long.num_train_steps > short.num_train_steps
+  for key in ("batch_size", "optimizer", "model", "schedule", "data"):
+    assert long[key] == short[key], key
+
+
 def test_the_bfloat16_variants_send_power_sgd_rank_r_bytes(text):
   def mean_bytes(variant):
     e = experiment.build(convergence.config("char_lm", variant, text, False))
