@@ -26,6 +26,7 @@ from benchmarks import report_cluster
 from benchmarks import targets
 from benchmarks import thresholds
 from benchmarks import template
+from benchmarks import workloads
 from benchmarks.template import fill
 
 # Each model's table has a heading that gives these.
@@ -287,6 +288,10 @@ def _convergence_section(
   config = importlib.import_module(
       f"configs.{convergence.TASKS['char_lm'][0]}"
   ).get_config()
+  bert = workloads.load_config(*convergence.TASKS["bert_mlm"])
+  bert_config = importlib.import_module(
+      f"configs.{convergence.TASKS['bert_mlm'][0]}"
+  ).get_config()
   return [
       fill(
           "convergence",
@@ -314,6 +319,13 @@ def _convergence_section(
           gap_table=_gap_table(curves),
           long_gap_table=_gap_table(curves, "char_lm_long"),
           long_steps=convergence.LONG_STEPS,
+          bert_batch=bert.batch_size,
+          bert_seq_len=bert.data.seq_len,
+          bert_config_batch=bert_config.batch_size,
+          bert_config_seq_len=bert_config.data.seq_len,
+          bert_rank=bert.compressor.power_sgd.rank,
+          bert_lr_warmup=bert.schedule.warmup_steps,
+          bert_gap_table=_gap_table(curves, "bert_mlm"),
           sgd_lr=dict(convergence.SGD)["optimizer.learning_rate"],
           reading=_convergence_reading(rows, curves, warmup),
           direction=_direction(direction),

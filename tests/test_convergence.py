@@ -1,5 +1,6 @@
 """The convergence benchmark's plan, configs and summaries (no training)."""
 
+import ml_collections
 import pytest
 
 from benchmarks import convergence
@@ -59,6 +60,29 @@ def test_the_bfloat16_variants_send_power_sgd_rank_r_bytes(text):
   for variant in ("power_sgd_2r_bf16_warm", "acp_sgd_4r_bf16_warm"):
     assert mean_bytes(variant) == budget, variant
   assert mean_bytes("acp_sgd_2r_bf16_warm") < budget
+
+
+def test_bert_mlm_compares_power_sgd_and_acp_sgd_at_equal_bytes(text):
+  def mean_bytes(variant):
+    cfg = convergence.config("bert_mlm", variant, text, False)
+    # The bytes follow the shapes alone: synthetic tokens of the same
+    # vocabulary and length need no tokenizer trained on a real text.
+    cfg.data = ml_collections.ConfigDict(
+        {
+            "name": "synthetic_tokens",
+            "seq_len": cfg.data.seq_len,
+            "vocab_size": cfg.data.vocab_size,
+            "task": "masked_lm",
+            "num_examples": 8,
+        }
+    )
+    steps = experiment.build(cfg).bytes_per_step()
+    return sum(steps) / len(steps)
+
+  power = mean_bytes("power_sgd_warm")
+  # ACP-SGD at 2r compresses every matrix that Power-SGD at r does.
+  assert mean_bytes("acp_sgd_2r_warm") == power
+  assert power < mean_bytes("ssgd") / 10
 
 
 def test_the_compressed_moment_runs_only_with_adamw():
