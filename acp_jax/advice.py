@@ -596,8 +596,9 @@ def _errors_over_steps(
       zip(steps.grads, steps.means, steps.noise)
   ):
     devices.state = jax.device_put(tx.at_step(devices.state, step), device)
-    error, cosine = _distance(devices(g), m)
+    estimate = devices(g)
     if step >= warmup:
+      error, cosine = _distance(estimate, m)
       errors.append(_ratio(float(error), noise))
       cosines.append(float(cosine))
   return statistics.fmean(errors), statistics.fmean(cosines)
