@@ -139,6 +139,12 @@ def _non_negative_number(name: str, value: Any) -> Any:
   return value
 
 
+def _fraction(name: str, value: Any) -> Any:
+  if not _is_number(value) or not 0 <= value <= 1:
+    raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+  return value
+
+
 def _density(value: Any) -> Any:
   if not _is_number(value) or not 0 < value <= 1:
     raise ValueError(f"density must be a number in (0, 1], got {value!r}")
@@ -157,6 +163,7 @@ _RULES: dict[str, Callable[[Any, str], Any]] = {
         "warmup_steps", 0 if v is None else v, 0
     ),
     "use_error_feedback": lambda v, _: flag("use_error_feedback", v),
+    "error_decay": lambda v, _: _fraction("error_decay", v),
     "warm_start": lambda v, _: flag("warm_start", v),
     "warmup_factors": lambda v, _: flag("warmup_factors", v),
     "majority_vote": lambda v, _: flag("majority_vote", v),

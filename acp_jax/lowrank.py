@@ -86,6 +86,7 @@ class LowRank(NamedTuple):
   caller: str  # the factory's name, for error messages
   bucket_bytes: float = buckets.DEFAULT_BUCKET_BYTES
   use_error_feedback: bool = True
+  error_decay: float = 1.0  # M = G + error_decay * E
   warm_start: bool = True
   comm_dtype: Any = None  # None: the factors travel in the leaves' dtype
   warmup_steps: int = 0
@@ -140,6 +141,14 @@ class Options:
       ``math.inf`` for one all-reduce per round and dtype.
     use_error_feedback: keep each device's residual E and add it to the next
       gradient (PyTorch's name); without it M = G and no residual is stored.
+    error_decay: beta in M = G + beta E, in [0, 1]. At 1 (the default) the
+      residual is kept whole: nothing is lost, only delayed. Below 1 the
+      residual is each device's momentum less what it sent (DeMo's decoupled
+      momentum: m = beta m + G, send the compressed m, keep m - sent), so
+      what was never sent fades; follow the compressor with an optimizer
+      without a first moment of its own (``optax.adam(b1=0)``, or sign
+      descent), as the momentum is already in what is sent. At 0, M = G
+      as without error feedback (the residual is still stored).
     warm_start: start each projection on Q from the last Q that was
       all-reduced (PyTorch's name); without it, from a fresh random Q drawn
       from ``seed`` and the step count, the same on every replica.
@@ -166,6 +175,7 @@ class Options:
   keep_dense: compressor.KeepDense = None
   bucket_bytes: float | None = None
   use_error_feedback: bool = True
+  error_decay: float = 1.0
   warm_start: bool = True
   comm_dtype: Any = None
   warmup_steps: int | None = None
@@ -370,6 +380,8 @@ def split(cfg: LowRank, grads: Any, errors: Any) -> Split:
       dense.append(g)
     else:
       error = None if state_trees.is_masked(e) else e
+      if error is not None and cfg.error_decay != 1.0:
+        error = cfg.error_decay * error
       matrices.append(projection.Matrix(g, error, spec))
   return Split(
       treedef,

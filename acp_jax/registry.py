@@ -113,6 +113,7 @@ _LOW_RANK_CONFIG = {
     "rank": 4,
     "min_compression_rate": 2.0,
     "use_error_feedback": True,
+    "error_decay": 1.0,
     "warm_start": True,
     "comm_dtype": str,
     "warmup_steps": 0,  # dense S-SGD steps first (configs' dense_warmup)
