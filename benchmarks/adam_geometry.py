@@ -25,6 +25,13 @@ SUBSPACE = {
     "subspace_adam_rms": {"match_rms": True},
     "subspace_adam_track_rms": {"match_rms": True, "track_momentum": True},
 }
+# DeMo's decoupled momentum: the compressor's residual decays by b1 (its
+# error_decay), so it is each device's momentum less what was sent, and
+# Adam follows without a first moment of its own.
+DECOUPLED = "decoupled"
+# Accordion's adaptive rank, at the rank's mean bytes
+# (``benchmarks.direction``'s ``_AccordionRun``).
+ACCORDION = "accordion"
 # The factors' comm_dtype -> the variant name's suffix.
 COMM_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16"}
 # Below this fraction of its leaf's mean, a row's or column's second moment
@@ -119,7 +126,8 @@ class Variant:
     self.geometry = None
     self.momentum = geometry in MOMENTUM
     self.subspace = geometry in SUBSPACE
-    if geometry and not (self.momentum or self.subspace):
+    self.decoupled = geometry == DECOUPLED
+    if geometry and not (self.momentum or self.subspace or self.decoupled):
       make, self.scaled_residual = GEOMETRY_KINDS[geometry]
       self.geometry = make()
     self.tx = getattr(acp_jax, method)(
@@ -127,6 +135,7 @@ class Variant:
         warmup_steps=warmup,
         bucket_bytes=float("inf"),
         comm_dtype=comm_dtype,
+        error_decay=B1 if self.decoupled else 1.0,
     )
     if self.momentum:
       self.tx = acp_jax.compressed_adam(

@@ -87,6 +87,18 @@ def test_the_compressed_moment_sent_whole_is_the_true_moment(text):
       assert 0.0 < row["grad"] < 0.999, name
 
 
+@pytest.mark.slow
+def test_decoupled_momentum_sends_the_momentum_and_adam_follows_it(text):
+  # The mean sent is a momentum: at a rank where every leaf goes dense, each
+  # device sends its whole b1 m + G_i and keeps nothing, so the mean is the
+  # gradient's and its cosine with S-SGD's momentum is below 1; Adam then
+  # runs without its own first moment, and has no shared variant.
+  by_name = _two_steps(text, "power_sgd", ("decoupled",))
+  for name, row in by_name.items():
+    assert row["steps"] == 2 and row["adam_shared"] is None
+    assert 0.0 < row["grad"] < 0.999 and 0.0 < row["adam"] < 0.999, name
+
+
 def _update(variant, grads, state):
   axes = variant.device_axes(state)
   run = jax.vmap(
@@ -143,3 +155,66 @@ def test_subspace_adam_at_full_rank_is_s_sgds_adam(text):
   assert 0.0 < low["adam"] < 0.999
   assert dense["steps"] == low["steps"] == 2
   assert dense["grad"] is None and dense["adam_shared"] is None
+
+
+def test_a_factor_cut_keeps_its_leading_subspace_and_a_completed_one_its_own():
+  rng = np.random.default_rng(0)
+  u, _ = np.linalg.qr(rng.standard_normal((40, 8)))
+  src = jnp.asarray(u * 2.0 ** -np.arange(8) @ np.linalg.qr(
+      rng.standard_normal((8, 8)))[0], jnp.float32)
+  cut = np.asarray(direction._resize(src, jnp.zeros((40, 3))))
+  assert cut.shape == (40, 3)
+  # Its columns span the three leading left singular directions of src.
+  lead = u[:, :3]
+  np.testing.assert_allclose(
+      lead @ (lead.T @ cut), cut, rtol=1e-4, atol=1e-5
+  )
+  old = jnp.asarray(rng.standard_normal((40, 8)), jnp.float32)
+  grown = np.asarray(direction._resize(cut, old))
+  np.testing.assert_array_equal(grown[:, :3], cut)
+  np.testing.assert_array_equal(grown[:, 3:], np.asarray(old)[:, 3:])
+
+
+def _jumping_grads(step, n=4):
+  """Device gradients whose size steps up tenfold at step 25."""
+  rng = np.random.default_rng(step)
+  scale = 10.0 if step >= 25 else 1.0
+  return {
+      "w": jnp.asarray(rng.standard_normal((n, 64, 48)) * scale, jnp.float32),
+      "v": jnp.asarray(rng.standard_normal((n, 48, 40)) * scale, jnp.float32),
+  }
+
+
+@pytest.mark.parametrize("method", ["acp_sgd", "power_sgd"])
+def test_accordion_raises_the_rank_where_the_gradient_jumps(method):
+  params = {"w": jnp.zeros((64, 48)), "v": jnp.zeros((48, 40))}
+  warmup, interval = 5, direction.ACCORDION_INTERVAL
+  run = direction._AccordionRun(method, 4, warmup, params, 4)
+  for step in range(warmup + 5 * interval):
+    mean = run.step(_jumping_grads(step), step)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(mean))
+  by_interval = [
+      set(run.history[warmup + i * interval : warmup + (i + 1) * interval])
+      for i in range(5)
+  ]
+  # Twice the rank first; then half of it, with no change measured yet and
+  # then with the rank's bytes overspent; twice again after the interval in
+  # which the norm jumped (the 3rd, steps 25 to 34), and half once it holds.
+  assert by_interval == [{1}, {0}, {0}, {1}, {0}], by_interval
+  # The state went on across the changes: one count, the phases in turn.
+  state = run.levels[run.active].state
+  assert int(state.count) == warmup + 5 * interval
+  summary = run.summary()
+  assert summary["high_fraction"] == pytest.approx(0.4)
+  # Within the rank's bytes but for one interval at twice the rank.
+  lo, hi, target = run.bytes
+  assert summary["bytes_vs_rank"] == pytest.approx(
+      (3 * lo + 2 * hi) / (5 * target)
+  )
+  assert lo < target < hi
+
+
+def test_accordion_refuses_ranks_that_compress_different_leaves():
+  params = {"w": jnp.zeros((64, 48)), "v": jnp.zeros((12, 10))}
+  with pytest.raises(ValueError, match="accordion at rank 4: ranks 2 and 8"):
+    direction._AccordionRun("acp_sgd", 4, 1, params, 4)
