@@ -107,12 +107,16 @@ class Variant(NamedTuple):
   compress: str = "gradient"
   # The factors' comm_dtype; None: the gradients' (float32).
   comm_dtype: str | None = None
+  # DeMo's decoupled momentum (AdamW only): the compressor's residual decays
+  # by AdamW's b1 (its error_decay), so it is each device's momentum less
+  # what was sent, and AdamW runs without a first moment of its own.
+  decoupled: bool = False
 
 
-def _warm(compressor, rank_factor, compress="gradient", comm_dtype=None):
+def _warm(compressor, rank_factor, compress="gradient", **kwargs):
   """``compressor`` after WARMUP_STEPS dense steps, its factors warmed."""
   return Variant(
-      compressor, rank_factor, WARMUP_STEPS, True, compress, comm_dtype
+      compressor, rank_factor, WARMUP_STEPS, True, compress, **kwargs
   )
 
 
@@ -157,7 +161,11 @@ VARIANTS = {
         "acp_sgd", 2, "subspace_adam_momentum_rms"
     ),
     "power_sgd_subspace_rms_warm": _warm("power_sgd", 1, "subspace_adam_rms"),
+    # DeMo's decoupled momentum, at Power-SGD rank r's bytes.
+    "acp_sgd_2r_decoupled_warm": _warm("acp_sgd", 2, decoupled=True),
+    "power_sgd_decoupled_warm": _warm("power_sgd", 1, decoupled=True),
 }
+DECOUPLED_VARIANTS = tuple(v for v in VARIANTS if VARIANTS[v].decoupled)
 SUBSPACE_VARIANTS = tuple(
     v for v in VARIANTS if VARIANTS[v].compress.startswith("subspace_adam")
 )
@@ -171,18 +179,23 @@ MOMENTUM_VARIANTS = tuple(
 # the subspace variants of the 300-step char LM are a screen, one seed.
 SEEDS = 3
 ONE_SEED = ("sign_sgd", "topk_sgd")
-SCREENED = {"char_lm": SUBSPACE_VARIANTS}
+SCREENED = {"char_lm": SUBSPACE_VARIANTS + DECOUPLED_VARIANTS}
 _BF16 = tuple(v for v in VARIANTS if VARIANTS[v].comm_dtype)
 _GRADIENT = tuple(
     v
     for v in VARIANTS
-    if v not in MOMENTUM_VARIANTS + SUBSPACE_VARIANTS + _BF16
+    if v
+    not in MOMENTUM_VARIANTS + SUBSPACE_VARIANTS + DECOUPLED_VARIANTS + _BF16
 )
 # The bfloat16 variants at Power-SGD rank r's bytes.
 _AT_POWER_SGD_BYTES = ("power_sgd_2r_bf16_warm", "acp_sgd_4r_bf16_warm")
 TASK_VARIANTS = {
     "char_lm": (
-        _GRADIENT + MOMENTUM_VARIANTS + _AT_POWER_SGD_BYTES + SUBSPACE_VARIANTS
+        _GRADIENT
+        + MOMENTUM_VARIANTS
+        + _AT_POWER_SGD_BYTES
+        + SUBSPACE_VARIANTS
+        + DECOUPLED_VARIANTS
     ),
     "char_lm_sgd": (
         "ssgd",
@@ -277,6 +290,10 @@ def config(
     args.warmup_steps = QUICK_WARMUP_STEPS if quick and v.warmup else v.warmup
     args.warmup_factors = v.warm_factors
     args.comm_dtype = v.comm_dtype
+  if v.decoupled:
+    adamw = cfg.optimizer.adamw
+    args.error_decay = adamw.get("b1", 0.9)
+    adamw.b1 = 0.0
   cfg.data.path = data_path
   if cfg.data.name == "masked_text":
     cfg.data.tokenizer = tokenizer
