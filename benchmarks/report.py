@@ -195,6 +195,8 @@ _DIRECTION_COLUMNS = {
     "adam": "cosine: Adam update vs S-SGD's",
     "adam_shared": "the same, from S-SGD's moments",
     "steps": "steps measured",
+    "bytes_vs_rank": "bytes vs the rank's (accordion)",
+    "high_fraction": "steps at 2x the rank (accordion)",
 }
 
 
@@ -211,43 +213,69 @@ def _direction(rows) -> str:
   )
 
 
-# Each subspace variant of the convergence runs, by the Adam-after variant
-# with its compressor, rank and warm-up, and its direction benchmark name.
-_SUBSPACE_PAIRS = {
-    "acp_sgd_2r_subspace_warm": ("acp_sgd_2r_warm", "acp_sgd_r8_subspace_adam"),
+# Each screened variant of the convergence runs (Adam in the compressed
+# subspace, DeMo's decoupled momentum): the variant with Adam after the same
+# compressor, rank and warm-up, and the two variants' direction benchmark
+# names.
+_SCREEN_PAIRS = {
+    "acp_sgd_2r_subspace_warm": (
+        "acp_sgd_2r_warm",
+        "acp_sgd_r8_subspace_adam",
+        "acp_sgd_r8",
+    ),
     "acp_sgd_2r_subspace_track_warm": (
         "acp_sgd_2r_warm",
         "acp_sgd_r8_subspace_adam_track",
+        "acp_sgd_r8",
     ),
     "acp_sgd_2r_subspace_rms_warm": (
         "acp_sgd_2r_warm",
         "acp_sgd_r8_subspace_adam_rms",
+        "acp_sgd_r8",
     ),
     "acp_sgd_2r_subspace_track_rms_warm": (
         "acp_sgd_2r_warm",
         "acp_sgd_r8_subspace_adam_track_rms",
+        "acp_sgd_r8",
     ),
-    "acp_sgd_2r_subspace": ("acp_sgd_2r", None),
-    "power_sgd_subspace_warm": ("power_sgd_warm", "power_sgd_r4_subspace_adam"),
+    "acp_sgd_2r_subspace": ("acp_sgd_2r", None, None),
+    "power_sgd_subspace_warm": (
+        "power_sgd_warm",
+        "power_sgd_r4_subspace_adam",
+        "power_sgd_r4",
+    ),
+    "acp_sgd_2r_decoupled_warm": (
+        "acp_sgd_2r_warm",
+        "acp_sgd_r8_decoupled",
+        "acp_sgd_r8",
+    ),
+    "power_sgd_decoupled_warm": (
+        "power_sgd_warm",
+        "power_sgd_r4_decoupled",
+        "power_sgd_r4",
+    ),
 }
 
 
-def _subspace(finals, direction) -> str:
-  """``subspace_adam``'s runs beside the runs of Adam after the same
+def _screen(finals, direction) -> str:
+  """The screened variants' runs beside the runs of Adam after the same
   compressor (same task, seed, rank and warm-up), with the direction
-  benchmark's cosine of each update with S-SGD's."""
+  benchmark's cosine of each update with S-SGD's (over the longest window
+  measured for both)."""
   loss = {(r["task"], r["variant"], r["seed"]): r for r in finals}
-  cosine = {r["variant"]: r["adam"] for r in direction}
+  cosine = {}
+  for r in sorted(direction, key=lambda r: r["steps"]):
+    cosine.setdefault(r["variant"], {})[r["steps"]] = r["adam"]
   rows = []
   for (task, variant, seed), r in sorted(loss.items()):
-    if variant not in _SUBSPACE_PAIRS:
+    if variant not in _SCREEN_PAIRS:
       continue
-    plain, name = _SUBSPACE_PAIRS[variant]
+    plain, name, base = _SCREEN_PAIRS[variant]
     other = loss.get((task, plain, seed))
     ssgd = loss.get((task, "ssgd", seed))
     if other is None or ssgd is None:
       continue
-    base = name and name.split("_subspace")[0]
+    steps = set(cosine.get(name, ())) & set(cosine.get(base, ()))
     rows.append(
         {
             "task": task,
@@ -257,8 +285,9 @@ def _subspace(finals, direction) -> str:
             "Adam after it": f"{plain} {other['eval_loss']:.4f}",
             "S-SGD": round(ssgd["eval_loss"], 4),
             "update cosine vs S-SGD's": (
-                f"{cosine[name]:.3f} (Adam after it {cosine[base]:.3f})"
-                if name in cosine and base in cosine
+                f"{cosine[name][n]:.3f} (Adam after it"
+                f" {cosine[base][n]:.3f}; {n} steps)"
+                if (n := max(steps, default=None))
                 else ""
             ),
         }
@@ -266,7 +295,7 @@ def _subspace(finals, direction) -> str:
   if not rows:
     return ""
   return fill(
-      "convergence_subspace",
+      "convergence_screen",
       table=records.table(rows, {k: k for k in rows[0]}),
   )
 
@@ -329,7 +358,7 @@ def _convergence_section(
           sgd_lr=dict(convergence.SGD)["optimizer.learning_rate"],
           reading=_convergence_reading(rows, curves, warmup),
           direction=_direction(direction),
-          subspace=_subspace(finals, direction),
+          screen=_screen(finals, direction),
           minutes=sum(r["wall_seconds"] for r in finals) / 60,
           runs=len(finals),
       )
