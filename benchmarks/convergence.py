@@ -88,7 +88,7 @@ TASKS = {
 }
 LONG_TASKS = ("char_lm_long", "mnist_long")
 # Dense steps before compression in the warm-up variants: just past the
-# learning-rate warm-up of the char LM and the CNN (50 steps), a fifth of
+# char LM's learning-rate warm-up (50 steps; the CNN's is 20), a fifth of
 # their 300-step budget. On the BERT task, whose rate climbs for 200 steps,
 # the low-rank variants compress from 30 % of the peak rate on (its config
 # would give them 240 dense steps): their gaps to S-SGD include the rest of
