@@ -58,8 +58,9 @@ _PSUM_SIZES = (4096, 65536, 1048576, 4194304)
 
 def calibration_runs(results_dir) -> list[dict[str, Any]]:
   """The convergence variants the threshold is calibrated on: Power-SGD and
-  ACP-SGD on the gradient, trained after a dense warm-up that warmed their
-  factors, as the advice measures its candidates; each with its candidate
+  ACP-SGD on the gradient, with their whole residual and Adam's own first
+  moment, trained after a dense warm-up that warmed their factors, as the
+  advice measures its candidates; each with its candidate
   (and its name), its run's variant, its held-out loss gap to S-SGD (a
   fraction) and its seeds."""
   summary = convergence_summary.summarize(
@@ -76,6 +77,7 @@ def calibration_runs(results_dir) -> list[dict[str, Any]]:
         and r["compressor"] in advice_lib.LOW_RANK
         and variant.warmup
         and variant.warm_factors
+        and not variant.decoupled
     ):
       candidate = advice_lib.Candidate(
           r["compressor"], r["rank"], r["comm_dtype"]
