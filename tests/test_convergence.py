@@ -94,6 +94,23 @@ def test_the_compressed_moment_runs_only_with_adamw():
   )
 
 
+def test_decoupled_momentum_moves_adams_first_moment_into_the_residual(text):
+  for task, variants in convergence.TASK_VARIANTS.items():
+    if convergence.optimizer_name(task) != "adamw":
+      assert not set(variants) & set(convergence.DECOUPLED_VARIANTS), task
+  plain = convergence.config("char_lm", "acp_sgd_2r_warm", text, False)
+  cfg = convergence.config("char_lm", "acp_sgd_2r_decoupled_warm", text, False)
+  b1 = plain.optimizer.adamw.get("b1", 0.9)
+  assert b1 > 0 and plain.compressor.acp_sgd.error_decay == 1.0
+  assert cfg.compressor.acp_sgd.error_decay == b1
+  assert cfg.optimizer.adamw.b1 == 0.0
+  # The same compressor and bytes otherwise.
+  for c in (plain, cfg):
+    c.compressor.acp_sgd.error_decay = 1.0
+    c.optimizer.adamw.b1 = b1
+  assert cfg == plain
+
+
 def _curve(variant, points, seed=0, task="t"):
   return [
       {
