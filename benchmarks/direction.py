@@ -195,9 +195,9 @@ class _AccordionRun(_Run):
         _bytes_per_step(v.tx, params, num_devices)
         for v in (*(run.variant for run in self.levels), self.variant)
     ]
-    # The rank in use (0: half, 1: twice), and over the compressing steps
-    # so far: their bytes, their number and how many ran at twice the rank.
-    self.active, self.spent, self.steps, self.high = 1, 0, 0, 0
+    # The rank in use (0: half, 1: twice), and the bytes of the compressing
+    # steps so far.
+    self.active, self.spent = 1, 0
     self.total, self.norms, self.changes = None, [], []
     self.history = []  # the rank in use at each step
 
@@ -210,8 +210,6 @@ class _AccordionRun(_Run):
     if done >= 0:
       self.total = approx if self.total is None else _add(self.total, approx)
       self.spent += self.bytes[self.active]
-      self.steps += 1
-      self.high += self.active
     return approx
 
   def _choose(self, done: int):
@@ -235,10 +233,11 @@ class _AccordionRun(_Run):
   def summary(self) -> dict[str, float]:
     """The bytes spent per compressing step, over the rank's, and the
     fraction of those steps at twice the rank."""
-    steps = max(self.steps, 1)
+    compressing = self.history[self.warmup :]
+    steps = max(len(compressing), 1)
     return {
         "bytes_vs_rank": self.spent / (steps * self.bytes[2]),
-        "high_fraction": self.high / steps,
+        "high_fraction": sum(compressing) / steps,
     }
 
 
