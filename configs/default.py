@@ -90,6 +90,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.log_every_steps = 1
   # Held-out evaluation every this many steps (0: only at the end).
   config.eval_every_steps = 100
+  # Stop at the first evaluation whose held-out loss is at most this (time
+  # to quality: the summary's target_step, each evaluation's train_seconds);
+  # None: train num_train_steps, which stays the cap.
+  config.target_eval_loss = config_dict.placeholder(float)
   # Checkpoint every this many steps (0: only at the end); keep the last K.
   config.checkpoint_every_steps = 100
   config.keep_checkpoints = 3

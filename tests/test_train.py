@@ -197,6 +197,36 @@ def test_crash_after_a_checkpoint_resumes_and_logs_each_step_once(tmp_path):
   assert steps == [1, 2, 3, 4]
 
 
+def test_a_run_stops_at_the_first_evaluation_that_reaches_its_target(tmp_path):
+  """Time to quality: uncapped, the run's held-out losses at steps 2, 4, 6
+  and 8; with a target between them it stops at the first that reaches
+  it, saves there and records the step; unreachable, it runs to its cap."""
+  config = small_config("ssgd", steps=8, eval_every_steps=2)
+  capped = train.train_and_evaluate(config, str(tmp_path / "capped"))
+  _, evals = read_metrics(tmp_path / "capped")
+  curve = {l["step"]: l["eval_loss"] for l in evals}
+  assert list(curve) == [2, 4, 6, 8] and "target_step" not in capped
+  seconds = [l["train_seconds"] for l in evals]
+  assert 0 < seconds[0] < seconds[1] < seconds[2] < seconds[3]
+  target = curve[4]
+  expected = min(s for s, loss in curve.items() if loss <= target)
+
+  config.target_eval_loss = target
+  workdir = tmp_path / "target"
+  summary = train.train_and_evaluate(config, str(workdir))
+  assert summary["target_step"] == summary["step"] == expected
+  assert summary["eval_loss"] == curve[expected] <= target
+  assert summary["bytes_sent"] == capped["bytes_sent"] * expected // 8
+  assert os.listdir(workdir / "checkpoints") == [str(expected)]
+  train_lines, evals = read_metrics(workdir)
+  assert [l["step"] for l in evals][-1] == expected
+  assert train_lines[-1]["step"] == expected
+
+  config.target_eval_loss = min(curve.values()) / 10
+  summary = train.train_and_evaluate(config, str(tmp_path / "unreached"))
+  assert summary["target_step"] is None and summary["step"] == 8
+
+
 @pytest.mark.parametrize("compressor", COMPRESSORS)
 @pytest.mark.slow
 def test_each_compressor_learns_digits(compressor, tmp_path):
@@ -288,6 +318,8 @@ def test_params_digest_catches_drifted_replicas():
         ({"batch_size": 100}, "config.batch_size=100 is not divisible"),
         ({"data.name": "mnist", "data.path": "/nonexistent"}, "/nonexistent"),
         ({"optimizer.momentun": 0.9}, "config.optimizer.momentun"),
+        ({"target_eval_loss": -1.0}, "config.target_eval_loss"),
+        ({"target_eval_loss": float("nan")}, "config.target_eval_loss"),
     ],
 )
 def test_bad_config_fails_before_compiling(

@@ -35,6 +35,7 @@ KEYS = frozenset(
         "per_device_batch_size",
         "log_every_steps",
         "eval_every_steps",
+        "target_eval_loss",
         "checkpoint_every_steps",
         "keep_checkpoints",
         "batch_norm",
@@ -139,6 +140,10 @@ def _check_numbers(config: ml_collections.ConfigDict) -> None:
   for name in OPTIMIZERS:
     _check_optimizer_numbers(
         f"config.optimizer.{name}", config.optimizer.get(name, {})
+    )
+  if config.get("target_eval_loss") is not None:
+    checks.number(
+        "config.target_eval_loss", config.target_eval_loss, 0.0, low_open=True
     )
   checks.number(
       "config.max_skipped_fraction", config.max_skipped_fraction, 0.0, 1.0

@@ -5,6 +5,7 @@ log, the failure policy, periodic evaluation and periodic checkpoints.
 tested, on its own.
 """
 
+import math
 import os
 import statistics
 import time
@@ -60,6 +61,11 @@ class StepTimer:
 
   def pause(self) -> None:
     self._last = time.perf_counter()
+
+  def total(self) -> float:
+    """Seconds of the steps taken so far by this process (since it started
+    or resumed), evaluations and saves left out."""
+    return sum(self.durations)
 
   def median_after(self, warm: int) -> float | None:
     """The median duration past the first ``warm`` steps (those that
@@ -132,19 +138,38 @@ class TrainLog:
 
 class Evaluation:
   """The held-out metrics every ``eval_every_steps`` and at the end;
-  ``latest`` holds the last ones."""
+  ``latest`` holds the last ones, evaluated after ``step``."""
 
   def __init__(self, config, evaluate: Callable[[Any], dict[str, float]]):
     self._every, self._last = config.eval_every_steps, config.num_train_steps
     self._evaluate = evaluate
     self.latest = {}
+    self.step = None  # the step ``latest`` was evaluated after
 
   def due(self, step: int) -> bool:
     return due(step, self._every, self._last)
 
   def __call__(self, state) -> dict[str, float]:
     self.latest = self._evaluate(state)
+    self.step = int(state.step)
     return self.latest
+
+
+class Target:
+  """The held-out loss a run trains to: it stops at the first evaluation
+  whose ``eval_loss`` is at most ``config.target_eval_loss`` (None: it runs
+  its ``num_train_steps``, the cap). ``step`` is that evaluation's step, or
+  None while the target is not reached."""
+
+  def __init__(self, config):
+    self.loss = config.get("target_eval_loss")
+    self.step = None
+
+  def reached(self, step: int, metrics: dict[str, float]) -> bool:
+    """Whether held-out ``metrics``, evaluated after ``step``, reach it."""
+    if self.loss is not None and metrics.get("eval_loss", math.inf) <= self.loss:
+      self.step = step
+    return self.step is not None
 
 
 class Checkpoints:

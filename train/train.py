@@ -131,6 +131,7 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
       config, functools.partial(evaluate, experiment, eval_fn)
   )
   timer = loop.StepTimer()
+  target = loop.Target(config)
   # XLA:CPU's simulated devices can deadlock in a collective's rendezvous
   # with several steps in flight on few cores: there each step is waited for.
   wait = jax.default_backend() == "cpu"
@@ -177,6 +178,9 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
         )
         if stop:
           raise runtime.Interrupted(stops.signal_name, step)
+        if evaluation.step == step and target.reached(step, evaluation.latest):
+          _save_at_target(step, state, steps, checkpoints)
+          break
       steps.flush()
     except jax.errors.JaxRuntimeError as e:
       lost = runtime.peer_lost(e, step, checkpoints.last_good)
@@ -184,6 +188,9 @@ def _train(experiment: Experiment, workdir: str) -> dict[str, Any]:
         raise
       raise lost from e
   summary = _summary(experiment, state, steps.latest, evaluation, timer)
+  if target.loss is not None:
+    summary["target_eval_loss"] = target.loss
+    summary["target_step"] = target.step  # None: capped, not reached
   if config.nonfinite == "skip":
     summary["skipped_steps"] = steps.policy.skipped
     steps.policy.check_skipped(summary)
@@ -234,10 +241,19 @@ def _between_steps(
   if evaluation.due(step) or checkpoints.due(step) or stop:
     steps.flush()
     if evaluation.due(step):
-      log.evaluation(step, evaluation(state))
+      log.evaluation(
+          step, {**evaluation(state), "train_seconds": timer.total()}
+      )
     if checkpoints.due(step) or stop:
       checkpoints.save(step, state, steps.latest, steps.policy.skipped)
     timer.pause()
+
+
+def _save_at_target(step, state, steps, checkpoints) -> None:
+  """Ends the run at ``step``, where it reached its target: its checkpoint,
+  unless one was just saved."""
+  if not checkpoints.due(step):
+    checkpoints.save(step, state, steps.latest, steps.policy.skipped)
 
 
 def _summary(experiment, state, metrics, evaluation, timer) -> dict[str, Any]:
@@ -257,6 +273,7 @@ def _summary(experiment, state, metrics, evaluation, timer) -> dict[str, Any]:
       "examples_per_sec": (
           experiment.global_batch / seconds if seconds else None
       ),
+      "train_seconds": timer.total(),
       "num_devices": experiment.num_devices,
       "params_sha256": metrics_lib.params_digest(state.params),
   }
