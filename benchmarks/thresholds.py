@@ -48,3 +48,7 @@ ACP_UPSTREAM_OVERLAP = {"resnet50": 0.55, "bert_base": 0.25}
 # over the fastest measured method's within the advice's threshold, at
 # least.
 ADVICE_VS_BEST = 0.9
+# A time to quality composed from steps to the target (simulated devices)
+# and the cluster's step time, against the same point run end to end across
+# the link: at most this relative difference, either way.
+COMPOSED_VS_DIRECT = 0.15
