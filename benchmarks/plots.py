@@ -29,6 +29,13 @@ def model_names(rows):
   return list(dict.fromkeys(r["model"] for r in rows))
 
 
+def ran(xs: list[float], cells: list) -> tuple[list[float], list]:
+  """The bars' positions and cells where a method ran (its cell is not
+  None): one that did not run is left out, not drawn as zero."""
+  kept = [(x, c) for x, c in zip(xs, cells) if c is not None]
+  return [x for x, _ in kept], [c for _, c in kept]
+
+
 def bars(rows, value: str, ylabel: str, title: str, path) -> None:
   """Log-scale bars of ``value``, grouped by model, coloured by compressor."""
   models = model_names(rows)
@@ -36,8 +43,10 @@ def bars(rows, value: str, ylabel: str, title: str, path) -> None:
   width = 0.8 / len(workloads.COMPRESSORS)
   fig, ax = plt.subplots(figsize=(8, 4))
   for i, name in enumerate(workloads.COMPRESSORS):
-    xs = [m + (i - 2) * width for m in range(len(models))]
-    ys = [cell.get((model, name), 0) for model in models]
+    xs, ys = ran(
+        [m + (i - 2) * width for m in range(len(models))],
+        [cell.get((model, name)) for model in models],
+    )
     ax.bar(xs, ys, width, label=LABELS[name], color=COLORS[name])
   ax.set_xticks(range(len(models)), models, rotation=20)
   ax.set_yscale("log")
@@ -115,8 +124,8 @@ def cluster(rows, path) -> None:
           b + (i - len(systems) / 2 + 0.5) * width
           for b in range(len(bandwidths))
       ]
-      found = [cell.get((b, system, name), {}) for b in bandwidths]
-      ys = [r.get("examples_per_sec", 0) for r in found]
+      xs, found = ran(xs, [cell.get((b, system, name)) for b in bandwidths])
+      ys = [r["examples_per_sec"] for r in found]
       # The runs' range, where the record kept one.
       spread = [
           (

@@ -369,7 +369,7 @@ def _sharded_reading(rows) -> str:
   return fill(
       "hierarchical_sharded",
       ratios=template.and_list(
-          f"{r} on {plots.link_label(b)}"
+          f"on {plots.link_label(b)}, {r}"
           for b, r in ratios.items()
           if r is not None
       )

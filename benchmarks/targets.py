@@ -39,17 +39,28 @@ Records = dict[str, list[dict[str, Any]]]
 
 class Ratio(NamedTuple):
   """A ratio of repeated figures: the median of the runs' ratios, each run
-  of one method over the run of the other in the same round, and their
-  range."""
+  of one method over the run of the other in the same round, their range,
+  and the ratio of the two methods' medians. A goal is met only where every
+  round clears it (``clears``)."""
 
   median: float
   low: float
   high: float
+  of_medians: float
+
+  def clears(self, goal: float) -> bool:
+    """Whether every round's ratio is at least ``goal``."""
+    return self.low >= goal
+
+  def below(self, goal: float) -> bool:
+    """Whether every round's ratio is under ``goal``."""
+    return self.high < goal
 
   def __str__(self) -> str:
+    medians = f"; of medians {self.of_medians:.2f}x"
     if self.low == self.high:
-      return f"{self.median:.2f}x"
-    return f"{self.median:.2f}x ({self.low:.2f}-{self.high:.2f})"
+      return f"{self.median:.2f}x{medians}"
+    return f"{self.median:.2f}x ({self.low:.2f}-{self.high:.2f}){medians}"
 
 
 def ratio(
@@ -68,14 +79,17 @@ def ratio(
   }
   if num not in found or den not in found:
     return None
+  medians = [found[name]["examples_per_sec"] for name in (num, den)]
   a, b = (
       records_lib.runs(r, "examples_per_sec") or [r["examples_per_sec"]]
       for r in (found[num], found[den])
   )
   if len(a) != len(b):
-    a, b = [found[num]["examples_per_sec"]], [found[den]["examples_per_sec"]]
+    a, b = [medians[0]], [medians[1]]
   each = [x / y for x, y in zip(a, b)]
-  return Ratio(statistics.median(each), min(each), max(each))
+  return Ratio(
+      statistics.median(each), min(each), max(each), medians[0] / medians[1]
+  )
 
 
 def by_workers(rows) -> dict[int, list[dict[str, Any]]]:
@@ -278,9 +292,10 @@ def _cluster_at(workers: int, rows) -> list[Row]:
         continue
       r = ratio(rows, ("acp_jax", "acp_sgd"), (system, compressor), b)
       out.append((
-          f"{at}, {link}: ACP-SGD >= {goal} x {label} examples/s",
+          f"{at}, {link}: ACP-SGD >= {goal} x {label} examples/s, every"
+          " round",
           "not measured" if r is None else str(r),
-          None if r is None else r.median >= goal,
+          None if r is None else r.clears(goal),
       ))
     for r in rows:
       if (r["system"], r["compressor"], r["bandwidth"]) != (
@@ -293,20 +308,21 @@ def _cluster_at(workers: int, rows) -> list[Row]:
       cost = r["step_s"] / limit - 1
       out.append((
           f"{at}, {link}: ACP-SGD's step within {NEAR_LIMIT:.0%} of its"
-          " no-overlap limit (compute-only step + modelled collectives)",
+          " no-overlap limit (compute-only step + modelled collectives),"
+          " either way",
           f"{1e3 * r['step_s']:.0f} ms"
           f" ({1e3 * r['step_s_min']:.0f}-{1e3 * r['step_s_max']:.0f})"
           f" against {1e3 * limit:.0f} ms: {cost:+.1%}",
-          cost <= NEAR_LIMIT,
+          abs(cost) <= NEAR_LIMIT,
       ))
       if b == SLOW_LINK:
         cost = r["step_s"] / r["step_local_s"] - 1
         out.append((
             f"{at}, {link}: ACP-SGD's step within {NEAR_LIMIT:.0%} of its"
-            " compute-only step",
+            " compute-only step, either way",
             f"{1e3 * r['step_s']:.0f} ms against"
             f" {1e3 * r['step_local_s']:.0f} ms: {cost:+.1%}",
-            cost <= NEAR_LIMIT,
+            abs(cost) <= NEAR_LIMIT,
         ))
   fast = bandwidths[-1]
   versus_ssgd = {
@@ -315,12 +331,12 @@ def _cluster_at(workers: int, rows) -> list[Row]:
   }
   out.append((
       f"{at}: (a) Sign-SGD, Top-k and Power-SGD lose to S-SGD on the"
-      f" fastest link ({fast})",
+      f" fastest link ({fast}), every round",
       "; ".join(
           f"{plots.LABELS[c]} " + ("not run" if r is None else f"{r} S-SGD")
           for c, r in versus_ssgd.items()
       ),
-      all(r is not None and r.median < 1 for r in versus_ssgd.values()),
+      all(r is not None and r.below(1) for r in versus_ssgd.values()),
   ))
   wins = [
       b
@@ -328,14 +344,13 @@ def _cluster_at(workers: int, rows) -> list[Row]:
       if all(
           ratio(
               rows, ("acp_jax", "acp_sgd"), (r["system"], r["compressor"]), b
-          ).median
-          >= 1
+          ).clears(1)
           for r in rows
           if r["bandwidth"] == b
       )
   ]
   out.append((
-      f"{at}: (b) ACP-SGD is the fastest on every link",
+      f"{at}: (b) ACP-SGD is the fastest on every link, every round",
       f"fastest on {', '.join(wins) or 'none'} of {', '.join(bandwidths)}",
       len(wins) == len(bandwidths),
   ))
@@ -365,7 +380,7 @@ def _sharded(records: Records) -> list[Row]:
       f" {plots.link_label(SLOW_LINK)}: sharded ACP-SGD >="
       f" {SHARDED_VS_HIERARCHICAL} x hierarchical ACP-SGD examples/s",
       "not measured" if r is None else str(r),
-      None if r is None else r.median >= SHARDED_VS_HIERARCHICAL,
+      None if r is None else r.clears(SHARDED_VS_HIERARCHICAL),
   )]
 
 
