@@ -1,8 +1,8 @@
 """Results as lists of flat records: where they live, what they carry, and
 how they print.
 
-Every record carries the machine, the date and the command that made it, so
-a table in the report can say where its numbers come from.
+Every record carries the machine, the date, the commit and the command that
+made it, so a table in the report can say where its numbers come from.
 """
 
 import datetime
@@ -13,6 +13,7 @@ import pathlib
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -33,8 +34,27 @@ def _cpu_name() -> str:
   return platform.processor() or platform.machine()
 
 
+def commit() -> str:
+  """The repository's commit, with ``+changes`` where its code differs from
+  it (the results folder aside, which runs write into); ``unknown`` outside
+  a git checkout."""
+  root = RESULTS_DIR.parents[1]
+  git = lambda *args: subprocess.run(
+      ["git", *args], cwd=root, capture_output=True, text=True, check=False
+  )
+  head = git("rev-parse", "--short=12", "HEAD")
+  if head.returncode != 0:
+    return "unknown"
+  changed = git(
+      "status", "--porcelain", "--untracked-files=no", "--", ".",
+      f":(exclude){RESULTS_DIR.relative_to(root)}",
+  ).stdout.strip()
+  return head.stdout.strip() + ("+changes" if changed else "")
+
+
 def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
-  """The machine, date and command of this run, as record fields."""
+  """The machine, date, commit and command of this run, as record
+  fields."""
   argv = sys.argv[1:] if argv is None else argv
   device = jax.devices()[0]
   accelerator = "" if device.platform == "cpu" else f", {device.device_kind}"
@@ -49,6 +69,7 @@ def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
               "%Y-%m-%d %H:%M UTC"
           )
       ),
+      "commit": commit(),
       "command": shlex.join(
           ["python", "-m", "benchmarks", *map(portable_arg, argv)]
       ),

@@ -39,11 +39,18 @@ def fill(name: str, **fields: Any) -> str:
 
 
 def provenance(rows: list[dict[str, Any]]) -> str:
-  """A line per run that made ``rows``: its machine, date and command."""
-  runs = sorted({(r["machine"], r["date"], r["command"]) for r in rows})
+  """A line per run that made ``rows``: its machine, date, commit (records
+  older than that field say it was not recorded) and command."""
+  runs = sorted({
+      (r["machine"], r["date"], r.get("commit", "not recorded"), r["command"])
+      for r in rows
+  })
   return "\n".join(
-      fill("provenance", machine=machine, date=date, command=command)
-      for machine, date, command in runs
+      fill(
+          "provenance", machine=machine, date=date, commit=commit,
+          command=command,
+      )
+      for machine, date, commit, command in runs
   )
 
 

@@ -197,3 +197,22 @@ def test_the_readme_table_is_the_committed_cluster_run():
   rows = records.read("cluster", records.RESULTS_DIR)
   readme = (records.RESULTS_DIR.parents[1] / "README.md").read_text()
   assert report_cluster.summary_table(rows) in readme
+
+
+def test_a_record_names_the_commit_it_was_measured_on(monkeypatch, tmp_path):
+  import subprocess
+
+  head = subprocess.run(
+      ["git", "rev-parse", "--short=12", "HEAD"],
+      cwd=records.RESULTS_DIR.parents[1],
+      capture_output=True,
+      text=True,
+      check=False,
+  )
+  if head.returncode != 0:
+    pytest.skip("not a git checkout")
+  commit = records.provenance(["comm"])["commit"]
+  assert commit in (head.stdout.strip(), head.stdout.strip() + "+changes")
+  # Outside a checkout it says so rather than naming another commit.
+  monkeypatch.setattr(records, "RESULTS_DIR", tmp_path / "a" / "results")
+  assert records.commit() == "unknown"
