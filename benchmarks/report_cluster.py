@@ -409,14 +409,13 @@ def _method_label(system: str, name: str, rank: int) -> str:
 
 def summary_table(rows) -> str:
   """The README's table of one cluster run: each method's examples/s per
-  link and worker count, with its bytes per step per worker; the fastest
-  of each column in bold."""
+  link and worker count (the median of its runs), with its bytes per step
+  per worker; in bold, the method of a column that was the fastest in
+  every round, where one was."""
   rank = workloads.CLUSTER_MODELS[rows[0]["model"]]["rank"]
   where = lambda r: (r["bandwidth"], r["workers"])
   columns = list(dict.fromkeys(map(where, rows)))
-  fastest = {}
-  for r in rows:
-    fastest[where(r)] = max(fastest.get(where(r), 0), r["examples_per_sec"])
+  fastest = {c: _fastest_every_round(rows, *c) for c in columns}
   head = ["method", "bytes/step per worker"] + [
       f"{plots.link_label(b)}, {w} workers" for b, w in columns
   ]
@@ -431,9 +430,28 @@ def summary_table(rows) -> str:
     for c in columns:
       speed = mine[c]["examples_per_sec"] if c in mine else None
       text = "" if speed is None else f"{speed:.3g}"
-      line.append(f"**{text}**" if speed == fastest[c] else text)
+      line.append(f"**{text}**" if method == fastest[c] else text)
     lines.append(line)
   return "\n".join("| " + " | ".join(line) + " |" for line in lines)
+
+
+def _fastest_every_round(rows, bandwidth, workers) -> tuple[str, str] | None:
+  """The (system, compressor) faster than every other method on a link in
+  each round, or None where no method was."""
+  group = [r for r in rows if r["workers"] == workers]
+  here = [
+      (r["system"], r["compressor"])
+      for r in group
+      if r["bandwidth"] == bandwidth
+  ]
+  for method in here:
+    if all(
+        targets.ratio(group, method, other, bandwidth).clears(1)
+        for other in here
+        if other != method
+    ):
+      return method
+  return None
 
 
 _ADVICE_COLUMNS = {
