@@ -13,6 +13,7 @@ SUBCOMMANDS = (
     "overhead",
     "convergence",
     "cluster",
+    "quality",
     "project",
     "sign_scaling",
     "gpu",

@@ -5,6 +5,9 @@ prints.
   python -m benchmarks.worker parts --workload W --compressor C --steps S \
       [--warmup W] [--breakdown] \
       --coordinator_address A --num_processes N --process_id I
+  python -m benchmarks.worker quality --task T --variant V --seed S \
+      --data_path F --workdir D --steps S --eval_every E [--target L] \
+      --coordinator_address A --num_processes N --process_id I
   python -m benchmarks.worker psum --sizes 4096,1048576 --repeats 5 \
       [--busy_mb MB] --coordinator_address A --num_processes N --process_id I
   python -m benchmarks.worker nodes --workload W --compressor C --steps S \
@@ -13,7 +16,9 @@ prints.
 
 ``parts`` times a data-parallel step, the same step on each process's
 device alone (the compute-only step the cost model starts from) and, with
-``--breakdown``, the step's parts, all in lockstep. ``psum`` times
+``--breakdown``, the step's parts, all in lockstep. ``quality`` trains a convergence task with
+the trainer until its held-out loss reaches a target (time to quality on
+the link). ``psum`` times
 all-reduces of float32 buffers of the given byte sizes, on idle processes
 and right after a pass over memory, for calibrating the cost model on the
 links. ``nodes`` trains on ``D`` devices
@@ -64,6 +69,18 @@ def _parser() -> argparse.ArgumentParser:
       "--params_out",
       help="an .npz file for the params before and after the steps",
   )
+  quality = sub.add_parser("quality", parents=[common])
+  quality.add_argument("--task", required=True)
+  quality.add_argument("--variant", required=True)
+  quality.add_argument("--seed", type=int, default=0)
+  quality.add_argument("--data_path", required=True)
+  quality.add_argument("--workdir", required=True)
+  quality.add_argument("--steps", type=int, required=True, help="the cap")
+  quality.add_argument("--eval_every", type=int, required=True)
+  quality.add_argument(
+      "--target", type=float, help="held-out loss to stop at (none: the cap)"
+  )
+  quality.add_argument("--quick", action="store_true")
   parts = sub.add_parser("parts", parents=[common])
   parts.add_argument("--workload", required=True)
   parts.add_argument("--compressor", required=True)
@@ -600,13 +617,57 @@ def psum(args) -> dict:
   return result
 
 
+def quality(args) -> dict:
+  """Trains a convergence task's variant with the trainer, this process one
+  worker of the cluster, until its held-out loss reaches ``--target`` or
+  ``--steps`` pass; the summary and, on process 0 (which writes the log),
+  the held-out curve against the training seconds."""
+  from benchmarks import convergence
+  from train import metrics as metrics_lib
+  from train import train
+
+  cfg = convergence.config(
+      args.task, args.variant, args.data_path, args.quick, args.seed
+  )
+  cfg.num_train_steps = args.steps
+  cfg.eval_every_steps = args.eval_every
+  cfg.target_eval_loss = args.target
+  start = time.perf_counter()
+  summary = train.train_and_evaluate(cfg, args.workdir)
+  lines = metrics_lib.read_curves(args.workdir) if args.process_id == 0 else []
+  curve = [
+      {k: line[k] for k in ("step", "eval_loss", "train_seconds")}
+      for line in lines
+      if "eval_loss" in line
+  ]
+  return {
+      "wall_seconds": time.perf_counter() - start,
+      "global_batch": cfg.batch_size,
+      "summary": {k: summary.get(k) for k in QUALITY_SUMMARY},
+      "curve": curve,
+  }
+
+
+# What a quality run reports of the trainer's summary.
+QUALITY_SUMMARY = (
+    "step",
+    "target_step",
+    "eval_loss",
+    "train_seconds",
+    "bytes_per_step",
+    "bytes_sent",
+    "examples_per_sec",
+    "num_devices",
+)
+
+
 def main(argv: list[str] | None = None) -> None:
   args = _parser().parse_args(argv)
   from train import runtime
 
   devices = args.devices if args.mode == "nodes" else 1
   runtime.setup(num_cpu_devices=devices, **{k: getattr(args, k) for k in _DIST})
-  modes = {"nodes": _nodes, "parts": _parts, "psum": psum}
+  modes = {"nodes": _nodes, "parts": _parts, "psum": psum, "quality": quality}
   result = modes[args.mode](args)
   print("RESULT " + json.dumps({"process_id": args.process_id, **result}))
 

@@ -1,0 +1,264 @@
+"""Time to quality across the shaped link: each variant of a convergence task
+trained by the trainer, one process per worker in its own network
+namespace, until its held-out loss reaches a target or its step cap.
+
+  python -m benchmarks quality --task char_lm --char_lm_path input.txt \
+      --variants ssgd,power_sgd_warm,acp_sgd_2r_warm --workers 2 \
+      --bandwidths 100mbit --target ssgd_half --steps 600 --eval_every 25
+
+The target is a held-out loss, or the name of one of S-SGD's targets
+(``time_to_quality.targets``: ``ssgd_final``, ``ssgd_half``) on the task's
+S-SGD curves in ``--results_dir``, trained on as many simulated devices as
+there are workers (``python -m benchmarks --num_cpu_devices N convergence``),
+so at the same global batch. Every variant runs ``--repeats`` times per
+link, the rounds interleaved. A record holds, per worker count, link and
+variant, each round's training seconds to the target (evaluations left
+out), its steps and bytes, and the median step; where that task's curves
+hold the variant at that device count, also the time composed from their
+steps to the target and this run's step time, and whether it lies within
+``thresholds.COMPOSED_VS_DIRECT`` of the direct run.
+"""
+
+import math
+import signal
+import statistics
+import sys
+import tempfile
+from typing import Any
+
+from benchmarks import cli
+from benchmarks import convergence
+from benchmarks import launch
+from benchmarks import links
+from benchmarks import records
+from benchmarks import time_to_quality
+
+HELP = "time to a held-out loss on shaped links, one trainer per worker"
+
+COLUMNS = {
+    "workers": "workers",
+    "bandwidth": "link",
+    "variant": "variant",
+    "target_loss": "target",
+    "reached": "reached",
+    "steps": "steps",
+    "train_seconds": "seconds",
+    "train_seconds_min": "min",
+    "train_seconds_max": "max",
+    "steady_seconds": "steady",
+    "composed_seconds": "composed",
+    "composed_agrees": "agrees",
+}
+
+
+def simulated_curves(
+    results_dir: str, task: str, devices: int
+) -> dict[str, time_to_quality.Curves]:
+  """``task``'s held-out curves in ``results_dir`` trained on ``devices``
+  simulated devices, by variant and seed."""
+  try:
+    finals = records.read("convergence", results_dir)
+    points = records.read("convergence_curves", results_dir)
+  except FileNotFoundError:
+    return {}
+  runs = {
+      (r["variant"], r["seed"])
+      for r in finals
+      if r["task"] == task and r.get("num_devices") == devices
+  }
+  return time_to_quality.curves(
+      [p for p in points if (p["variant"], p["seed"]) in runs], task
+  )
+
+
+def target_loss(target: str, curves: dict[str, Any]) -> float:
+  """``--target``: a held-out loss, or one of S-SGD's named targets on
+  ``curves``."""
+  try:
+    return float(target)
+  except ValueError:
+    pass
+  if "ssgd" not in curves:
+    raise ValueError(
+        f"--target={target}: no S-SGD curves of this task at this many"
+        " devices; run python -m benchmarks --num_cpu_devices N convergence"
+        " --tasks TASK --variants ssgd first, or give a loss"
+    )
+  named = time_to_quality.targets(curves["ssgd"])
+  if target not in named:
+    raise ValueError(
+        f"--target must be a loss or one of {', '.join(named)}, got {target!r}"
+    )
+  return named[target][1]
+
+
+def _run(network, args, variant, target, workdir) -> list[dict[str, Any]]:
+  return launch.on_network(
+      network,
+      lambda i: launch.jax_cmd(
+          "quality",
+          f"--task={args.task}",
+          f"--variant={variant}",
+          f"--seed={args.seed}",
+          f"--data_path={getattr(args, convergence.data_flag(args.task))}",
+          f"--workdir={workdir}",
+          f"--steps={args.steps}",
+          f"--eval_every={args.eval_every}",
+          f"--target={target}",
+          *(["--quick"] if args.quick else []),
+          *launch.distributed(network, i),
+      ),
+      args.timeout,
+  )
+
+
+def record(
+    rounds: list[dict[str, Any]],
+    target: float,
+    simulated: time_to_quality.Curves | None,
+) -> dict[str, Any]:
+  """A variant's record from its rounds (process 0's results): training
+  seconds to the target, steps and bytes, each round's and their median and
+  range; math.inf where a round hit its cap.
+
+  ``train_seconds`` is what a user waits, the first steps' compilation
+  included; ``steady_seconds`` leaves out what the first evaluation
+  interval took beyond its steps at the round's median step (compilation,
+  mostly). With ``simulated`` curves of the variant, the time composed from
+  their steps to the target and the median step, and whether it agrees
+  with the direct ``steady_seconds``.
+  """
+  reached = [r["summary"]["target_step"] is not None for r in rounds]
+  step_seconds = [
+      r["global_batch"] / r["summary"]["examples_per_sec"] for r in rounds
+  ]
+  seconds, steady = [], []
+  for r, ok, step_s in zip(rounds, reached, step_seconds):
+    first = r["curve"][0]
+    startup = max(first["train_seconds"] - first["step"] * step_s, 0.0)
+    total = r["summary"]["train_seconds"] if ok else math.inf
+    seconds.append(total)
+    steady.append(total - startup)
+  out = {
+      "target_loss": target,
+      "reached": f"{sum(reached)}/{len(rounds)}",
+      "steps": statistics.median(
+          r["summary"]["target_step"] or math.inf for r in rounds
+      ),
+      "bytes_sent": statistics.median(
+          r["summary"]["bytes_sent"] for r in rounds
+      ),
+      **records.repeated("train_seconds", seconds),
+      **records.repeated("steady_seconds", steady),
+      **records.repeated("step_s", step_seconds),
+  }
+  if simulated:
+    steps = time_to_quality.steps_to_target(simulated, target)
+    composed = time_to_quality.compose(steps, step_seconds)
+    out["composed_seconds"] = composed.median
+    out["composed_agrees"] = time_to_quality.agrees(
+        composed.median, out["steady_seconds"]
+    )
+  return out
+
+
+def curve_points(run: dict[str, Any], rounds) -> list[dict[str, Any]]:
+  """Each round's held-out loss against its training seconds, flat."""
+  keys = ("task", "workers", "bandwidth", "variant", "seed")
+  return [
+      {**{k: run[k] for k in keys}, "round": i + 1, **point}
+      for i, r in enumerate(rounds)
+      for point in r["curve"]
+  ]
+
+
+def measure(args) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+  """Every (worker count, link, variant) record, the curves' points, and
+  the failed runs."""
+  runs, points, failures = [], [], []
+  with tempfile.TemporaryDirectory() as cache, launch.compilation_cache(cache):
+    for p in args.workers:
+      curves = simulated_curves(args.results_dir, args.task, p)
+      target = target_loss(args.target, curves)
+      for bandwidth in args.bandwidths:
+        with links.switched(p, launch.BANDWIDTHS[bandwidth]) as network:
+          rounds = {v: [] for v in args.variants}
+          for rep in range(args.repeats):
+            for variant in args.variants:
+              with tempfile.TemporaryDirectory() as workdir:
+                out = launch.attempt(
+                    failures,
+                    f"{p} workers {bandwidth} {variant} round {rep + 1}",
+                    lambda: _run(network, args, variant, target, workdir),
+                )
+              if out is not None:
+                rounds[variant].append(out[0])
+          for variant, done in rounds.items():
+            if done:
+              runs.append({
+                  "task": args.task,
+                  "workers": p,
+                  "bandwidth": bandwidth,
+                  "variant": variant,
+                  "seed": args.seed,
+                  **record(done, target, curves.get(variant)),
+              })
+              points.extend(curve_points(runs[-1], done))
+  return runs, points, failures
+
+
+def add_arguments(parser) -> None:
+  cli.add_quick(parser)
+  parser.add_argument(
+      "--task",
+      choices=tuple(convergence.TASKS),
+      default="char_lm",
+      help="a convergence task (default: %(default)s)",
+  )
+  parser.add_argument(
+      "--variants",
+      type=cli.names(tuple(convergence.VARIANTS), "variant"),
+      default="ssgd,power_sgd_warm,acp_sgd_2r_warm",
+      help="comma-separated convergence variants (default: %(default)s)",
+  )
+  parser.add_argument("--workers", type=cli.ints_at_least(2), default="2")
+  parser.add_argument(
+      "--bandwidths",
+      type=cli.names(tuple(launch.BANDWIDTHS), "bandwidth"),
+      default="100mbit",
+  )
+  parser.add_argument(
+      "--target",
+      default="ssgd_half",
+      help="held-out loss to reach, or ssgd_final / ssgd_half (S-SGD's, from"
+      " the task's simulated curves at the same device count)",
+  )
+  parser.add_argument("--steps", type=cli.int_at_least(1), default=600)
+  parser.add_argument("--eval_every", type=cli.int_at_least(1), default=25)
+  parser.add_argument("--repeats", type=cli.int_at_least(1), default=3)
+  parser.add_argument("--seed", type=cli.int_at_least(0), default=0)
+  parser.add_argument(
+      "--timeout", type=float, default=3600, help="seconds per run"
+  )
+  parser.add_argument("--char_lm_path", help="plain-text file (char_lm)")
+  parser.add_argument("--mnist_path", help="folder of MNIST IDX files")
+
+
+def main(args) -> None:
+  reason = links.unavailable()
+  if reason:
+    print(f"quality: skipped, {reason}")
+    return
+  if not getattr(args, convergence.data_flag(args.task)):
+    raise SystemExit(
+        f"error: --{convergence.data_flag(args.task)} is needed by"
+        f" {args.task}"
+    )
+  meta = cli.start(args, 1)  # each worker is a process of its own device
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+  try:
+    runs, points, failures = measure(args)
+  except ValueError as e:
+    raise SystemExit(f"error: {e}") from None
+  outputs = {"quality": runs, "quality_curves": points}
+  cli.finish(args, meta, outputs, runs, COLUMNS, failures)

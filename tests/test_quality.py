@@ -1,0 +1,121 @@
+"""Time to quality on the shaped link: the records of a run's rounds, the
+targets named from S-SGD's simulated curves, and a 2-worker run."""
+
+import json
+import math
+
+import pytest
+
+from benchmarks import links
+from benchmarks import quality
+from benchmarks import records
+from tests import helpers
+
+
+def _round(target_step, train_seconds, first=(4, 10.0), per_second=64.0):
+  return {
+      "global_batch": 32,
+      "summary": {
+          "target_step": target_step,
+          "train_seconds": train_seconds,
+          "examples_per_sec": per_second,  # 0.5 s a step
+          "bytes_sent": 1000 * (target_step or 24),
+      },
+      "curve": [{"step": first[0], "eval_loss": 3.0,
+                 "train_seconds": first[1]}],
+  }
+
+
+def test_a_record_gives_each_round_and_leaves_the_start_up_out():
+  rounds = [_round(8, 12.0), _round(12, 14.0), _round(None, 20.0)]
+  r = quality.record(rounds, 2.5, None)
+  assert r["reached"] == "2/3" and r["steps"] == 12
+  # The capped round counts as never reaching the target.
+  assert records.runs(r, "train_seconds") == [12.0, 14.0, math.inf]
+  # 4 steps at 0.5 s took 10 s: 8 s of start-up left out of each round.
+  assert records.runs(r, "steady_seconds") == [4.0, 6.0, math.inf]
+  assert r["step_s"] == 0.5 and "composed_seconds" not in r
+
+
+def test_a_record_composes_simulated_steps_with_the_step_time():
+  simulated = {0: {4: 3.0, 8: 2.4}, 1: {4: 2.9, 8: 2.6, 12: 2.4}}
+  r = quality.record([_round(8, 12.0), _round(8, 12.0)], 2.5, simulated)
+  # Steps to 2.5: 8 and 12, median 10, at 0.5 s a step.
+  assert r["composed_seconds"] == 5.0
+  assert r["steady_seconds"] == 4.0 and not r["composed_agrees"]  # 25 %
+  r = quality.record([_round(8, 13.0), _round(8, 13.0)], 2.5, simulated)
+  assert r["composed_agrees"]  # 5.0 against 5.0
+
+
+def test_a_named_target_comes_from_the_curves_at_as_many_devices(tmp_path):
+  def final(variant, seed, devices):
+    return {"task": "char_lm", "variant": variant, "seed": seed,
+            "num_devices": devices}
+
+  def point(variant, seed, step, loss):
+    return {"task": "char_lm", "variant": variant, "seed": seed,
+            "step": step, "eval_loss": loss, "bytes_sent": step}
+
+  records.write(
+      "convergence",
+      [final("ssgd", 0, 2), final("ssgd", 1, 8)],
+      tmp_path,
+  )
+  records.write(
+      "convergence_curves",
+      [point("ssgd", 0, 10, 3.0), point("ssgd", 0, 20, 2.0),
+       point("ssgd", 1, 10, 9.0), point("ssgd", 1, 20, 9.0)],
+      tmp_path,
+  )
+  curves = quality.simulated_curves(tmp_path, "char_lm", 2)
+  assert curves == {"ssgd": {0: {10: 3.0, 20: 2.0}}}  # the 8-device run out
+  assert quality.target_loss("ssgd_final", curves) == 2.0
+  assert quality.target_loss("ssgd_half", curves) == 3.0
+  assert quality.target_loss("2.25", curves) == 2.25
+  with pytest.raises(ValueError, match="ssgd_final"):
+    quality.target_loss("ssgd_best", curves)
+  with pytest.raises(ValueError, match="no S-SGD curves"):
+    quality.target_loss("ssgd_half", quality.simulated_curves(
+        tmp_path, "char_lm", 4))
+
+
+@pytest.mark.skipif(
+    links.unavailable() is not None,
+    reason=f"cannot build links here: {links.unavailable()}",
+)
+@pytest.mark.slow
+def test_two_workers_train_to_a_target_across_a_shaped_link(tmp_path):
+  """The trainer in each namespace stops at the target, the same step in
+  every round, and the link comes down."""
+  text = tmp_path / "text.txt"
+  line = "the quick brown fox jumps over the lazy dog and sits on a mat\n"
+  text.write_text(line * 3000)
+  done = helpers.run_module(
+      "benchmarks",
+      f"--results_dir={tmp_path}",
+      "quality",
+      "--quick",
+      "--task=char_lm",
+      f"--char_lm_path={text}",
+      "--variants=ssgd,acp_sgd_warm",
+      "--workers=2",
+      "--bandwidths=100mbit",
+      "--target=3.5",
+      "--steps=24",
+      "--eval_every=4",
+      "--repeats=2",
+      "--timeout=600",
+      timeout=1500,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  runs = json.loads((tmp_path / "quality.json").read_text())
+  assert [r["variant"] for r in runs] == ["ssgd", "acp_sgd_warm"]
+  for r in runs:
+    assert r["reached"] == "2/2" and r["steps"] < 24
+    assert r["commit"] and r["train_seconds"] > r["steady_seconds"] > 0
+  points = json.loads((tmp_path / "quality_curves.json").read_text())
+  for r in runs:
+    mine = [p for p in points if p["variant"] == r["variant"]]
+    assert {p["round"] for p in mine} == {1, 2}
+    assert max(p["step"] for p in mine) == r["steps"]
+    assert min(p["eval_loss"] for p in mine) <= 3.5
