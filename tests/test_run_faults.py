@@ -335,3 +335,33 @@ def test_a_full_disk_under_the_tensorboard_log_is_one_line_naming_it(tmp_path):
       " run again to resume."
   )
   assert "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_resume_never_deletes_another_runs_later_lines(tmp_path):
+  """Run a logged steps 2 and 4; the step-1 checkpoint of run b replaces
+  a's checkpoints. Resuming at step 1 would drop a's lines past it, which
+  the lines kept (none) cannot show: refused, and the log is untouched."""
+  a, b = tmp_path / "a", tmp_path / "b"
+  train.train_and_evaluate(small_config(steps=4, log_every_steps=2), str(a))
+  train.train_and_evaluate(small_config(steps=1, seed=1), str(b))
+  before = (a / "metrics.jsonl").read_text()
+  shutil.rmtree(a / "checkpoints")
+  shutil.copytree(b / "checkpoints", a / "checkpoints")
+  with pytest.raises(ValueError, match="come from another run"):
+    train.train_and_evaluate(small_config(steps=4, seed=1), str(a))
+  assert (a / "metrics.jsonl").read_text() == before
+
+
+def test_a_fresh_run_moves_another_runs_log_aside(tmp_path, caplog):
+  """A workdir with another run's log and no checkpoint: the new run logs
+  afresh, and the old log is kept beside it, named in a warning."""
+  old = [{"step": 1, "run": "old", "loss": 2.0}]
+  (tmp_path / "metrics.jsonl").write_text(json.dumps(old[0]) + "\n")
+  train.train_and_evaluate(small_config(steps=1), str(tmp_path))
+  aside = tmp_path / "metrics.jsonl.run-old"
+  assert [json.loads(l) for l in aside.read_text().splitlines()] == old
+  new = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text()
+         .splitlines()]
+  assert {(l["step"], l["run"] == "old") for l in new} == {(1, False)}
+  assert f"moved to {aside}" in caplog.text

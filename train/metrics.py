@@ -92,9 +92,11 @@ class MetricsLog:
 
   The file must lie inside ``workdir``: a symlink out of it (left by a
   copied or shared workdir) would have this run rewrite another run's log.
-  A run resumed at ``resume_step`` keeps the lines up to it, which must all
-  carry its ``run_id``: lines of another run mean that the checkpoints were
-  copied in from elsewhere, and the log would splice two runs.
+  A run resumed at ``resume_step`` keeps the lines up to it. Every line,
+  those past it too, must carry its ``run_id``: lines of another run mean
+  that the checkpoints were copied in from elsewhere, and the log would
+  splice two runs or drop the other's lines. A run that starts afresh
+  where another run's log lies moves that log aside, and says where.
   """
 
   def __init__(self, workdir: str, resume_step: int, run_id: str | None = None):
@@ -111,14 +113,17 @@ class MetricsLog:
       )
     self._path = target
     if os.path.exists(self._path):
-      # Lines past the restored checkpoint come from an interrupted run and
-      # are about to be logged again.
-      records = [
-          r for r in read_records(self._path) if r["step"] <= resume_step
-      ]
+      records = read_records(self._path)
+      if not resume_step and _other_runs(records, run_id):
+        _move_aside(self._path, records)
+        return
       _check_one_run(self._path, records, resume_step, run_id)
+      # Lines past the restored checkpoint come from this run, interrupted,
+      # and are about to be logged again.
       with open(self._path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
+        f.writelines(
+            json.dumps(r) + "\n" for r in records if r["step"] <= resume_step
+        )
 
   def write(self, record: dict[str, Any]) -> None:
     if not self._active:
@@ -132,11 +137,37 @@ class MetricsLog:
       raise disk.full(f"step {record['step']}'s metrics", self._path) from None
 
 
+def _other_runs(records, run_id) -> list[str]:
+  """The runs other than ``run_id`` that logged ``records``."""
+  if run_id is None:
+    return []
+  return sorted({str(r.get("run")) for r in records} - {run_id})
+
+
+def _move_aside(path: str, records) -> None:
+  """Moves another run's log at ``path`` to a name of its own, beside it,
+  and says so."""
+  aside = base = f"{path}.run-{records[0].get('run')}"
+  n = 1
+  while os.path.exists(aside):
+    aside, n = f"{base}.{n}", n + 1
+  os.replace(path, aside)
+  logging.warning(
+      "%s held the log of another run (steps %d-%d) and no checkpoint of it:"
+      " moved to %s",
+      path,
+      min(r["step"] for r in records),
+      max(r["step"] for r in records),
+      aside,
+  )
+
+
 def _check_one_run(path, records, resume_step: int, run_id) -> None:
-  """Raises unless every record kept for a resume was logged by ``run_id``."""
+  """Raises unless every record of a resumed run's log was logged by
+  ``run_id``."""
   if not resume_step or run_id is None:
     return
-  others = sorted({str(r.get("run")) for r in records} - {run_id})
+  others = _other_runs(records, run_id)
   if others:
     steps = [r["step"] for r in records if r.get("run") != run_id]
     raise ValueError(
