@@ -536,8 +536,12 @@ class DataParallel:
     (BatchNorm statistics beside a batch, a time-major sequence beside its
     labels), which axis is the batch is ambiguous, and the call is refused;
     so is it where nothing shows the placement (under ``jit`` on ``Auto``
-    mesh axes) and every split argument's axes 0 and 1 agree in size, as a
-    time-major ``(T, B, F)`` batch beside ``(T, B)`` labels.
+    mesh axes) and the shapes read as well time-major: every split
+    argument's axis 1 of one size that splits evenly, and axes 0 and 1 of
+    one size, or an axis 0 of one row per device, or arguments of several
+    ranks sharing axes 0 and 1 (a ``(T, B, F)`` batch beside ``(T, B)``
+    labels). Arguments of one rank and of other sizes (tokens and targets
+    ``(B, T)``) split along axis 0.
 
     Randomness differs per device, as in a loop over the whole batch: the
     device's index (over the device axes, as it stacks) is folded into every
