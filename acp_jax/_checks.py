@@ -158,7 +158,7 @@ _RULES: dict[str, Callable[[Any, str], Any]] = {
         "min_compression_rate", v
     ),
     "density": lambda v, _: _density(v),
-    "seed": lambda v, _: v,
+    "seed": lambda v, _: integer("seed", v, 0, numpy=True),
     "warmup_steps": lambda v, _: integer(
         "warmup_steps", 0 if v is None else v, 0
     ),

@@ -25,6 +25,17 @@ def test_rank_must_be_a_positive_int(factory, rank):
 
 
 @pytest.mark.parametrize("factory", [acp_jax.power_sgd, acp_jax.acp_sgd])
+@pytest.mark.parametrize("seed", [-1, np.int64(-3), 0.5, True, "0", None])
+def test_seed_must_be_a_non_negative_int(factory, seed):
+  with pytest.raises(
+      ValueError,
+      match=re.escape(f"seed must be a non-negative int, got {seed!r}"),
+  ):
+    factory(4, seed=seed)
+  assert factory(4, seed=np.int64(3)).made_by[1]["seed"] == 3
+
+
+@pytest.mark.parametrize("factory", [acp_jax.power_sgd, acp_jax.acp_sgd])
 @pytest.mark.parametrize("rate", [-1, -0.5, float("nan"), "2"])
 def test_min_compression_rate_must_be_non_negative(factory, rate):
   with pytest.raises(ValueError, match=re.escape(f"got {rate!r}")):
