@@ -358,7 +358,9 @@ def chain(
   Args:
     compressor: made by one of this package's factories (or a
       ``Compressor`` of one's own).
-    *transforms: the optax transforms that follow it; none a compressor.
+    *transforms: the optax transforms that follow it; none a compressor,
+      and none with a NaN, infinite or negative learning rate (refused
+      where their update of a gradient of ones shows it).
 
   Returns:
     The chained transformation.
@@ -376,8 +378,12 @@ def chain(
           " gradients once, with the first."
       )
   rest = optax.chain(*transforms)
+  where = "acp_jax.chain"
+  probed = _checks.check_descends(rest, None, where)
 
   def init_fn(params):
+    if not probed:
+      _checks.check_descends(rest, params, where)
     return (compressor.init(params), *rest.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):

@@ -469,6 +469,9 @@ class DataParallel:
     Use it where ``tx`` was used: ``tx.update`` in a jitted step, or
     ``nnx.Optimizer(model, dp.chain(tx), wrt=nnx.Param)``.
 
+    A ``tx`` whose update of a gradient of ones is not finite or climbs it
+    (a NaN, infinite or negative learning rate) is refused here, or by
+    ``init`` where the probe needs the params' tree.
     ``init`` refuses a ``tx`` that holds ``optax.MultiSteps`` (the exchange
     before it would send at every micro-step: add micro-batches' local
     gradients with ``+`` instead), and, after ``compressed_adam``, one that
@@ -477,8 +480,12 @@ class DataParallel:
 
     made_by = self.compressor.made_by
     name = made_by[0] if made_by else None
+    where = "DataParallel.chain(tx)"
+    probed = _checks.check_descends(tx, None, where)
 
     def init_fn(params):
+      if not probed:
+        _checks.check_descends(tx, params, where)
       inner = self._inner_init(tx, params)(params)
       _checks.check_optimizer_after(name, inner)
       return DataParallelState(

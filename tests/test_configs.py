@@ -194,6 +194,7 @@ OUT_OF_RANGE = [
     ("schedule.warmup_steps", -5, "an int >= 0"),
     ("optimizer.learning_rate", -0.1, "a finite number in (0.0, inf)"),
     ("optimizer.learning_rate", float("nan"), "a finite number in (0.0, inf)"),
+    ("optimizer.learning_rate", float("inf"), "a finite number in (0.0, inf)"),
     ("optimizer.sgd.momentum", 1.5, "a finite number in [0.0, 1.0)"),
     ("optimizer.adamw.b2", 1.0, "a finite number in [0.0, 1.0)"),
     ("optimizer.weight_decay", -1e-4, "a finite number in [0.0, inf)"),
