@@ -228,3 +228,39 @@ def _check_not_time_major(unseen: list, entry: Any, num_devices: int) -> None:
       " for a time-major one; or use Explicit mesh axes, or call the step"
       " outside jit, where the placement shows."
   )
+
+
+def check_explicit_placement(
+    batch: tuple, specs: tuple, mesh: jax.sharding.Mesh, device_axes: tuple
+) -> None:
+  """Refuses, naming the fix, a traced argument to be split over device
+  axes of ``Explicit`` type whose type does not show that split (an
+  unplaced ``jnp`` array under ``jit``): ``shard_map`` would refuse it with
+  its own mismatch of specs, naming neither the argument nor the fix."""
+  kinds = dict(zip(mesh.axis_names, mesh.axis_types))
+  if all(kinds[a] != jax.sharding.AxisType.Explicit for a in device_axes):
+    return
+  for i, (arg, arg_specs) in enumerate(zip(batch, specs)):
+    leaves = jax.tree_util.tree_flatten_with_path(arg)[0]
+    for (path, x), spec in zip(
+        leaves, jax.tree.leaves(arg_specs, is_leaf=is_spec)
+    ):
+      if not isinstance(x, jax.core.Tracer) or is_replicated(spec):
+        continue
+      dim = next(d for d, e in enumerate(spec) if spec_axes(e))
+      placed = placement(x)
+      placed = P() if placed is None else placed
+      here = placed[dim] if dim < len(placed) else None
+      if set(spec_axes(here)) == set(spec_axes(spec[dim])):
+        continue
+      raise ValueError(
+          f"acp_jax DataParallel.value_and_grad: argument"
+          f" {i + 1}{jax.tree_util.keystr(path)} of the loss, of shape"
+          f" {tuple(x.shape)}, is to be split over the Explicit mesh axes"
+          f" along its axis {dim}, as {spec}, but its type's sharding is"
+          f" {placed}: shard_map takes it only placed so. Place it before"
+          f" the jitted step, jax.device_put(x, NamedSharding(mesh, {spec})),"
+          " or inside it, jax.reshard(x, NamedSharding(mesh, "
+          f"{spec})); or make the mesh with Auto axes, jax.make_mesh(...,"
+          " axis_types=(jax.sharding.AxisType.Auto,))."
+      )

@@ -427,6 +427,36 @@ def test_a_time_major_batch_splits_along_its_sharded_axis():
   )
 
 
+def squared_error(params, x, y):
+  return jnp.mean(((x @ params["w"])[:, 0] - y) ** 2)
+
+
+def test_an_unplaced_batch_on_explicit_axes_names_the_fix():
+  """A plain loop on jax.make_mesh's default Explicit axes hands unplaced
+  arrays to the jitted step: refused naming the argument and the fix, not
+  by shard_map's mismatch of specs; each fix gives the dense gradient."""
+  explicit = jax.sharding.AxisType.Explicit
+  mesh = jax.make_mesh((NUM_DEVICES,), (AXIS,), axis_types=(explicit,))
+  dp = acp_jax.DataParallel(acp_jax.ssgd(), mesh)
+  params, x, y, _ = masked_problem()
+  dense = jax.grad(squared_error)(params, x, y)
+  step = jax.jit(dp.value_and_grad(squared_error))
+  fix = r"jax\.device_put\(x, NamedSharding\(mesh, P\('data',?\)\)\)"
+  with pytest.raises(ValueError, match=rf"^acp_jax .*argument 1 .*{fix}.*Auto"):
+    step(params, jnp.asarray(x), jnp.asarray(y))
+  sharding = NamedSharding(mesh, P(AXIS))
+  _, placed = step(params, *jax.device_put((x, y), sharding))
+  _, resharded = jax.jit(
+      lambda p, *b: dp.value_and_grad(squared_error)(
+          p, *(jax.reshard(v, sharding) for v in b)
+      )
+  )(params, jnp.asarray(x), jnp.asarray(y))
+  for grads in (placed, resharded):
+    chex.assert_trees_all_close(
+        mean_over_devices(grads), dense, rtol=1e-5, atol=1e-7
+    )
+
+
 def test_a_time_major_batch_under_jit_on_auto_axes_is_refused():
   """Under jit on Auto axes a (T, B, F) batch beside (T, B) labels looks
   like a batch on axis 0: refused, where it would be split along time."""
