@@ -10,6 +10,7 @@ factory and update calls it rather than writing its own.
 from collections.abc import Callable, Iterator, Sequence
 import contextlib
 import contextvars
+import math
 import os
 from typing import Any, NamedTuple
 import warnings
@@ -158,7 +159,7 @@ _RULES: dict[str, Callable[[Any, str], Any]] = {
         "min_compression_rate", v
     ),
     "density": lambda v, _: _density(v),
-    "seed": lambda v, _: v,
+    "seed": lambda v, _: integer("seed", v, 0, numpy=True),
     "warmup_steps": lambda v, _: integer(
         "warmup_steps", 0 if v is None else v, 0
     ),
@@ -432,6 +433,46 @@ def _states_of(tree: Any, types: tuple[type, ...]) -> list[Any]:
       for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, types))
       if isinstance(x, types)
   ]
+
+
+def check_descends(
+    tx: optax.GradientTransformation, params: Any, where: str
+) -> bool:
+  """Raises if ``tx``'s update of a gradient of ones is not finite, or
+  climbs it in every leaf that moves: the marks of a NaN, infinite or
+  negative learning rate, which optax's transforms keep in closures that
+  nothing else can read (a leaf that ``optax.masked`` passes through
+  climbs; the others then descend). The probe is one element per leaf, of
+  the leaf's rank, at params of zero, evaluated at once even under a trace.
+  Returns whether it ran: a ``tx`` it cannot run (one that needs extra
+  arguments, or a tree like the params where ``params`` is None, one
+  matrix) is not checked."""
+  params = jnp.zeros((1, 1)) if params is None else params
+  try:
+    with jax.ensure_compile_time_eval():
+      zeros = jax.tree.map(lambda x: jnp.zeros((1,) * jnp.ndim(x)), params)
+      ones = jax.tree.map(jnp.ones_like, zeros)
+      updates, _ = tx.update(ones, tx.init(zeros), zeros)
+      slopes = [float(jnp.sum(u)) for u in jax.tree.leaves(updates)]
+  except Exception:  # pylint: disable=broad-except
+    # Not the params' tree or not its shapes, or extra arguments missing:
+    # the step itself reports what is wrong with it.
+    return False
+  bad = next((s for s in slopes if not math.isfinite(s)), None)
+  if bad is not None:
+    raise ValueError(
+        f"{where}: the optimizer's update of a gradient of ones is {bad}:"
+        " its learning rate is NaN or infinite (e.g. optax.sgd(float('nan'))),"
+        " which turns every param NaN; give it a finite one"
+    )
+  if max(slopes, default=0.0) > 0 and min(slopes) >= 0:
+    raise ValueError(
+        f"{where}: the optimizer's update of a gradient of ones is"
+        f" {max(slopes):+.3g}, along the gradient: its learning rate is"
+        " negative (e.g. optax.sgd(-0.5)), which climbs the loss; give it a"
+        " positive one"
+    )
+  return True
 
 
 def check_optimizer_after(compressor_name: str, inner_state: Any) -> None:

@@ -246,6 +246,7 @@ def value_and_grad(
     specs = _specs.batch_specs(
         batch, batch_specs, dp.device_spec, dp.num_devices
     )
+    _specs.check_explicit_placement(batch, specs, dp.mesh, dp.device_axes)
     return jax.shard_map(
         _local_value_and_grad(loss_fn, dp.device_axes, specs, aux_specs),
         mesh=dp.mesh,

@@ -190,25 +190,77 @@ def _check_split_sizes(splits: list, entry: Any) -> None:
 def _check_not_time_major(unseen: list, entry: Any, num_devices: int) -> None:
   """Refuses leading-axis splits that could as well be time-major, when
   nothing shows which axis is the batch: traced arrays whose placement does
-  not show (under ``jit`` on ``Auto`` mesh axes), two or more, all with a
-  second axis whose size agrees among them and splits evenly (x (T, B, F)
-  beside y (T, B)). A leading axis of ``num_devices`` is the layout of one
-  slice per device, and a 1-D leaf (labels) has no second axis: either
-  says that axis 0 is the batch."""
+  not show (under ``jit`` on ``Auto`` mesh axes), of two or more axes, whose
+  axis 1 agrees in size and splits evenly, and whose shapes say nothing
+  against a time axis 0: axes 0 and 1 of one size, an axis 0 of one row per
+  device, or arguments that share axes 0 and 1 but differ in rank (x (T, B,
+  F) beside y (T, B) reads as well as x (B, T, F) beside y (B, T)). A 1-D
+  leaf (labels) has no second axis, and arguments of one rank and of other
+  sizes (tokens and targets (B, T)) are taken as batch-major."""
   shapes = [shape for _, shape in unseen]
-  if len(shapes) < 2 or any(len(shape) < 2 for shape in shapes):
+  if not shapes or any(len(shape) < 2 for shape in shapes):
     return
-  if shapes[0][0] == num_devices or len({shape[1] for shape in shapes}) > 1:
+  rows, cols = shapes[0][:2]
+  if len({shape[1] for shape in shapes}) > 1 or cols % num_devices:
     return
-  if shapes[0][1] % num_devices:
+  if rows == cols:
+    why = f"axes 0 and 1 are both of size {rows}"
+  elif rows == num_devices:
+    why = (
+        f"axis 0 is of size {rows}, one row per device: as well {rows} time"
+        " steps"
+    )
+  elif len({len(shape) for shape in shapes}) > 1:
+    why = (
+        f"its axes 0 and 1 ({rows}, {cols}) are those of every other batch"
+        " argument, of another rank, as in x (B, T, F) beside y (B, T) and"
+        " as well in a time-major x (T, B, F) beside y (T, B)"
+    )
+  else:
     return
   name, shape = unseen[0]
   raise ValueError(
-      f"{name} has shape {shape}, and every batch argument's axes 0 and 1"
-      " agree in size: under jit on Auto mesh axes its sharding does not"
-      " show, so whether the batch is axis 0 or a time-major axis 1 is"
-      " ambiguous. Say it with value_and_grad(fun, batch_specs=...), one"
-      f" entry per argument after the params: P({entry!r}) for a batch on"
-      f" axis 0, P(None, {entry!r}) for a time-major one; or use Explicit"
-      " mesh axes, or call the step outside jit, where the placement shows."
+      f"{name} has shape {shape}, and {why}: under jit on Auto mesh axes its"
+      " sharding does not show, so whether the batch is axis 0 or a"
+      " time-major axis 1 is ambiguous. Say it with"
+      " value_and_grad(fun, batch_specs=...), one entry per argument after"
+      f" the params: P({entry!r}) for a batch on axis 0, P(None, {entry!r})"
+      " for a time-major one; or use Explicit mesh axes, or call the step"
+      " outside jit, where the placement shows."
   )
+
+
+def check_explicit_placement(
+    batch: tuple, specs: tuple, mesh: jax.sharding.Mesh, device_axes: tuple
+) -> None:
+  """Refuses, naming the fix, a traced argument to be split over device
+  axes of ``Explicit`` type whose type does not show that split (an
+  unplaced ``jnp`` array under ``jit``): ``shard_map`` would refuse it with
+  its own mismatch of specs, naming neither the argument nor the fix."""
+  kinds = dict(zip(mesh.axis_names, mesh.axis_types))
+  if all(kinds[a] != jax.sharding.AxisType.Explicit for a in device_axes):
+    return
+  for i, (arg, arg_specs) in enumerate(zip(batch, specs)):
+    leaves = jax.tree_util.tree_flatten_with_path(arg)[0]
+    for (path, x), spec in zip(
+        leaves, jax.tree.leaves(arg_specs, is_leaf=is_spec)
+    ):
+      if not isinstance(x, jax.core.Tracer) or is_replicated(spec):
+        continue
+      dim = next(d for d, e in enumerate(spec) if spec_axes(e))
+      placed = placement(x)
+      placed = P() if placed is None else placed
+      here = placed[dim] if dim < len(placed) else None
+      if set(spec_axes(here)) == set(spec_axes(spec[dim])):
+        continue
+      raise ValueError(
+          f"acp_jax DataParallel.value_and_grad: argument"
+          f" {i + 1}{jax.tree_util.keystr(path)} of the loss, of shape"
+          f" {tuple(x.shape)}, is to be split over the Explicit mesh axes"
+          f" along its axis {dim}, as {spec}, but its type's sharding is"
+          f" {placed}: shard_map takes it only placed so. Place it before"
+          f" the jitted step, jax.device_put(x, NamedSharding(mesh, {spec})),"
+          " or inside it, jax.reshard(x, NamedSharding(mesh, "
+          f"{spec})); or make the mesh with Auto axes, jax.make_mesh(...,"
+          " axis_types=(jax.sharding.AxisType.Auto,))."
+      )

@@ -25,6 +25,7 @@ page lists them together for checkpointers of one's own.
 
 import hashlib
 import json
+import logging
 import os
 import re
 from typing import Any
@@ -33,6 +34,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from acp_jax import _local_grads
@@ -278,9 +280,12 @@ def describe_read_error(error: BaseException) -> str:
 
 def _plain(value: Any) -> Any:
   """``value`` as JSON that compares equal exactly when the setting does:
-  dtypes by name, functions by qualified name."""
+  dtypes by name, functions by qualified name, NumPy scalars as the Python
+  scalars of their value."""
   if value is None or isinstance(value, (bool, int, float, str)):
     return value
+  if isinstance(value, np.generic):
+    return value.item()
   if isinstance(value, dict):
     return {str(k): _plain(v) for k, v in value.items()}
   if isinstance(value, (list, tuple)):
@@ -635,10 +640,34 @@ def _show(made: dict[str, Any]) -> str:
   return f"{made['name']}({args})"
 
 
+# A compressor's arguments that change how it sends, not what its state
+# holds: a restore into other values of them is sound.
+_STATELESS_ARGS = ("axis_name", "bucket_bytes", "leaf_order")
+
+
+def _stateless(made: dict[str, Any]) -> dict[str, Any]:
+  return {k: v for k, v in made["args"].items() if k in _STATELESS_ARGS}
+
+
+def _strict(made: dict[str, Any]) -> dict[str, Any]:
+  args = {k: v for k, v in made["args"].items() if k not in _STATELESS_ARGS}
+  return {"name": made["name"], "args": args}
+
+
 def _check_compressor(directory: str, saved: Any, compressor: Any) -> None:
   """Raises ``ValueError`` unless ``compressor`` is the one recorded at
   save, naming each differing argument, saved and now."""
   now = None if compressor is None else compressor_record(compressor)
+  if saved is not None and now is not None:
+    loose = differences(_stateless(saved), _stateless(now))
+    if loose and _strict(saved) == _strict(now):
+      logging.getLogger(__name__).warning(
+          "restoring %s: the compressor differs from the one saved only in"
+          " settings that do not change its state (%s): restored",
+          directory,
+          "; ".join(loose),
+      )
+      return
   if saved == now:
     return
   if now is None:

@@ -97,6 +97,9 @@ class Spec:
 
 
 _SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(Spec))
+# The settings that a factory's update closes over: ``_replace`` remakes
+# the compressor through its factory to change them, or refuses.
+_CAPTURED = ("axis_name", "bucket_bytes", "leaf_order")
 
 
 class Compressor(optax.GradientTransformation):
@@ -109,9 +112,13 @@ class Compressor(optax.GradientTransformation):
   compressor (``compressor.axis_name``, ``compressor.cycle``).
 
   It is immutable. ``_replace`` takes ``init``, ``update`` and any field of
-  ``Spec``; a change keeps ``made_by`` only if ``made_by`` is given too,
-  since it no longer says what made the result. ``copy.copy`` and
-  ``copy.deepcopy`` give an equal compressor. Compressors made by a factory
+  ``Spec``. A change of an argument that ``made_by`` records (``axis_name``,
+  ``bucket_bytes``, ``warmup_steps``) makes the compressor again through its
+  factory with it; of ``axis_name``, ``bucket_bytes`` or ``leaf_order``
+  otherwise, which the update closes over, it is refused unless ``init`` or
+  ``update`` come with it. Any other change keeps ``made_by`` only if
+  ``made_by`` is given too, since it no longer says what made the result.
+  ``copy.copy`` and ``copy.deepcopy`` give an equal compressor. Compressors made by a factory
   are equal when ``made_by`` is, and pickle as their ``made_by``, from which
   ``acp_jax.registry`` makes them again; others are equal when their
   functions and ``spec`` are, and do not pickle.
@@ -173,9 +180,28 @@ class Compressor(optax.GradientTransformation):
     init = changes.pop("init", self.init)
     update = changes.pop("update", self.update)
     spec = dataclasses.replace(self.spec, **changes)
-    changed = init is not self.init or update is not self.update
-    changed |= any(v is not getattr(self.spec, k) for k, v in changes.items())
-    if changed and "made_by" not in changes:
+    new_functions = init is not self.init or update is not self.update
+    changes = {
+        k: v for k, v in changes.items() if v is not getattr(self.spec, k)
+    }
+    if not new_functions and "made_by" not in changes:
+      args = self.made_by[1] if self.made_by else {}
+      made = {k: v for k, v in changes.items() if k in args}
+      if made:  # the factory's own arguments: made again with them
+        remade = _remade((self.made_by[0], {**args, **made}))
+        rest = {k: v for k, v in changes.items() if k not in made}
+        return remade._replace(**rest) if rest else remade
+      captured = [k for k in _CAPTURED if k in changes]
+      if captured:
+        name = captured[0]
+        factory = f"acp_jax.{self.made_by[0]}" if self.made_by else "factory"
+        raise ValueError(
+            f"_replace({name}=...) cannot change {name}: the compressor's"
+            " update took it from its factory when it was made. Make the"
+            f" compressor again with it, {factory}(..., {name}="
+            f"{changes[name]!r})"
+        )
+    if (new_functions or changes) and "made_by" not in changes:
       spec = dataclasses.replace(spec, made_by=None)
     return self.from_spec(init, update, spec)
 
@@ -332,7 +358,9 @@ def chain(
   Args:
     compressor: made by one of this package's factories (or a
       ``Compressor`` of one's own).
-    *transforms: the optax transforms that follow it; none a compressor.
+    *transforms: the optax transforms that follow it; none a compressor,
+      and none with a NaN, infinite or negative learning rate (refused
+      where their update of a gradient of ones shows it).
 
   Returns:
     The chained transformation.
@@ -350,8 +378,12 @@ def chain(
           " gradients once, with the first."
       )
   rest = optax.chain(*transforms)
+  where = "acp_jax.chain"
+  probed = _checks.check_descends(rest, None, where)
 
   def init_fn(params):
+    if not probed:
+      _checks.check_descends(rest, params, where)
     return (compressor.init(params), *rest.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):

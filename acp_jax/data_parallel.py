@@ -469,6 +469,9 @@ class DataParallel:
     Use it where ``tx`` was used: ``tx.update`` in a jitted step, or
     ``nnx.Optimizer(model, dp.chain(tx), wrt=nnx.Param)``.
 
+    A ``tx`` whose update of a gradient of ones is not finite or climbs it
+    (a NaN, infinite or negative learning rate) is refused here, or by
+    ``init`` where the probe needs the params' tree.
     ``init`` refuses a ``tx`` that holds ``optax.MultiSteps`` (the exchange
     before it would send at every micro-step: add micro-batches' local
     gradients with ``+`` instead), and, after ``compressed_adam``, one that
@@ -477,8 +480,12 @@ class DataParallel:
 
     made_by = self.compressor.made_by
     name = made_by[0] if made_by else None
+    where = "DataParallel.chain(tx)"
+    probed = _checks.check_descends(tx, None, where)
 
     def init_fn(params):
+      if not probed:
+        _checks.check_descends(tx, params, where)
       inner = self._inner_init(tx, params)(params)
       _checks.check_optimizer_after(name, inner)
       return DataParallelState(
@@ -536,8 +543,12 @@ class DataParallel:
     (BatchNorm statistics beside a batch, a time-major sequence beside its
     labels), which axis is the batch is ambiguous, and the call is refused;
     so is it where nothing shows the placement (under ``jit`` on ``Auto``
-    mesh axes) and every split argument's axes 0 and 1 agree in size, as a
-    time-major ``(T, B, F)`` batch beside ``(T, B)`` labels.
+    mesh axes) and the shapes read as well time-major: every split
+    argument's axis 1 of one size that splits evenly, and axes 0 and 1 of
+    one size, or an axis 0 of one row per device, or arguments of several
+    ranks sharing axes 0 and 1 (a ``(T, B, F)`` batch beside ``(T, B)``
+    labels). Arguments of one rank and of other sizes (tokens and targets
+    ``(B, T)``) split along axis 0.
 
     Randomness differs per device, as in a loop over the whole batch: the
     device's index (over the device axes, as it stacks) is folded into every

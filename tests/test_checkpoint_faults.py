@@ -610,7 +610,51 @@ SAME_SHAPES = {
         lambda: acp_jax.acp_sgd(2),
         "args.warmup_steps=3, now 0",
     ),
+    "numpy seed": (
+        lambda: acp_jax.power_sgd(4, seed=np.int64(0)),
+        lambda: acp_jax.power_sgd(4, seed=np.int64(7)),
+        "args.seed=0, now 7",
+    ),
 }
+
+
+@pytest.mark.parametrize(
+    "saved, now",
+    [
+        ({"seed": np.int64(0)}, {"seed": 0}),
+        ({"bucket_bytes": 1e6}, {"bucket_bytes": 2e6}),
+        ({"axis_name": "data"}, {"axis_name": "batch"}),
+    ],
+)
+def test_public_restore_takes_equal_settings_and_ones_the_state_ignores(
+    saved, now, tmp_path, caplog
+):
+  """A NumPy seed equals the Python int of its value; the bucket size and
+  the axis name do not change the state: restored, the latter with a line
+  naming them."""
+  mesh = jax.make_mesh(
+      (NUM_DEVICES,), (now.get("axis_name", "data"),),
+      axis_types=(jax.sharding.AxisType.Auto,),
+  )
+  dp, state = _public_state(acp_jax.power_sgd(4, **saved))
+  acp_checkpoint.save(tmp_path / "c", state, compressor=dp.compressor)
+  compressor = acp_jax.power_sgd(4, **now)
+  like = acp_jax.DataParallel(compressor, mesh).chain(optax.sgd(0.1)).init(
+      {"w": jnp.ones((64, 256))}
+  )
+  with caplog.at_level(logging.WARNING, logger="acp_jax.checkpoint"):
+    restored = acp_checkpoint.restore(
+        tmp_path / "c", like, compressor=compressor
+    )
+  assert acp_checkpoint.checksums(restored) == acp_checkpoint.checksums(state)
+  (name,) = now
+  lines = [r.getMessage() for r in caplog.records]
+  if name == "seed":
+    assert not lines
+  else:
+    (line,) = lines
+    assert f"({name}=" in line and "do not change its state" in line
+    assert "\n" not in line
 
 
 @pytest.mark.parametrize("change", SAME_SHAPES)

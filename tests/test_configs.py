@@ -189,11 +189,76 @@ def test_command_line_names_an_unknown_override(tmp_path):
   assert 'Did you mean "rank"' in result.stderr
 
 
+# Command lines refused in one line: flags out of range, a workdir that is a
+# file ({file}), the auto compressor without its link or with a bad number.
+AUTO = "--config.compressor.name=auto"
+ONE_LINE = [
+    (
+        ["--distributed_timeout_s=0"],
+        "--distributed_timeout_s must be an int >= 1, got 0",
+    ),
+    (
+        ["--distributed_timeout_s=-5"],
+        "--distributed_timeout_s must be an int >= 1, got -5",
+    ),
+    (["--lapack_threads=-1"], "--lapack_threads must be an int >= 0, got -1"),
+    (["--num_cpu_devices=0"], "--num_cpu_devices must be an int >= 1, got 0"),
+    (
+        [
+            "--coordinator_address=127.0.0.1:1",
+            "--num_processes=2",
+            "--process_id=2",
+        ],
+        "--process_id must be an int in [0, 1], got 2",
+    ),
+    (
+        ["--workdir={file}"],
+        "the workdir {file} is an existing file, not a directory",
+    ),
+    (
+        [AUTO],
+        "config.compressor.name='auto' needs config.compressor.auto.bandwidth",
+    ),
+    (
+        [AUTO, "--config.compressor.auto.bandwidth=-1"],
+        "config.compressor.auto.bandwidth must be a number of bytes per second",
+    ),
+    (
+        [
+            AUTO,
+            "--config.compressor.auto.bandwidth=1e9",
+            "--config.compressor.auto.steps=1",
+        ],
+        "config.compressor.auto.steps must be an int >= 3, got 1",
+    ),
+]
+
+
+@pytest.mark.parametrize("args, message", ONE_LINE)
+def test_command_line_refusals_are_one_line(args, message, tmp_path):
+  """Each is refused before training, in one line naming the flag or key
+  and the value: no traceback, no process left waiting on its peers."""
+  file = tmp_path / "a_file"
+  file.write_text("")
+  args = [a.format(file=file) for a in args]
+  if not any(a.startswith("--num_cpu_devices") for a in args):
+    args.append("--num_cpu_devices=2")
+  if not any(a.startswith("--workdir") for a in args):
+    args.append(f"--workdir={tmp_path / 'run'}")
+  result = helpers.run_module(
+      "train", "--config=configs/default.py", *args, timeout=300
+  )
+  assert result.returncode != 0
+  (line,) = result.stderr.strip().splitlines()
+  assert line.startswith(message.format(file=file)), result.stderr[-3000:]
+
+
 # A number of the default config out of its range, and the range named.
 OUT_OF_RANGE = [
     ("schedule.warmup_steps", -5, "an int >= 0"),
     ("optimizer.learning_rate", -0.1, "a finite number in (0.0, inf)"),
     ("optimizer.learning_rate", float("nan"), "a finite number in (0.0, inf)"),
+    ("optimizer.learning_rate", float("inf"), "a finite number in (0.0, inf)"),
     ("optimizer.sgd.momentum", 1.5, "a finite number in [0.0, 1.0)"),
     ("optimizer.adamw.b2", 1.0, "a finite number in [0.0, 1.0)"),
     ("optimizer.weight_decay", -1e-4, "a finite number in [0.0, inf)"),

@@ -25,6 +25,17 @@ def test_rank_must_be_a_positive_int(factory, rank):
 
 
 @pytest.mark.parametrize("factory", [acp_jax.power_sgd, acp_jax.acp_sgd])
+@pytest.mark.parametrize("seed", [-1, np.int64(-3), 0.5, True, "0", None])
+def test_seed_must_be_a_non_negative_int(factory, seed):
+  with pytest.raises(
+      ValueError,
+      match=re.escape(f"seed must be a non-negative int, got {seed!r}"),
+  ):
+    factory(4, seed=seed)
+  assert factory(4, seed=np.int64(3)).made_by[1]["seed"] == 3
+
+
+@pytest.mark.parametrize("factory", [acp_jax.power_sgd, acp_jax.acp_sgd])
 @pytest.mark.parametrize("rate", [-1, -0.5, float("nan"), "2"])
 def test_min_compression_rate_must_be_non_negative(factory, rate):
   with pytest.raises(ValueError, match=re.escape(f"got {rate!r}")):
@@ -274,3 +285,49 @@ def test_rank_that_compresses_something_does_not_warn(params, keep_dense):
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     acp_jax.power_sgd(4, keep_dense=keep_dense).init(params)
+
+
+@pytest.mark.parametrize("nonfinite", ["keep", "skip"])
+@pytest.mark.parametrize(
+    "tx, sign",
+    [
+        (optax.sgd(float("nan")), "NaN or infinite"),
+        (optax.adam(float("inf")), "NaN or infinite"),
+        (optax.sgd(-0.5), "negative"),
+        (optax.chain(optax.clip(1.0), optax.lion(-1e-3)), "negative"),
+    ],
+)
+def test_a_nan_infinite_or_negative_learning_rate_is_refused_at_chain(
+    tx, sign, nonfinite
+):
+  """optax keeps the learning rate in a closure: the update of a gradient
+  of ones shows it, at DataParallel.chain and acp_jax.chain, where a NaN
+  one would turn every param NaN (with nonfinite='skip' too) and a negative
+  one climb the loss."""
+  dp = acp_jax.DataParallel(
+      acp_jax.ssgd(), helpers.mesh(), nonfinite=nonfinite
+  )
+  with pytest.raises(ValueError, match=rf"DataParallel\.chain.*{sign}"):
+    dp.chain(tx)
+  with pytest.raises(ValueError, match=rf"acp_jax\.chain.*{sign}"):
+    acp_jax.chain(acp_jax.ssgd(), tx)
+  # A transform that needs the params' tree is probed at init, jitted too.
+  chained = dp.chain(optax.masked(tx, {"w": True}))
+  with pytest.raises(ValueError, match=rf"DataParallel\.chain.*{sign}"):
+    jax.jit(chained.init)({"w": jnp.ones((4, 4))})
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [
+        optax.sgd(0.1, momentum=0.9),
+        optax.adamw(1e-3, weight_decay=1e-2),
+        optax.sgd(optax.linear_schedule(0.0, 0.1, 10)),  # 0 at step 0
+        optax.sgd(0.0),
+        optax.masked(optax.adam(1e-3), {"w": True}),
+    ],
+)
+def test_finite_non_negative_learning_rates_pass_the_probe(tx):
+  dp = acp_jax.DataParallel(acp_jax.ssgd(), helpers.mesh())
+  dp.chain(tx).init({"w": jnp.ones((4, 4))})
+  acp_jax.chain(acp_jax.ssgd(), tx)

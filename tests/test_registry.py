@@ -82,8 +82,15 @@ def test_replace_keeps_every_setting_and_what_made_it_only_unchanged(name):
   changed = made._replace(warmup_steps=made.warmup_steps + 2)
   assert changed.warmup_steps == made.warmup_steps + 2
   assert changed.cycle == made.cycle and changed.axis_name == made.axis_name
-  # It is no longer what the factory made: a checkpoint must not say so.
-  assert changed.made_by is None and changed != made
+  factory, args = made.made_by
+  if "warmup_steps" in args:  # the factory's argument: made again with it
+    assert changed.made_by == (
+        factory,
+        {**args, "warmup_steps": made.warmup_steps + 2},
+    )
+  else:
+    # It is no longer what the factory made: a checkpoint must not say so.
+    assert changed.made_by is None and changed != made
   spec = dataclasses.replace(made.spec, bucket_bytes=512)
   rebuilt = acp_jax.Compressor.from_spec(made.init, made.update, spec)
   assert rebuilt.bucket_bytes == 512 and rebuilt.made_by == made.made_by
@@ -91,6 +98,42 @@ def test_replace_keeps_every_setting_and_what_made_it_only_unchanged(name):
     made._replace(cylce=("p",))
   with pytest.raises(AttributeError, match="immutable"):
     made.cycle = ("p",)
+
+
+@pytest.mark.parametrize("name", ["ssgd", "sign_sgd", "power_sgd", "acp_sgd"])
+def test_replace_of_a_setting_the_update_took_takes_effect_or_is_refused(name):
+  """The update closes over the axis it sends on: a replaced axis_name is
+  the factory's compressor on that axis, which runs on a mesh of it; a
+  replaced leaf_order, which S-SGD does not record, is refused naming the
+  factory call."""
+  made = MADE[name]()
+  moved = made._replace(axis_name="batch")
+  assert moved == registry.make(
+      made.made_by[0], {**made.made_by[1], "axis_name": "batch"}
+  )
+  mesh = jax.make_mesh(
+      (NUM_DEVICES,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,)
+  )
+  dp = acp_jax.DataParallel(moved, mesh)
+  params = {"w": jnp.ones((16, 16))}
+  tx = dp.chain(optax.sgd(1.0))
+  x = jax.device_put(
+      np.random.default_rng(0).standard_normal((8 * NUM_DEVICES, 16)),
+      NamedSharding(mesh, P("batch")),
+  ).astype(jnp.float32)
+  _, grads = jax.jit(dp.value_and_grad(lambda p, x: jnp.mean(x @ p["w"])))(
+      params, x
+  )
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert np.isfinite(np.asarray(updates["w"])).all()
+  if name == "ssgd":  # the exact mean
+    chex.assert_trees_all_close(
+        updates["w"],
+        -jax.grad(lambda p: jnp.mean(x @ p["w"]))(params)["w"],
+        rtol=1e-5,
+    )
+    with pytest.raises(ValueError, match=r"leaf_order.*acp_jax\.ssgd\("):
+      made._replace(leaf_order=(0,))
 
 
 def test_compressors_of_other_arguments_differ():

@@ -427,6 +427,36 @@ def test_a_time_major_batch_splits_along_its_sharded_axis():
   )
 
 
+def squared_error(params, x, y):
+  return jnp.mean(((x @ params["w"])[:, 0] - y) ** 2)
+
+
+def test_an_unplaced_batch_on_explicit_axes_names_the_fix():
+  """A plain loop on jax.make_mesh's default Explicit axes hands unplaced
+  arrays to the jitted step: refused naming the argument and the fix, not
+  by shard_map's mismatch of specs; each fix gives the dense gradient."""
+  explicit = jax.sharding.AxisType.Explicit
+  mesh = jax.make_mesh((NUM_DEVICES,), (AXIS,), axis_types=(explicit,))
+  dp = acp_jax.DataParallel(acp_jax.ssgd(), mesh)
+  params, x, y, _ = masked_problem()
+  dense = jax.grad(squared_error)(params, x, y)
+  step = jax.jit(dp.value_and_grad(squared_error))
+  fix = r"jax\.device_put\(x, NamedSharding\(mesh, P\('data',?\)\)\)"
+  with pytest.raises(ValueError, match=rf"^acp_jax .*argument 1 .*{fix}.*Auto"):
+    step(params, jnp.asarray(x), jnp.asarray(y))
+  sharding = NamedSharding(mesh, P(AXIS))
+  _, placed = step(params, *jax.device_put((x, y), sharding))
+  _, resharded = jax.jit(
+      lambda p, *b: dp.value_and_grad(squared_error)(
+          p, *(jax.reshard(v, sharding) for v in b)
+      )
+  )(params, jnp.asarray(x), jnp.asarray(y))
+  for grads in (placed, resharded):
+    chex.assert_trees_all_close(
+        mean_over_devices(grads), dense, rtol=1e-5, atol=1e-7
+    )
+
+
 def test_a_time_major_batch_under_jit_on_auto_axes_is_refused():
   """Under jit on Auto axes a (T, B, F) batch beside (T, B) labels looks
   like a batch on axis 0: refused, where it would be split along time."""
@@ -459,6 +489,97 @@ def test_a_batch_axis_that_disagrees_in_size_is_refused():
     jax.jit(dp.value_and_grad(lambda p, x, y: rnn_loss(p, x, y[None])))(
         params, x, y[0]
     )
+
+
+def lm_loss(params, tokens, targets):
+  logits = params["embed"][tokens] @ params["out"]
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits, targets
+  ).mean()
+
+
+def masked_pixels_loss(params, images, masks):
+  return jnp.mean((images @ params["w"])[..., 0] * masks)
+
+
+def one_hot_loss(params, x, labels):
+  return optax.softmax_cross_entropy(x @ params["w"], labels).mean()
+
+
+def next_step_loss(params, x):
+  return jnp.mean((x[:-1] @ params["w"] - x[1:]) ** 2)
+
+
+def time_major_loss(params, x, y):
+  return rnn_loss(params, x, y)
+
+
+def axis_problem(shapes):
+  """Params and a batch of ``shapes`` for the loss of their case."""
+  if len(shapes) == 1:
+    x = RNG.standard_normal(shapes[0]).astype(np.float32)
+    return next_step_loss, {"w": np.eye(32, dtype=np.float32) / 2}, (x,)
+  (x_shape, y_shape) = shapes
+  if len(x_shape) == 2 and x_shape == y_shape and x_shape[1] != 16:
+    params = {
+        "embed": RNG.standard_normal((10, 8)).astype(np.float32),
+        "out": RNG.standard_normal((8, 10)).astype(np.float32),
+    }
+    batch = RNG.integers(0, 10, x_shape), RNG.integers(0, 10, y_shape)
+    return lm_loss, params, batch
+  if len(x_shape) == 2:
+    params = {"w": RNG.standard_normal((16, 16)).astype(np.float32)}
+    labels = jax.nn.one_hot(RNG.integers(0, 16, x_shape[0]), 16)
+    return one_hot_loss, params, (RNG.standard_normal(x_shape), labels)
+  if len(x_shape) == 4:
+    params = {"w": RNG.standard_normal((3, 1)).astype(np.float32)}
+    x = RNG.standard_normal(x_shape).astype(np.float32)
+    return masked_pixels_loss, params, (x, RNG.uniform(size=y_shape))
+  params = {
+      "wx": RNG.standard_normal((x_shape[2], 8)).astype(np.float32) / 2,
+      "wh": RNG.standard_normal((8, 8)).astype(np.float32) / 3,
+      "out": RNG.standard_normal((8, 3)).astype(np.float32),
+  }
+  x = RNG.standard_normal(x_shape).astype(np.float32)
+  return time_major_loss, params, (x, RNG.integers(0, 3, y_shape))
+
+
+@pytest.mark.parametrize(
+    "shapes, refused",
+    [
+        (((64, 64), (64, 64)), True),  # LM tokens and targets, B = T
+        (((64, 128), (64, 128)), False),  # LM tokens and targets
+        (((32, 32, 32, 3), (32, 32, 32)), True),  # images and masks, B = H
+        (((64, 16), (64, 16)), False),  # features and one-hot labels
+        (((16, 16, 32),), True),  # one time-major argument, T = B
+        # Time-major, T = the number of devices; time-major beside labels.
+        (((NUM_DEVICES, 16, 32), (NUM_DEVICES, 16)), True),
+        (((T, BATCH, 6), (T, BATCH)), True),
+    ],
+)
+def test_auto_axes_under_jit_give_the_dense_gradient_or_name_batch_specs(
+    shapes, refused
+):
+  """Under jit on Auto mesh axes only shapes show: a batch is split along
+  axis 0 where they say nothing against it, and gives the plain loop's loss
+  and gradient; where a time-major axis 1 reads as well, it is refused
+  naming batch_specs, and with them gives the plain loop's."""
+  fun, params, batch = axis_problem(shapes)
+  dense_loss, dense = jax.value_and_grad(fun)(params, *batch)
+  dp = dp_of()
+  step = jax.jit(dp.value_and_grad(fun))
+  if refused:
+    with pytest.raises(ValueError, match="ambiguous.*batch_specs"):
+      step(params, *batch)
+    # Axis 0 is the batch of every case but the time-major ones.
+    major = 1 if fun in (next_step_loss, time_major_loss) else 0
+    specs = tuple(P(*(None,) * major, AXIS) for _ in batch)
+    step = jax.jit(dp.value_and_grad(fun, batch_specs=specs))
+  loss, grads = step(params, *batch)
+  chex.assert_trees_all_close(loss, dense_loss, rtol=1e-5)
+  chex.assert_trees_all_close(
+      mean_over_devices(grads), dense, rtol=1e-4, atol=1e-6
+  )
 
 
 class Normed(nn.Module):

@@ -17,6 +17,7 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
+from train import checks
 from train import config as config_lib
 from train import loop
 from train import metrics as metrics_lib
@@ -90,7 +91,7 @@ def _parse_flags(argv):
     except ValueError as e:
       raise SystemExit(str(e)) from None
   try:
-    return flags.FLAGS(argv)
+    parsed = flags.FLAGS(argv)
   except (AttributeError, KeyError) as e:  # ml_collections' unknown override
     overrides = [a for a in argv if a.startswith("--config.")]
     detail = e.args[0] if e.args else ""
@@ -99,6 +100,28 @@ def _parse_flags(argv):
     raise SystemExit(
         f"unknown config key in {' '.join(overrides)}: {detail}"
     ) from None
+  try:
+    _check_flags()
+  except ValueError as e:
+    raise SystemExit(str(e)) from None
+  return parsed
+
+
+def _check_flags() -> None:
+  """Raises ``ValueError`` naming a flag out of its range."""
+  for flag, low in (
+      (_NUM_CPU_DEVICES, 1),
+      (_NUM_PROCESSES, 1),
+      (_PROCESS_ID, 0),
+  ):
+    if flag.value is not None:
+      checks.int_in(f"--{flag.name}", flag.value, low)
+  if _PROCESS_ID.value is not None and _NUM_PROCESSES.value is not None:
+    checks.int_in(
+        "--process_id", _PROCESS_ID.value, 0, _NUM_PROCESSES.value - 1
+    )
+  checks.int_in("--distributed_timeout_s", _DISTRIBUTED_TIMEOUT.value, 1)
+  checks.int_in("--lapack_threads", _LAPACK_THREADS.value, 0)
 
 
 def main(argv):
@@ -142,6 +165,8 @@ def main(argv):
     # JAX's exit hooks would wait on the failed collective and on the peer,
     # then abort: the run ends here, as a peer that never joins ends it.
     os._exit(runtime.EXIT_PEER_LOST)
+  except checks.ConfigError as e:
+    raise SystemExit(str(e)) from None
   except loop.TooManySkipped as e:
     print(metrics_lib.format_summary(e.summary))
     print(e, file=sys.stderr)

@@ -27,6 +27,7 @@ import ml_collections
 import numpy as np
 
 from acp_jax import advice as advice_lib
+from train import checks
 from train import config as config_lib
 from train import experiment as experiment_lib
 from train import loss as loss_lib
@@ -78,7 +79,7 @@ def _measured(config: ml_collections.ConfigDict) -> list[dict[str, Any]]:
   """The advice measured on ``config``'s model and ``auto``'s link."""
   auto = config.compressor.auto
   if auto.bandwidth is None:
-    raise ValueError(
+    raise checks.ConfigError(
         "config.compressor.name='auto' needs config.compressor.auto.bandwidth"
         " (bytes per second; inf for none) or config.compressor.auto.advice"
         " (a saved advice file), got neither"
@@ -145,6 +146,30 @@ def _advice(config: ml_collections.ConfigDict, workdir: str) -> dict:
   return _pick(rows)
 
 
+def _check_numbers(auto: ml_collections.ConfigDict) -> None:
+  """Raises ``checks.ConfigError`` naming an ``auto`` number out of range."""
+  try:
+    if auto.bandwidth is not None and not (
+        isinstance(auto.bandwidth, (int, float))
+        and not isinstance(auto.bandwidth, bool)
+        and auto.bandwidth > 0  # NaN is not
+    ):
+      raise ValueError(
+          "config.compressor.auto.bandwidth must be a number of bytes per"
+          f" second in (0, inf], got {auto.bandwidth!r}"
+      )
+    checks.number("config.compressor.auto.latency", auto.latency, 0.0)
+    checks.integer("config.compressor.auto.workers", auto.workers, 0)
+    checks.int_in(
+        "config.compressor.auto.steps", auto.steps, advice_lib.WARMUP + 1
+    )
+    checks.number(
+        "config.compressor.auto.max_gap", auto.max_gap, 0.0, low_open=True
+    )
+  except ValueError as e:
+    raise checks.ConfigError(str(e)) from None
+
+
 def resolve(
     config: ml_collections.ConfigDict, workdir: str
 ) -> ml_collections.ConfigDict:
@@ -153,6 +178,7 @@ def resolve(
   ``compressor.auto.picked`` (see ``settings``)."""
   if config.compressor.name != AUTO:
     return config
+  _check_numbers(config.compressor.auto)
   pick = _advice(config, workdir)
   resolved = ml_collections.ConfigDict(config.to_dict())
   resolved.compressor.name = pick["method"]

@@ -9,6 +9,11 @@ import math
 import numbers
 
 
+class ConfigError(ValueError):
+  """A config key or a flag of another kind or out of its range: the
+  trainer's command line prints its message alone, one line."""
+
+
 def is_int(value) -> bool:
   """Whether ``value`` is an int (Python's or NumPy's) and not a bool."""
   return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -205,7 +205,17 @@ def _schedule_args() -> str:
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
-  """Raises ``ValueError`` naming the first bad key and its value."""
+  """Raises ``checks.ConfigError`` (a ``ValueError``) naming the first bad
+  key and its value."""
+  try:
+    _validate(config, num_devices)
+  except checks.ConfigError:
+    raise
+  except ValueError as e:
+    raise checks.ConfigError(str(e)) from None
+
+
+def _validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   if not isinstance(config, ml_collections.ConfigDict):
     raise TypeError(
         "the config must be an ml_collections.ConfigDict, got"

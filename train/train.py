@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from train import advice
+from train import checks
 from train import data as data_lib
 from train import loop
 from train import metrics as metrics_lib
@@ -111,6 +112,11 @@ def train_and_evaluate(
     A summary: final step, last train and eval metrics, bytes per step, the
     steady-state throughput and a digest of the final params.
   """
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise checks.ConfigError(
+        f"the workdir {workdir} is an existing file, not a directory: name a"
+        " directory (it is made if missing)"
+    )
   runtime.check_same_config(config)
   config = advice.resolve(config, workdir)
   experiment = build(config)
