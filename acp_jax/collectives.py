@@ -250,14 +250,15 @@ def real_rows(block: jax.Array, index: int) -> jax.Array:
   return jnp.where(row < rows[2][index], block, jnp.zeros_like(block))
 
 
-def leaf_mean(block: jax.Array, index: int) -> jax.Array:
-  """The mean of leaf ``index``'s elements, from this device's ``block``:
-  ``block.mean()`` outside ``row_shards``; within it the blocks' sums
-  summed over its axis, over the unpadded size. Padding rows must be
+def leaf_mean(
+    block_sum: jax.Array, block: jax.Array, index: int
+) -> jax.Array:
+  """The mean of leaf ``index``'s elements, from the sum of this device's
+  ``block`` (computed by the caller, in whichever pass suits it):
+  ``block_sum / block.size`` outside ``row_shards``; within it the blocks'
+  sums summed over its axis, over the unpadded size. Padding rows must be
   zero."""
-  if _ROW_AXIS.get() is None:
-    return block.mean()
-  return row_sum(block.sum()) / leaf_size(block, index)
+  return row_sum(block_sum) / leaf_size(block, index)
 
 
 def network_sends_each_operand() -> bool:
