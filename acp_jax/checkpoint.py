@@ -25,6 +25,7 @@ page lists them together for checkpointers of one's own.
 
 import hashlib
 import json
+import logging
 import os
 import re
 from typing import Any
@@ -38,11 +39,9 @@ import orbax.checkpoint as ocp
 from acp_jax import _local_grads
 from acp_jax import phase as phase_lib
 from acp_jax.acp import AcpSgdState
-from acp_jax.compressed_adam import CompressedAdamState
 from acp_jax.data_parallel import DataParallelState
 from acp_jax.powersgd import PowerSgdState
 from acp_jax.sign import SignSgdState
-from acp_jax.subspace_adam import SubspaceAdamState
 from acp_jax.topk import TopkSgdState
 
 # The key of this module's record in an orbax checkpoint's custom metadata.
@@ -54,11 +53,9 @@ _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 # The states that only their compressor, arguments included, can continue.
 _COMPRESSOR_STATES = (
     AcpSgdState,
-    CompressedAdamState,
     DataParallelState,
     PowerSgdState,
     SignSgdState,
-    SubspaceAdamState,
     TopkSgdState,
 )
 
@@ -630,6 +627,48 @@ def _record(directory: str) -> dict[str, Any]:
   return unsealed(custom[_RECORD], directory)
 
 
+# Factory arguments that older versions recorded and this one no longer has,
+# each with the test of the value that left the compressor as it is today.
+_RETIRED = {
+    # DeMo-style decay of the residual; 1 (or "none" in older records) kept
+    # it whole, as every low-rank compressor now does.
+    "error_decay": lambda v: v is None or v == "none" or (
+        isinstance(v, (int, float)) and not isinstance(v, bool) and v == 1
+    ),
+}
+
+
+def current_record(made: Any, path: Any) -> Any:
+  """A recorded ``{"name", "args"}`` of a compressor as this version makes
+  it: an argument it no longer has is dropped, with a logged note, if its
+  value was the one that changed nothing, and refused otherwise.
+
+  Raises:
+    ValueError: naming ``path``, the argument and its value, if the
+      compressor recorded cannot be made by this version.
+  """
+  if not isinstance(made, dict) or not isinstance(made.get("args"), dict):
+    return made
+  args = dict(made["args"])
+  for name in sorted(set(args) & set(_RETIRED)):
+    value = args.pop(name)
+    if not _RETIRED[name](value):
+      raise ValueError(
+          f"the checkpoint at {path} was saved with {made['name']}'s"
+          f" {name}={value!r}, an option this version of acp_jax no longer"
+          " has: restore it with the version that saved it"
+      )
+    logging.getLogger(__name__).warning(
+        "%s: ignored %s's %s=%r, recorded by an older acp_jax, which"
+        " changed nothing",
+        path,
+        made["name"],
+        name,
+        value,
+    )
+  return {**made, "args": args}
+
+
 def _show(made: dict[str, Any]) -> str:
   args = ", ".join(f"{k}={v!r}" for k, v in sorted(made["args"].items()))
   return f"{made['name']}({args})"
@@ -638,6 +677,7 @@ def _show(made: dict[str, Any]) -> str:
 def _check_compressor(directory: str, saved: Any, compressor: Any) -> None:
   """Raises ``ValueError`` unless ``compressor`` is the one recorded at
   save, naming each differing argument, saved and now."""
+  saved = current_record(saved, directory)
   now = None if compressor is None else compressor_record(compressor)
   if saved == now:
     return

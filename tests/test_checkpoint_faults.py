@@ -637,6 +637,36 @@ def test_public_restore_refuses_another_compressor_of_the_same_shapes(
   assert acp_checkpoint.checksums(restored) == acp_checkpoint.checksums(state)
 
 
+@pytest.mark.parametrize("recorded", [1.0, 1, "none", None, 0.9])
+def test_public_restore_of_a_retired_error_decay(
+    recorded, tmp_path, monkeypatch, caplog
+):
+  """Older versions recorded ACP-SGD's error_decay: at the value that kept
+  the residual whole it restores into today's compressor, with a note;
+  any other is refused, naming the option."""
+  dp, state = _public_state(acp_jax.acp_sgd(2))
+  record = acp_checkpoint.compressor_record(dp.compressor)
+  assert "error_decay" not in record["args"]
+  record["args"]["error_decay"] = recorded
+  with monkeypatch.context() as m:
+    m.setattr(acp_checkpoint, "compressor_record", lambda _: record)
+    acp_checkpoint.save(tmp_path / "c", state, compressor=dp.compressor)
+  fresh = _public_state(acp_jax.acp_sgd(2), seed=1)[1]
+  if recorded == 0.9:
+    with pytest.raises(ValueError, match=r"error_decay=0\.9, an option this"):
+      acp_checkpoint.restore(tmp_path / "c", fresh, compressor=dp.compressor)
+    return
+  with caplog.at_level(logging.WARNING, logger="acp_jax.checkpoint"):
+    restored = acp_checkpoint.restore(
+        tmp_path / "c", fresh, compressor=dp.compressor
+    )
+  assert acp_checkpoint.checksums(restored) == acp_checkpoint.checksums(state)
+  (note,) = [
+      r.getMessage() for r in caplog.records if "error_decay" in r.getMessage()
+  ]
+  assert f"ignored acp_sgd's error_decay={recorded!r}" in note
+
+
 @pytest.mark.parametrize("strict", [True, False])
 def test_plain_orbax_into_a_fresh_init_fails_not_another_phase(
     strict, tmp_path
