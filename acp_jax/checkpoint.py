@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from acp_jax import _local_grads
+from acp_jax import compressor as compressor_lib
 from acp_jax import phase as phase_lib
 from acp_jax.acp import AcpSgdState
 from acp_jax.data_parallel import DataParallelState
@@ -273,24 +274,6 @@ def describe_read_error(error: BaseException) -> str:
   return f"{where}{type(root).__name__}: {str(root).partition(chr(10))[0]}"
 
 
-def _plain(value: Any) -> Any:
-  """``value`` as JSON that compares equal exactly when the setting does:
-  dtypes by name, functions by qualified name."""
-  if value is None or isinstance(value, (bool, int, float, str)):
-    return value
-  if isinstance(value, dict):
-    return {str(k): _plain(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [_plain(v) for v in value]
-  try:
-    return str(jnp.dtype(value))
-  except TypeError:
-    pass
-  if hasattr(value, "__qualname__"):  # repr would hold its address
-    return f"{value.__module__}.{value.__qualname__}"
-  return repr(value)
-
-
 def compressor_record(compressor: Any) -> dict[str, Any]:
   """``{"name": factory, "args": {argument: value}}`` of a compressor made
   by one of this package's factories, as a checkpoint records it."""
@@ -302,7 +285,7 @@ def compressor_record(compressor: Any) -> dict[str, Any]:
         " a custom compressor's state unchecked with compressor=None"
     )
   name, args = made_by
-  return {"name": name, "args": _plain(args)}
+  return {"name": name, "args": compressor_lib.plain_setting(args)}
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

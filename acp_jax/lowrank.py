@@ -211,10 +211,12 @@ def settings(
 
 def made_by(cfg: LowRank, axis_name: str) -> dict[str, Any]:
   """The factory's arguments that made ``cfg``, as ``Compressor.made_by``
-  records them."""
+  records them: in the factory's order, ``rank``, ``axis_name``, then the
+  options in ``Options``' order."""
   return {
-      **{k: v for k, v in cfg._asdict().items() if k != "caller"},
+      "rank": cfg.rank,
       "axis_name": axis_name,
+      **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(Options)},
   }
 
 
