@@ -186,6 +186,24 @@ def test_checkpoint_of_another_run_is_refused_before_reading_arrays(
   assert "params" not in message  # equal keys are not listed
 
 
+@pytest.mark.parametrize("recorded", [1.0, 0.5])
+def test_a_run_that_recorded_a_retired_error_decay(recorded, tmp_path):
+  """The trainer's configs of older versions held acp_sgd's error_decay: at
+  1 the run resumes as today's, another value is refused."""
+  args = {"rank": 4, "error_decay": recorded}
+  old = dict(RUN, compressor={"name": "acp_sgd", "args": args})
+  saved = checkpoint.Checkpointer(str(tmp_path), keep=0, run=old)
+  saved.save(1, _state(1), {"step": 1})
+  saved.close()
+  now = dict(RUN, compressor={"name": "acp_sgd", "args": {"rank": 4}})
+  ckpt = checkpoint.Checkpointer(str(tmp_path), keep=0, run=now)
+  if recorded != 1:
+    with pytest.raises(ValueError, match=r"error_decay=0\.5, an option this"):
+      ckpt.restore_latest(_state())
+    return
+  _assert_restored(ckpt.restore_latest(_state()), 1)
+
+
 def test_readable_arrays_that_differ_from_their_checksums_fall_back(
     tmp_path, caplog
 ):
