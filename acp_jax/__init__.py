@@ -12,8 +12,6 @@ from acp_jax import advice  # pylint: disable=unused-import
 from acp_jax.advice import Advice
 from acp_jax.advice import advise
 from acp_jax.buckets import backward_order
-from acp_jax.compressed_adam import compressed_adam
-from acp_jax.compressed_adam import CompressedAdamState
 from acp_jax.compressor import chain
 from acp_jax.compressor import comm_bytes
 from acp_jax.compressor import CommVolume
@@ -34,8 +32,6 @@ from acp_jax import registry  # pylint: disable=unused-import
 from acp_jax.sign import sign_sgd
 from acp_jax.sign import SignSgdState
 from acp_jax.ssgd import ssgd
-from acp_jax.subspace_adam import subspace_adam
-from acp_jax.subspace_adam import SubspaceAdamState
 from acp_jax.topk import topk_sgd
 from acp_jax.topk import TopkSgdState
 
@@ -45,7 +41,6 @@ __all__ = (
     "AcpSgdState",
     "Advice",
     "CommVolume",
-    "CompressedAdamState",
     "Compressor",
     "DataParallel",
     "DataParallelState",
@@ -56,19 +51,16 @@ __all__ = (
     "PowerSgdState",
     "ShardedDataParallel",
     "SignSgdState",
-    "SubspaceAdamState",
     "TopkSgdState",
     "acp_sgd",
     "advise",
     "backward_order",
     "chain",
     "comm_bytes",
-    "compressed_adam",
     "limit_lapack_threads",
     "memory_per_device",
     "power_sgd",
     "sign_sgd",
     "ssgd",
-    "subspace_adam",
     "topk_sgd",
 )

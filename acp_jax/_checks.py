@@ -140,12 +140,6 @@ def _non_negative_number(name: str, value: Any) -> Any:
   return value
 
 
-def _fraction(name: str, value: Any) -> Any:
-  if not _is_number(value) or not 0 <= value <= 1:
-    raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-  return value
-
-
 def _density(value: Any) -> Any:
   if not _is_number(value) or not 0 < value <= 1:
     raise ValueError(f"density must be a number in (0, 1], got {value!r}")
@@ -164,7 +158,6 @@ _RULES: dict[str, Callable[[Any, str], Any]] = {
         "warmup_steps", 0 if v is None else v, 0
     ),
     "use_error_feedback": lambda v, _: flag("use_error_feedback", v),
-    "error_decay": lambda v, _: _fraction("error_decay", v),
     "warm_start": lambda v, _: flag("warm_start", v),
     "warmup_factors": lambda v, _: flag("warmup_factors", v),
     "majority_vote": lambda v, _: flag("majority_vote", v),
@@ -406,26 +399,6 @@ def check_placement(grads: Any, axis_name: str, caller: str) -> None:
   jax.debug.callback(check, spread)
 
 
-# States of optax transforms that precondition by moments of the gradient:
-# after compressed_adam or subspace_adam, which are Adam already, they would
-# scale twice.
-_PRECONDITIONER_STATES = tuple(
-    getattr(optax, name)
-    for name in (
-        "ScaleByAdamState",
-        "ScaleByAmsgradState",
-        "ScaleByBeliefState",
-        "ScaleByRmsState",
-        "ScaleByRssState",
-        "ScaleByNovogradState",
-        "ScaleByAdanState",
-        "ScaleByLionState",
-        "FactoredState",
-    )
-    if hasattr(optax, name)
-)
-
-
 def _states_of(tree: Any, types: tuple[type, ...]) -> list[Any]:
   """The nodes of ``tree`` that are instances of ``types``."""
   return [
@@ -475,16 +448,12 @@ def check_descends(
   return True
 
 
-def check_optimizer_after(compressor_name: str, inner_state: Any) -> None:
-  """Raises if the optimizer that ``DataParallel.chain`` feeds holds a
-  transform that cannot follow the compressor, read from its state (an
-  optax transform's state type names it, however deeply it is chained):
-
-  - ``optax.MultiSteps``: the compressed exchange runs before it at every
-    micro-step, so a step of k micro-batches sends k times;
-  - an Adam-like preconditioner after ``compressed_adam`` or
-    ``subspace_adam``, whose output is Adam's direction already.
-  """
+def check_optimizer_after(inner_state: Any) -> None:
+  """Raises if the optimizer that ``DataParallel.chain`` feeds holds
+  ``optax.MultiSteps``, read from its state (an optax transform's state type
+  names it, however deeply it is chained): the compressed exchange runs
+  before it at every micro-step, so a step of k micro-batches would send k
+  times."""
   if _states_of(inner_state, (optax.MultiStepsState,)):
     raise ValueError(
         "DataParallel.chain(tx): tx holds optax.MultiSteps, which would"
@@ -493,19 +462,6 @@ def check_optimizer_after(compressor_name: str, inner_state: Any) -> None:
         " micro-batches' dp.value_and_grad gradients with + (and divide by"
         " k), then call the optimizer once, one compressed send per k"
         " micro-steps."
-    )
-  if compressor_name not in ("compressed_adam", "subspace_adam"):
-    return
-  found = _states_of(inner_state, _PRECONDITIONER_STATES)
-  if found:
-    raise ValueError(
-        f"DataParallel.chain(tx): the compressor is {compressor_name}, which"
-        " returns Adam's direction already, and tx holds"
-        f" {type(found[0]).__name__}, a second preconditioner (optax.adam"
-        " and its kin) that would rescale it again. Chain what follows"
-        " scale_by_adam in optax.adamw instead:"
-        " dp.chain(optax.chain(optax.add_decayed_weights(wd),"
-        " optax.scale_by_learning_rate(lr)))."
     )
 
 

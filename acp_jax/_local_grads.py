@@ -255,7 +255,7 @@ def value_and_grad(
         check_vma=False,
     )(params, rest, *batch)
 
-  def wrapped(params, *batch):
+  def grads_of(params, *batch):
     nnx = flax_nnx()
     if nnx is not None and isinstance(params, nnx.Module):
       value, grads = _module_value_and_grad(
@@ -267,7 +267,7 @@ def value_and_grad(
       grads_guard = guard()
     return (value if has_aux else value[0]), LocalGrads(grads, grads_guard)
 
-  return wrapped
+  return grads_of
 
 
 def _split_value(value: Any, has_aux: bool) -> tuple[Any, Any]:

@@ -34,17 +34,15 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 
 from acp_jax import _local_grads
+from acp_jax import compressor as compressor_lib
 from acp_jax import phase as phase_lib
 from acp_jax.acp import AcpSgdState
-from acp_jax.compressed_adam import CompressedAdamState
 from acp_jax.data_parallel import DataParallelState
 from acp_jax.powersgd import PowerSgdState
 from acp_jax.sign import SignSgdState
-from acp_jax.subspace_adam import SubspaceAdamState
 from acp_jax.topk import TopkSgdState
 
 # The key of this module's record in an orbax checkpoint's custom metadata.
@@ -56,11 +54,9 @@ _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 # The states that only their compressor, arguments included, can continue.
 _COMPRESSOR_STATES = (
     AcpSgdState,
-    CompressedAdamState,
     DataParallelState,
     PowerSgdState,
     SignSgdState,
-    SubspaceAdamState,
     TopkSgdState,
 )
 
@@ -278,27 +274,6 @@ def describe_read_error(error: BaseException) -> str:
   return f"{where}{type(root).__name__}: {str(root).partition(chr(10))[0]}"
 
 
-def _plain(value: Any) -> Any:
-  """``value`` as JSON that compares equal exactly when the setting does:
-  dtypes by name, functions by qualified name, NumPy scalars as the Python
-  scalars of their value."""
-  if value is None or isinstance(value, (bool, int, float, str)):
-    return value
-  if isinstance(value, np.generic):
-    return value.item()
-  if isinstance(value, dict):
-    return {str(k): _plain(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [_plain(v) for v in value]
-  try:
-    return str(jnp.dtype(value))
-  except TypeError:
-    pass
-  if hasattr(value, "__qualname__"):  # repr would hold its address
-    return f"{value.__module__}.{value.__qualname__}"
-  return repr(value)
-
-
 def compressor_record(compressor: Any) -> dict[str, Any]:
   """``{"name": factory, "args": {argument: value}}`` of a compressor made
   by one of this package's factories, as a checkpoint records it."""
@@ -310,7 +285,7 @@ def compressor_record(compressor: Any) -> dict[str, Any]:
         " a custom compressor's state unchecked with compressor=None"
     )
   name, args = made_by
-  return {"name": name, "args": _plain(args)}
+  return {"name": name, "args": compressor_lib.plain_setting(args)}
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -635,6 +610,48 @@ def _record(directory: str) -> dict[str, Any]:
   return unsealed(custom[_RECORD], directory)
 
 
+# Factory arguments that older versions recorded and this one no longer has,
+# each with the test of the value that left the compressor as it is today.
+_RETIRED = {
+    # DeMo-style decay of the residual; 1 (or "none" in older records) kept
+    # it whole, as every low-rank compressor now does.
+    "error_decay": lambda v: v is None or v == "none" or (
+        isinstance(v, (int, float)) and not isinstance(v, bool) and v == 1
+    ),
+}
+
+
+def current_record(made: Any, path: Any) -> Any:
+  """A recorded ``{"name", "args"}`` of a compressor as this version makes
+  it: an argument it no longer has is dropped, with a logged note, if its
+  value was the one that changed nothing, and refused otherwise.
+
+  Raises:
+    ValueError: naming ``path``, the argument and its value, if the
+      compressor recorded cannot be made by this version.
+  """
+  if not isinstance(made, dict) or not isinstance(made.get("args"), dict):
+    return made
+  args = dict(made["args"])
+  for name in sorted(set(args) & set(_RETIRED)):
+    value = args.pop(name)
+    if not _RETIRED[name](value):
+      raise ValueError(
+          f"the checkpoint at {path} was saved with {made['name']}'s"
+          f" {name}={value!r}, an option this version of acp_jax no longer"
+          " has: restore it with the version that saved it"
+      )
+    logging.getLogger(__name__).warning(
+        "%s: ignored %s's %s=%r, recorded by an older acp_jax, which"
+        " changed nothing",
+        path,
+        made["name"],
+        name,
+        value,
+    )
+  return {**made, "args": args}
+
+
 def _show(made: dict[str, Any]) -> str:
   args = ", ".join(f"{k}={v!r}" for k, v in sorted(made["args"].items()))
   return f"{made['name']}({args})"
@@ -657,6 +674,7 @@ def _strict(made: dict[str, Any]) -> dict[str, Any]:
 def _check_compressor(directory: str, saved: Any, compressor: Any) -> None:
   """Raises ``ValueError`` unless ``compressor`` is the one recorded at
   save, naming each differing argument, saved and now."""
+  saved = current_record(saved, directory)
   now = None if compressor is None else compressor_record(compressor)
   if saved is not None and now is not None:
     loose = differences(_stateless(saved), _stateless(now))

@@ -6,6 +6,8 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
 from acp_jax import _checks
@@ -121,7 +123,8 @@ class Compressor(optax.GradientTransformation):
   ``copy.copy`` and ``copy.deepcopy`` give an equal compressor. Compressors made by a factory
   are equal when ``made_by`` is, and pickle as their ``made_by``, from which
   ``acp_jax.registry`` makes them again; others are equal when their
-  functions and ``spec`` are, and do not pickle.
+  functions and ``spec`` are, and do not pickle. It prints as the call
+  that made it, ``acp_sgd(rank=4, axis_name='data', ...)``.
   """
 
   def __new__(
@@ -228,6 +231,20 @@ class Compressor(optax.GradientTransformation):
       return self.made_by == other.made_by
     return tuple(self) == tuple(other) and self.spec == other.spec
 
+  def __repr__(self) -> str:
+    """The call that made it, ``acp_sgd(rank=4, axis_name='data', ...)``,
+    every argument in the factory's order; else its functions and
+    settings."""
+    if self.made_by is not None:
+      name, args = self.made_by
+      shown = ", ".join(f"{k}={_shown(v)}" for k, v in args.items())
+      return f"{name}({shown})"
+    return (
+        f"Compressor(init={_shown(self.init)},"
+        f" update={_shown(self.update)}, axis_name={self.axis_name!r},"
+        f" cycle={tuple(self.cycle)!r}, warmup_steps={self.warmup_steps!r})"
+    )
+
   def __ne__(self, other: Any) -> bool:
     equal = self.__eq__(other)
     return equal if equal is NotImplemented else not equal
@@ -326,6 +343,35 @@ def from_parts(
       made_by=(name, made_by),
   )
   return Compressor.from_spec(init_fn, update_fn, spec)
+
+
+def plain_setting(value: Any) -> Any:
+  """``value`` as JSON that compares equal exactly when the setting does:
+  dtypes by name, functions by qualified name, NumPy scalars as the Python
+  scalars of their value."""
+  if value is None or isinstance(value, (bool, int, float, str)):
+    return value
+  if isinstance(value, np.generic):
+    return value.item()
+  if isinstance(value, dict):
+    return {str(k): plain_setting(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [plain_setting(v) for v in value]
+  try:
+    return str(jnp.dtype(value))
+  except TypeError:
+    pass
+  if hasattr(value, "__qualname__"):  # repr would hold its address
+    return f"{value.__module__}.{value.__qualname__}"
+  return repr(value)
+
+
+def _shown(value: Any) -> str:
+  """A setting as ``__repr__`` writes it: a dtype by its name, a function
+  by its qualified name, anything else as its own repr."""
+  if value is None or isinstance(value, (bool, int, float, str, tuple, list)):
+    return repr(value)
+  return repr(plain_setting(value))
 
 
 def _remade(made_by: tuple[str, dict[str, Any]]) -> Compressor:

@@ -66,7 +66,7 @@ class DataParallelState(NamedTuple):
     comm: the compressor's state. Its ``local_fields`` (the residuals) carry
       a leading axis of one slice per device (per node, when hierarchical),
       sharded over the compressor's axis; its other fields are replicated.
-    inner: the state of the wrapped optimizer, replicated.
+    inner: the state of the optimizer ``tx`` it feeds, replicated.
   """
 
   comm: Any
@@ -474,12 +474,9 @@ class DataParallel:
     ``init`` where the probe needs the params' tree.
     ``init`` refuses a ``tx`` that holds ``optax.MultiSteps`` (the exchange
     before it would send at every micro-step: add micro-batches' local
-    gradients with ``+`` instead), and, after ``compressed_adam``, one that
-    holds a second preconditioner such as ``optax.adam``.
+    gradients with ``+`` instead).
     """
 
-    made_by = self.compressor.made_by
-    name = made_by[0] if made_by else None
     where = "DataParallel.chain(tx)"
     probed = _checks.check_descends(tx, None, where)
 
@@ -487,13 +484,13 @@ class DataParallel:
       if not probed:
         _checks.check_descends(tx, params, where)
       inner = self._inner_init(tx, params)(params)
-      _checks.check_optimizer_after(name, inner)
+      _checks.check_optimizer_after(inner)
       return DataParallelState(
           comm=self.init_comm(_values(params)), inner=inner
       )
 
     def update_fn(updates, state, params=None, **extra_args):
-      _checks.check_optimizer_after(name, state.inner)
+      _checks.check_optimizer_after(state.inner)
       if isinstance(updates, Mapping) and set(updates) == {"stacked"}:
         raise TypeError(
             "nnx.Optimizer's wrt filter left out the guard of the local"

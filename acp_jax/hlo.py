@@ -372,7 +372,7 @@ def scheduled_overlap(hlo_text: str) -> list[ScheduledCollective]:
   means the step waits for the whole transfer.
 
   Synchronous collectives (XLA:CPU's, or a GPU collective the compiler kept
-  synchronous) and collectives wrapped in a generic ``async-start`` are not
+  synchronous) and collectives inside a generic ``async-start`` are not
   listed.
 
   Args:

@@ -86,7 +86,6 @@ class LowRank(NamedTuple):
   caller: str  # the factory's name, for error messages
   bucket_bytes: float = buckets.DEFAULT_BUCKET_BYTES
   use_error_feedback: bool = True
-  error_decay: float = 1.0  # M = G + error_decay * E
   warm_start: bool = True
   comm_dtype: Any = None  # None: the factors travel in the leaves' dtype
   warmup_steps: int = 0
@@ -141,14 +140,6 @@ class Options:
       ``math.inf`` for one all-reduce per round and dtype.
     use_error_feedback: keep each device's residual E and add it to the next
       gradient (PyTorch's name); without it M = G and no residual is stored.
-    error_decay: beta in M = G + beta E, in [0, 1]. At 1 (the default) the
-      residual is kept whole: nothing is lost, only delayed. Below 1 the
-      residual is each device's momentum less what it sent (DeMo's decoupled
-      momentum: m = beta m + G, send the compressed m, keep m - sent), so
-      what was never sent fades; follow the compressor with an optimizer
-      without a first moment of its own (``optax.adam(b1=0)``, or sign
-      descent), as the momentum is already in what is sent. At 0, M = G
-      as without error feedback (the residual is still stored).
     warm_start: start each projection on Q from the last Q that was
       all-reduced (PyTorch's name); without it, from a fresh random Q drawn
       from ``seed`` and the step count, the same on every replica.
@@ -175,7 +166,6 @@ class Options:
   keep_dense: compressor.KeepDense = None
   bucket_bytes: float | None = None
   use_error_feedback: bool = True
-  error_decay: float = 1.0
   warm_start: bool = True
   comm_dtype: Any = None
   warmup_steps: int | None = None
@@ -221,10 +211,12 @@ def settings(
 
 def made_by(cfg: LowRank, axis_name: str) -> dict[str, Any]:
   """The factory's arguments that made ``cfg``, as ``Compressor.made_by``
-  records them."""
+  records them: in the factory's order, ``rank``, ``axis_name``, then the
+  options in ``Options``' order."""
   return {
-      **{k: v for k, v in cfg._asdict().items() if k != "caller"},
+      "rank": cfg.rank,
       "axis_name": axis_name,
+      **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(Options)},
   }
 
 
@@ -380,8 +372,6 @@ def split(cfg: LowRank, grads: Any, errors: Any) -> Split:
       dense.append(g)
     else:
       error = None if state_trees.is_masked(e) else e
-      if error is not None and cfg.error_decay != 1.0:
-        error = cfg.error_decay * error
       matrices.append(projection.Matrix(g, error, spec))
   return Split(
       treedef,
@@ -473,7 +463,7 @@ def step(
   s = split_state(cfg, grads, state)
   if phase_lib.phase_of(state.phase) is phase_lib.Phase.DENSE:
     check_dense_step(cfg, state.count)
-    mean, error, q, _ = dense_step(cfg, s, state.q, axis_name)
+    mean, error, q = dense_step(cfg, s, state.q, axis_name)
     return mean, state._replace(error=error, q=q, count=state.count + 1)
   sent, new_state = exchange(cfg, axis_name, s, state, n)
   return applied(sent), new_state
@@ -535,7 +525,7 @@ def power_step(
 
 def dense_step(
     cfg: LowRank, s: Split, q: Any, axis_name: str
-) -> tuple[Any, Any, Any, Round]:
+) -> tuple[Any, Any, Any]:
   """A warm-up step: S-SGD's exchange, and the factors warmed on its result.
 
   Every leaf is sent whole (M = G + E for a compressed one, so whatever
@@ -547,10 +537,9 @@ def dense_step(
   projects on the mean gradient's leading subspace, not on a random one.
 
   Returns:
-    ``(mean, errors, q, round)``: the mean gradient tree, the residual tree
-    (zero: nothing is left unsent), the new tree of Q factors (``q``, the
-    state's, if not warmed), and the power step on the means as a side-Q
-    ``Round`` (for ``subspace_adam``; unused, it is compiled away).
+    ``(mean, errors, q)``: the mean gradient tree, the residual tree (zero:
+    nothing is left unsent), and the new tree of Q factors (``q``, the
+    state's, if not warmed).
   """
   leaves = _leaves(
       s, [m.dense() for m in s.matrices], s.dense, reshape=True
@@ -558,14 +547,14 @@ def dense_step(
   mean = collectives.bucketed_pmean(leaves, s.buckets, axis_name)
   tree = jax.tree.unflatten(s.treedef, mean)
   errors = errors_tree(cfg, s, [jnp.zeros_like(m.grad) for m in s.matrices])
-  means = [x.reshape(spec.n, spec.m) for x, spec in zip(mean, s.specs) if spec]
-  bases, coords = power_step(means, leaves_of(s, q))
-  dense = [x for x, spec in zip(mean, s.specs) if spec is None]
-  power = Round(s, phase_lib.Phase.Q, bases, coords, dense)
   if cfg.warmup_factors:
+    means = [
+        x.reshape(spec.n, spec.m) for x, spec in zip(mean, s.specs) if spec
+    ]
+    _, coords = power_step(means, leaves_of(s, q))
     masked = [optax.MaskedNode()] * len(s.dense)
     q = merge(s, [c.T for c in coords], masked, reshape=False)
-  return tree, errors, q, power
+  return tree, errors, q
 
 
 def psum_round(

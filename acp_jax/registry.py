@@ -13,11 +13,9 @@ from typing import Any
 
 from acp_jax import compressor as compressor_lib
 from acp_jax.acp import acp_sgd
-from acp_jax.compressed_adam import compressed_adam
 from acp_jax.powersgd import power_sgd
 from acp_jax.sign import sign_sgd
 from acp_jax.ssgd import ssgd
-from acp_jax.subspace_adam import subspace_adam
 from acp_jax.topk import topk_sgd
 
 
@@ -39,10 +37,6 @@ class Entry:
     row_sharded: whether ``ShardedDataParallel`` can run it on blocks of
       rows: it sums over a leaf only through ``collectives.leaf_mean`` and
       selects through ``collectives.row_gather``.
-    standalone: False for a wrapper of another compressor
-      (``compressed_adam``), which ``names`` leaves out.
-    remake: ``made_by``'s arguments -> the compressor; None: the factory
-      called with them.
   """
 
   name: str
@@ -52,8 +46,6 @@ class Entry:
   config: dict[str, Any] = dataclasses.field(default_factory=dict)
   low_rank: bool = False
   row_sharded: bool = False
-  standalone: bool = True
-  remake: Callable[[dict[str, Any]], compressor_lib.Compressor] | None = None
 
 
 _ENTRIES: dict[str, Entry] = {}
@@ -75,7 +67,7 @@ def unregister(name: str) -> None:
 
 def names() -> tuple[str, ...]:
   """The compressors' names, in the order they were registered."""
-  return tuple(n for n, e in _ENTRIES.items() if e.standalone)
+  return tuple(_ENTRIES)
 
 
 def get(name: str) -> Entry:
@@ -89,21 +81,7 @@ def get(name: str) -> Entry:
 
 def make(name: str, args: dict[str, Any]) -> compressor_lib.Compressor:
   """The compressor that ``made_by == (name, args)`` records."""
-  entry = get(name)
-  if entry.remake is not None:
-    return entry.remake(args)
-  return entry.factory(**args)
-
-
-def _wrapper_remade(wrapper):
-  # A wrapper's made_by holds the wrapped compressor's beside its own
-  # arguments.
-  def remade(args: dict[str, Any]) -> compressor_lib.Compressor:
-    inner = args["compressor"]
-    rest = {k: v for k, v in args.items() if k != "compressor"}
-    return wrapper(make(inner["name"], inner["args"]), **rest)
-
-  return remade
+  return get(name).factory(**args)
 
 
 # Every argument but keep_dense (a tree or a function) and leaf_order (the
@@ -113,7 +91,6 @@ _LOW_RANK_CONFIG = {
     "rank": 4,
     "min_compression_rate": 2.0,
     "use_error_feedback": True,
-    "error_decay": 1.0,
     "warm_start": True,
     "comm_dtype": str,
     "warmup_steps": 0,  # dense S-SGD steps first (configs' dense_warmup)
@@ -172,21 +149,5 @@ register(
         _LOW_RANK_CONFIG,
         low_rank=True,
         row_sharded=True,
-    )
-)
-register(
-    Entry(
-        "compressed_adam",
-        compressed_adam,
-        standalone=False,
-        remake=_wrapper_remade(compressed_adam),
-    )
-)
-register(
-    Entry(
-        "subspace_adam",
-        subspace_adam,
-        standalone=False,
-        remake=_wrapper_remade(subspace_adam),
     )
 )

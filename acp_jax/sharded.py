@@ -314,7 +314,7 @@ class MemoryPerDevice(NamedTuple):
 
   Attributes:
     params: of the params.
-    opt_state: of the wrapped optimizer's state.
+    opt_state: of the optimizer's state.
     compressor: of the compressor's state (residuals, factors).
   """
 

@@ -1,7 +1,6 @@
 """The variants of the direction benchmark: Power-SGD and ACP-SGD as they
-are, compressing in Adam's geometry (``GEOMETRY_KINDS``), or averaging
-Adam's first moment (``MOMENTUM``); ``benchmarks.direction``'s docstring
-gives the arithmetic of each.
+are, or compressing in Adam's geometry (``GEOMETRY_KINDS``);
+``benchmarks.direction``'s docstring gives the arithmetic of each.
 """
 
 from typing import Any, NamedTuple
@@ -15,23 +14,6 @@ from acp_jax import state_trees
 
 # Adam's moments, for every variant and for S-SGD's reference alike.
 B1, B2, EPS = 0.9, 0.99, 1e-8
-# name -> compressed_adam's preconditioned.
-MOMENTUM = {"momentum": False, "momentum_preconditioned": True}
-# name -> subspace_adam's options.
-SUBSPACE = {
-    "subspace_adam": {},
-    "subspace_adam_no_feedback": {"moment_feedback": False},
-    "subspace_adam_track": {"track_momentum": True},
-    "subspace_adam_rms": {"match_rms": True},
-    "subspace_adam_track_rms": {"match_rms": True, "track_momentum": True},
-}
-# DeMo's decoupled momentum: the compressor's residual decays by b1 (its
-# error_decay), so it is each device's momentum less what was sent, and
-# Adam follows without a first moment of its own.
-DECOUPLED = "decoupled"
-# Accordion's adaptive rank, at the rank's mean bytes
-# (``benchmarks.direction``'s ``_AccordionRun``).
-ACCORDION = "accordion"
 # The factors' comm_dtype -> the variant name's suffix.
 COMM_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16"}
 # Below this fraction of its leaf's mean, a row's or column's second moment
@@ -124,10 +106,7 @@ class Variant:
         + (f"_{COMM_DTYPE_NAMES[comm_dtype]}" if comm_dtype else "")
     )
     self.geometry = None
-    self.momentum = geometry in MOMENTUM
-    self.subspace = geometry in SUBSPACE
-    self.decoupled = geometry == DECOUPLED
-    if geometry and not (self.momentum or self.subspace or self.decoupled):
+    if geometry:
       make, self.scaled_residual = GEOMETRY_KINDS[geometry]
       self.geometry = make()
     self.tx = getattr(acp_jax, method)(
@@ -135,16 +114,7 @@ class Variant:
         warmup_steps=warmup,
         bucket_bytes=float("inf"),
         comm_dtype=comm_dtype,
-        error_decay=B1 if self.decoupled else 1.0,
     )
-    if self.momentum:
-      self.tx = acp_jax.compressed_adam(
-          self.tx, b1=B1, b2=B2, eps=EPS, preconditioned=MOMENTUM[geometry]
-      )
-    if self.subspace:
-      self.tx = acp_jax.subspace_adam(
-          self.tx, b1=B1, b2=B2, eps=EPS, **SUBSPACE[geometry]
-      )
     self._spec = lambda x: lowrank.matrix_spec(tuple(x.shape), rank, 2.0)
 
   def init(self, params):

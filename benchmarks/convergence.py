@@ -103,21 +103,13 @@ class Variant(NamedTuple):
   rank_factor: int | None  # times the config's rank; None: no rank
   warmup: int  # dense steps first
   warm_factors: bool  # factors warmed on the mean gradient then
-  # config.compressor.compress: what it averages (AdamW's moment, or not).
-  compress: str = "gradient"
   # The factors' comm_dtype; None: the gradients' (float32).
   comm_dtype: str | None = None
-  # DeMo's decoupled momentum (AdamW only): the compressor's residual decays
-  # by AdamW's b1 (its error_decay), so it is each device's momentum less
-  # what was sent, and AdamW runs without a first moment of its own.
-  decoupled: bool = False
 
 
-def _warm(compressor, rank_factor, compress="gradient", **kwargs):
+def _warm(compressor, rank_factor, **kwargs):
   """``compressor`` after WARMUP_STEPS dense steps, its factors warmed."""
-  return Variant(
-      compressor, rank_factor, WARMUP_STEPS, True, compress, **kwargs
-  )
+  return Variant(compressor, rank_factor, WARMUP_STEPS, True, **kwargs)
 
 
 VARIANTS = {
@@ -140,63 +132,17 @@ VARIANTS = {
     # Where rank 4r leaves matrices dense (the small CNN), ACP-SGD's
     # bfloat16 factors at 2r: between its rank-r and 2r bytes in float32.
     "acp_sgd_2r_bf16_warm": _warm("acp_sgd", 2, comm_dtype="bfloat16"),
-    # AdamW's first moment compressed, its second frozen after the warm-up
-    # (acp_jax.compressed_adam), as it is or in Adam's geometry.
-    "power_sgd_momentum": _warm("power_sgd", 1, "momentum"),
-    "acp_sgd_2r_momentum": _warm("acp_sgd", 2, "momentum"),
-    "power_sgd_precond": _warm("power_sgd", 1, "preconditioned_momentum"),
-    "acp_sgd_2r_precond": _warm("acp_sgd", 2, "preconditioned_momentum"),
-    # AdamW's moments in the coordinates the factors carry
-    # (acp_jax.subspace_adam), with and without a dense warm-up.
-    "acp_sgd_2r_subspace": Variant("acp_sgd", 2, 0, False, "subspace_adam"),
-    "acp_sgd_2r_subspace_warm": _warm("acp_sgd", 2, "subspace_adam"),
-    "power_sgd_subspace_warm": _warm("power_sgd", 1, "subspace_adam"),
-    # The same, the factors' power iteration run on the first moment.
-    "acp_sgd_2r_subspace_track_warm": _warm(
-        "acp_sgd", 2, "subspace_adam_momentum"
-    ),
-    # Each step scaled to Adam's root mean square on the whole matrix.
-    "acp_sgd_2r_subspace_rms_warm": _warm("acp_sgd", 2, "subspace_adam_rms"),
-    "acp_sgd_2r_subspace_track_rms_warm": _warm(
-        "acp_sgd", 2, "subspace_adam_momentum_rms"
-    ),
-    "power_sgd_subspace_rms_warm": _warm("power_sgd", 1, "subspace_adam_rms"),
-    # DeMo's decoupled momentum, at Power-SGD rank r's bytes.
-    "acp_sgd_2r_decoupled_warm": _warm("acp_sgd", 2, decoupled=True),
-    "power_sgd_decoupled_warm": _warm("power_sgd", 1, decoupled=True),
 }
-DECOUPLED_VARIANTS = tuple(v for v in VARIANTS if VARIANTS[v].decoupled)
-SUBSPACE_VARIANTS = tuple(
-    v for v in VARIANTS if VARIANTS[v].compress.startswith("subspace_adam")
-)
-MOMENTUM_VARIANTS = tuple(
-    v
-    for v in VARIANTS
-    if VARIANTS[v].compress != "gradient" and v not in SUBSPACE_VARIANTS
-)
 # Which variants each task runs, and with how many seeds: Sign-SGD and Top-k
-# are far from the targets and get one seed, the low-rank methods three;
-# the subspace variants of the 300-step char LM are a screen, one seed.
+# are far from the targets and get one seed, the low-rank methods three.
 SEEDS = 3
 ONE_SEED = ("sign_sgd", "topk_sgd")
-SCREENED = {"char_lm": SUBSPACE_VARIANTS + DECOUPLED_VARIANTS}
 _BF16 = tuple(v for v in VARIANTS if VARIANTS[v].comm_dtype)
-_GRADIENT = tuple(
-    v
-    for v in VARIANTS
-    if v
-    not in MOMENTUM_VARIANTS + SUBSPACE_VARIANTS + DECOUPLED_VARIANTS + _BF16
-)
+_FLOAT32 = tuple(v for v in VARIANTS if v not in _BF16)
 # The bfloat16 variants at Power-SGD rank r's bytes.
 _AT_POWER_SGD_BYTES = ("power_sgd_2r_bf16_warm", "acp_sgd_4r_bf16_warm")
 TASK_VARIANTS = {
-    "char_lm": (
-        _GRADIENT
-        + MOMENTUM_VARIANTS
-        + _AT_POWER_SGD_BYTES
-        + SUBSPACE_VARIANTS
-        + DECOUPLED_VARIANTS
-    ),
+    "char_lm": _FLOAT32 + _AT_POWER_SGD_BYTES,
     "char_lm_sgd": (
         "ssgd",
         "power_sgd_warm",
@@ -205,21 +151,16 @@ TASK_VARIANTS = {
     ),
     "char_lm_long": (
         "ssgd",
-        "acp_sgd_2r_precond",
         "acp_sgd_2r_warm",
         "power_sgd_warm",
-        "power_sgd_precond",
-        "acp_sgd_2r_momentum",
-        "power_sgd_momentum",
         *_AT_POWER_SGD_BYTES,
-        "acp_sgd_2r_subspace_track_warm",
     ),
     # Power-SGD and ACP-SGD at equal bytes, after the warm-up.
     "bert_mlm": ("ssgd", "power_sgd_warm", "acp_sgd_2r_warm"),
     "mnist": (
         tuple(
             v
-            for v in _GRADIENT
+            for v in _FLOAT32
             if v not in ("power_sgd_warm", "acp_sgd_warm_cold")
         )
         + ("acp_sgd_2r_bf16_warm",)
@@ -228,26 +169,14 @@ TASK_VARIANTS = {
     "mnist_long": ("ssgd", "power_sgd_warm", "acp_sgd_2r_warm"),
 }
 QUICK_VARIANTS = ("ssgd", "acp_sgd", "acp_sgd_warm")
-# The quick char LM runs the compressed moment too; MNIST trains with SGD.
-QUICK_MOMENTUM = "acp_sgd_2r_precond"
 # Quick runs shrink the budget and the models: a smoke test.
 QUICK_STEPS = 24
 QUICK_WARMUP_STEPS = 8
 
 
-def quick_variants(task: str) -> tuple[str, ...]:
-  if optimizer_name(task) == "adamw":
-    return QUICK_VARIANTS + (QUICK_MOMENTUM,)
-  return QUICK_VARIANTS
-
-
 def config_name(task: str) -> str:
   """The module under ``configs/`` that ``task`` trains."""
   return TASKS[task][0]
-
-
-def optimizer_name(task: str) -> str:
-  return workloads.load_config(*TASKS[task]).optimizer.name
 
 
 def data_flag(task: str) -> str:
@@ -283,17 +212,12 @@ def config(
   v = VARIANTS[variant]
   cfg.seed = seed
   cfg.compressor.name = v.compressor
-  cfg.compressor.compress = v.compress
   if v.rank_factor is not None:
     args = cfg.compressor[v.compressor]
     args.rank = v.rank_factor * cfg.compressor.power_sgd.rank
     args.warmup_steps = QUICK_WARMUP_STEPS if quick and v.warmup else v.warmup
     args.warmup_factors = v.warm_factors
     args.comm_dtype = v.comm_dtype
-  if v.decoupled:
-    adamw = cfg.optimizer.adamw
-    args.error_decay = adamw.get("b1", 0.9)
-    adamw.b1 = 0.0
   cfg.data.path = data_path
   if cfg.data.name == "masked_text":
     cfg.data.tokenizer = tokenizer
@@ -335,7 +259,6 @@ def run(
       "task": task,
       "variant": variant,
       "optimizer": cfg.optimizer.name,
-      "compress": cfg.compressor.compress,
       "compressor": cfg.compressor.name,
       "rank": cfg.compressor[cfg.compressor.name].get("rank"),
       "comm_dtype": cfg.compressor[cfg.compressor.name].get("comm_dtype"),
@@ -398,10 +321,9 @@ def plan(
     seeds = range(1 if quick else SEEDS)
   for seed in seeds:
     for task in tasks:
-      own = quick_variants(task) if quick else TASK_VARIANTS[task]
+      own = QUICK_VARIANTS if quick else TASK_VARIANTS[task]
       for variant in [v for v in variants if v in own] if variants else own:
-        one = variant in ONE_SEED + SCREENED.get(task, ())
-        if seed == 0 or not one:
+        if seed == 0 or variant not in ONE_SEED:
           runs.append((seed, task, variant))
   return runs
 

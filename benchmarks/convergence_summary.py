@@ -217,7 +217,6 @@ COLUMNS = {
     "task": "task",
     "optimizer": "optimizer",
     "variant": "variant",
-    "compress": "compresses",
     "rank": "rank",
     "comm_dtype": "factors in",
     "warmup_steps": "dense steps",
@@ -234,4 +233,15 @@ COLUMNS = {
     "bytes_per_step": "bytes/step",
     "bytes_sent": "bytes sent",
     "wall_seconds": "seconds",
+}
+# A closed experiment's runs also say what the compressor averaged (the
+# gradient, or AdamW's first moment), as their records hold it.
+CLOSED_COLUMNS = {
+    k: v
+    for key, label in COLUMNS.items()
+    for k, v in (
+        ((key, label), ("compress", "compresses"))
+        if key == "variant"
+        else ((key, label),)
+    )
 }

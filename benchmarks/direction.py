@@ -29,35 +29,7 @@ inverse square root of a running second moment (decay b2) of the
   kept in the gradient's space (re-expressed when W changes);
 - ``factored_scaled``: the same, the residual kept in the scaled space;
 - ``full``: the full moment (n x m floats, Adam's own v), the mean no
-  longer of rank r;
-- ``momentum``: ``acp_jax.compressed_adam``, the compressor averaging
-  Adam's first moment (each device's b1 mu + (1 - b1) G_i) instead of the
-  gradient, v frozen at the end of the warm-up. Its ``grad`` is the
-  cosine of its mean momentum with the true mean of what its devices hold,
-  b1 mu + (1 - b1) g; its ``adam`` that of its own update with S-SGD's;
-  ``adam_shared`` does not apply (None);
-- ``momentum_preconditioned``: the same, the momentum compressed divided
-  by sqrt(v) + eps (``compressed_adam(..., preconditioned=True)``);
-- ``subspace_adam``: ``acp_jax.subspace_adam``, Adam's moments kept in the
-  coordinates the compressor all-reduces; only its ``adam`` applies, the
-  cosine of its direction with S-SGD's; ``subspace_adam_no_feedback``
-  without the first moment's loss kept in the residual, ``_track`` with the
-  factors tracking the first moment, ``_rms`` with its
-  steps scaled to Adam's root mean square, ``_track_rms`` with that and
-  the factors tracking the first moment;
-- ``decoupled``: DeMo's decoupled momentum (Peng, Kingma et al., 2024):
-  each device's momentum b1 m + G_i is compressed, what was not sent stays
-  in it (the compressor's ``error_decay`` = b1), and Adam follows without a
-  first moment (b1 = 0) on the mean; its ``grad`` is the cosine of that
-  mean with S-SGD's first moment, ``adam_shared`` does not apply;
-- ``accordion``: Accordion's adaptive rank (Agarwal et al., MLSys 2021) at
-  the rank's mean bytes: every ``ACCORDION_INTERVAL`` steps the norm of the
-  mean summed over the interval is compared with the last interval's; the
-  next interval runs at twice the rank if that change is in the top third
-  of those seen so far and the bytes spent are within the rank's, else at
-  half the rank. The factors carry across a change of rank (cut to their
-  leading singular directions, or completed with the columns last held at
-  the higher rank).
+  longer of rank r.
 
 The devices are simulated by ``jax.vmap`` over the mapped axis
 (``acp_jax.simulated``), on the default device.
@@ -67,7 +39,7 @@ The devices are simulated by ``jax.vmap`` over the mapped axis
 
 import argparse
 import json
-import math
+import re
 import statistics
 import sys
 import time
@@ -75,10 +47,8 @@ from typing import Any
 
 from flax import nnx
 import jax
-import jax.numpy as jnp
 import optax
 
-import acp_jax
 from acp_jax import simulated
 from benchmarks import adam_geometry
 from benchmarks import workloads
@@ -90,27 +60,23 @@ from train import experiment as experiment_lib
 
 RANKS = (4, 8)
 METHODS = ("power_sgd", "acp_sgd")
-# None: the compressor as it is; else a key of GEOMETRY_KINDS or MOMENTUM.
-GEOMETRIES = (
-    None,
-    "factored_scaled",
-    "factored",
-    "full",
-    "momentum",
-    "momentum_preconditioned",
-    "subspace_adam",
-    "subspace_adam_no_feedback",
-    "subspace_adam_track",
-    "subspace_adam_rms",
-    "subspace_adam_track_rms",
-    adam_geometry.DECOUPLED,
-    adam_geometry.ACCORDION,
-)
-# Accordion's detector: its interval in steps, and the fraction of the
-# changes seen so far that count as critical (the largest).
-ACCORDION_INTERVAL = 10
-ACCORDION_CRITICAL = 1 / 3
+# None: the compressor as it is; else a key of GEOMETRY_KINDS.
+GEOMETRIES = (None, *adam_geometry.GEOMETRY_KINDS)
 METRICS = ("grad", "adam", "adam_shared")
+
+
+def is_measured(variant: str) -> bool:
+  """Whether ``variant``, a name in this benchmark's records, is one it
+  measures today (``adam_geometry.Variant``'s names); a closed experiment's
+  is not."""
+  methods = "|".join(METHODS)
+  dtypes = "|".join(adam_geometry.COMM_DTYPE_NAMES.values())
+  geometries = "|".join(adam_geometry.GEOMETRY_KINDS)
+  return bool(
+      re.fullmatch(
+          rf"({methods})_r\d+(_({geometries}))?(_({dtypes}))?", variant
+      )
+  )
 
 
 class _Run:
@@ -142,138 +108,15 @@ class _Run:
     """This run's step; after the warm-up, its ``METRICS`` against S-SGD's
     ``mean`` gradient, Adam state ``ref_adam`` and update ``ref_dir``
     (``steps``, a ``_Reference``, computes them), else None."""
-    if self.variant.momentum:
-      old_mu = self.state.adam.mu
     approx = self.step(grads, step)
-    if self.variant.decoupled:  # Adam without a first moment, all along
-      if self.adam is None:
-        self.adam = steps.rmsprop.init(approx)
-      cosines, self.adam = steps.decoupled(
-          approx, self.adam, ref_adam, mean, ref_dir
-      )
-      return cosines + [None] if step >= warmup_steps else None
     if step < warmup_steps:
       return None
-    if self.variant.subspace:  # Adam's direction already, from its own moments
-      return [None, steps.cosine(approx, ref_dir), None]
-    if self.variant.momentum:
-      return steps.momentum_cosines(
-          self.state.adam.mu, old_mu, mean, approx, ref_dir
-      )
     if step == warmup_steps:
       self.adam = ref_adam
     cosines, self.adam = steps.cosines(
         approx, mean, self.adam, ref_adam, ref_dir
     )
     return cosines
-
-
-class _AccordionRun(_Run):
-  """Accordion's adaptive rank on ``method`` at ``rank``'s mean bytes: a
-  run at half the rank and one at twice it, the state carried from the one
-  that took the last step (see the module's docstring)."""
-
-  def __init__(self, method, rank, warmup, params, num_devices):
-    self.levels = [
-        _Run(
-            adam_geometry.Variant(method, r, None, warmup), params, num_devices
-        )
-        for r in (rank // 2, rank * 2)
-    ]
-    if len({jax.tree.structure(run.state) for run in self.levels}) > 1:
-      raise ValueError(
-          f"accordion at rank {rank}: ranks {rank // 2} and {rank * 2}"
-          " compress different leaves, so their states cannot be carried"
-          " from one to the other; choose a rank at which both compress the"
-          " same matrices"
-      )
-    self.variant = adam_geometry.Variant(method, rank, None, warmup)
-    self.variant.name += "_" + adam_geometry.ACCORDION
-    self.adam = None
-    self.warmup = warmup
-    self.bytes = [
-        _bytes_per_step(v.tx, params, num_devices)
-        for v in (*(run.variant for run in self.levels), self.variant)
-    ]
-    # The rank in use (0: half, 1: twice), and the bytes of the compressing
-    # steps so far.
-    self.active, self.spent = 1, 0
-    self.total, self.norms, self.changes = None, [], []
-    self.history = []  # the rank in use at each step
-
-  def step(self, grads, step: int):
-    done = step - self.warmup
-    if done > 0 and done % ACCORDION_INTERVAL == 0:
-      self._choose(done)
-    approx = self.levels[self.active].step(grads, step)
-    self.history.append(self.active)
-    if done >= 0:
-      self.total = approx if self.total is None else _add(self.total, approx)
-      self.spent += self.bytes[self.active]
-    return approx
-
-  def _choose(self, done: int):
-    """The rank of the next interval, from the change of the mean's norm."""
-    self.norms.append(float(_norm(self.total)))
-    self.total = None
-    critical = False
-    if len(self.norms) > 1:
-      change = abs(self.norms[-1] / self.norms[-2] - 1)
-      self.changes.append(change)
-      ranked = sorted(self.changes, reverse=True)
-      top = math.ceil(len(ranked) * ACCORDION_CRITICAL)
-      critical = change >= ranked[top - 1]
-    affordable = self.spent <= self.bytes[2] * done
-    active = 1 if critical and affordable else 0
-    if active != self.active:
-      src, dst = self.levels[self.active], self.levels[active]
-      dst.devices.state = _carry_factors(src.state, dst.state)
-      self.active = active
-
-  def summary(self) -> dict[str, float]:
-    """The bytes spent per compressing step, over the rank's, and the
-    fraction of those steps at twice the rank."""
-    compressing = self.history[self.warmup :]
-    steps = max(len(compressing), 1)
-    return {
-        "bytes_vs_rank": self.spent / (steps * self.bytes[2]),
-        "high_fraction": sum(compressing) / steps,
-    }
-
-
-def _bytes_per_step(tx, params, num_devices) -> float:
-  """The mean bytes of ``tx``'s compressing phases."""
-  volume = acp_jax.comm_bytes(tx, params, num_devices=num_devices)
-  return statistics.fmean(volume[phase].total for phase in tx.cycle)
-
-
-_add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
-_norm = jax.jit(
-    lambda t: jnp.sqrt(sum(jnp.vdot(x, x) for x in jax.tree.leaves(t)))
-)
-
-
-def _resize(src, dst):
-  """Factor ``src`` (rows x r) at ``dst``'s width: cut to its leading
-  singular directions, or completed with ``dst``'s last columns."""
-  r, k = src.shape[-1], dst.shape[-1]
-  if r > k:
-    u, s, _ = jnp.linalg.svd(src, full_matrices=False)
-    return u[:, :k] * s[:k]
-  return jnp.concatenate([src, dst[:, r:]], axis=-1)
-
-
-def _carry_factors(src, dst):
-  """``src``'s state at ``dst``'s rank: the factors resized, the rest (the
-  residuals, the phase, the count) as they are."""
-  return type(src)(
-      **{
-          f: jax.tree.map(_resize, getattr(src, f), getattr(dst, f))
-          if f in ("p", "q")
-          else getattr(src, f)
-          for f in src._fields
-      }
-  )
 
 
 class _Reference:
@@ -307,11 +150,6 @@ class _Reference:
     self.mean = jax.jit(lambda g: jax.tree.map(lambda x: x.mean(0), g))
     self.adam_update = jax.jit(self.adam.update)
     self.cosines = jax.jit(self._cosines)
-    self.momentum_cosines = jax.jit(_momentum_cosines)
-    self.cosine = jax.jit(simulated.cosine)
-    # Adam without its first moment: after DeMo's decoupled momentum.
-    self.rmsprop = optax.scale_by_adam(0.0, B2, EPS)
-    self.decoupled = jax.jit(self._decoupled)
     self.apply = jax.jit(self._apply)
 
   def _cosines(self, approx, mean, own_adam, ref_adam, ref_dir):
@@ -324,23 +162,11 @@ class _Reference:
     ]
     return cosines, own_adam
 
-  def _decoupled(self, approx, own_adam, ref_adam, mean, ref_dir):
-    direction, own_adam = self.rmsprop.update(approx, own_adam)
-    return _momentum_cosines(approx, ref_adam.mu, mean, direction, ref_dir), (
-        own_adam
-    )
-
   def _apply(self, direction, descent_state, params):
     updates, descent_state = self.descent.update(
         direction, descent_state, params
     )
     return optax.apply_updates(params, updates), descent_state
-
-
-def _momentum_cosines(mu, old_mu, mean, direction, ref_dir):
-  """A ``momentum`` variant's ``grad`` and ``adam`` cosines."""
-  held = jax.tree.map(lambda m, g: B1 * m + (1 - B1) * g, old_mu, mean)
-  return [simulated.cosine(mu, held), simulated.cosine(direction, ref_dir)]
 
 
 def config(char_lm_path: str, tiny: bool):
@@ -385,16 +211,11 @@ def measure(
   ref = _Reference(exp)
   descent_state = ref.descent.init(params)
   runs = [
-      _AccordionRun(m, r, warmup_steps, params, num_devices)
-      if g == adam_geometry.ACCORDION
-      else _Run(
-          adam_geometry.Variant(m, r, g, warmup_steps, d), params, num_devices
-      )
+      _Run(adam_geometry.Variant(m, r, g, warmup_steps, d), params, num_devices)
       for m in methods
       for r in ranks
       for g in geometries
       for d in comm_dtypes
-      if g != adam_geometry.ACCORDION or d is None
   ]
   ref_adam = ref.adam.init(params)
   loader = data_lib.Loader(
@@ -420,11 +241,7 @@ def measure(
     params, descent_state = ref.apply(ref_dir, descent_state, params)
     if (step + 1) % 10 == 0:
       print(f"step {step + 1}", file=sys.stderr, flush=True)
-  rows = _rows(values)
-  for run, row in zip(runs, rows):
-    if isinstance(run, _AccordionRun):
-      row.update(run.summary())
-  return rows
+  return _rows(values)
 
 
 def _rows(values) -> list[dict[str, Any]]:
@@ -455,15 +272,7 @@ def _parser() -> argparse.ArgumentParser:
       "--geometries",
       default=",".join(g or "none" for g in GEOMETRIES),
       help="comma-separated: none (the compressor as it is), "
-      + ", ".join(
-          (
-              *adam_geometry.GEOMETRY_KINDS,
-              *adam_geometry.MOMENTUM,
-              *adam_geometry.SUBSPACE,
-              adam_geometry.DECOUPLED,
-              adam_geometry.ACCORDION,
-          )
-      ),
+      + ", ".join(adam_geometry.GEOMETRY_KINDS),
   )
   parser.add_argument(
       "--comm_dtypes",

@@ -18,6 +18,7 @@ from benchmarks import comm
 from benchmarks import consistency
 from benchmarks import convergence
 from benchmarks import convergence_summary
+from benchmarks import direction as bench_direction
 from benchmarks import overhead
 from benchmarks import pipeline
 from benchmarks import plots
@@ -195,6 +196,10 @@ _DIRECTION_COLUMNS = {
     "adam": "cosine: Adam update vs S-SGD's",
     "adam_shared": "the same, from S-SGD's moments",
     "steps": "steps measured",
+}
+# And those that only the closed experiments' rows hold.
+_CLOSED_DIRECTION_COLUMNS = {
+    **_DIRECTION_COLUMNS,
     "bytes_vs_rank": "bytes vs the rank's (accordion)",
     "high_fraction": "steps at 2x the rank (accordion)",
 }
@@ -210,6 +215,31 @@ def _direction(rows) -> str:
       provenance=template.provenance(rows),
       warmup=rows[0]["warmup_steps"],
       table=records.table(rows, _DIRECTION_COLUMNS),
+  )
+
+
+def _closed(summary, finals, direction) -> str:
+  """The closed experiments' records (of the variants that the benchmarks
+  no longer run): their convergence runs ``summary``, the screen beside Adam
+  after the same compressor, and their ``direction`` measurements."""
+  closed = [
+      r for r in direction if not bench_direction.is_measured(r["variant"])
+  ]
+  if not summary and not closed:
+    return ""
+  runs = [r for r in finals if r["variant"] not in convergence.VARIANTS]
+  return fill(
+      "convergence_closed",
+      provenance=template.provenance(runs + closed),
+      table=(
+          records.table(summary, convergence_summary.CLOSED_COLUMNS)
+          if summary
+          else ""
+      ),
+      screen=_screen(finals, direction),
+      direction=(
+          records.table(closed, _CLOSED_DIRECTION_COLUMNS) if closed else ""
+      ),
   )
 
 
@@ -294,18 +324,22 @@ def _screen(finals, direction) -> str:
     )
   if not rows:
     return ""
-  return fill(
-      "convergence_screen",
-      table=records.table(rows, {k: k for k in rows[0]}),
-  )
+  return records.table(rows, {k: k for k in rows[0]})
 
 
 def _convergence_section(
     finals, curves, direction, out: pathlib.Path
 ) -> list[str]:
   rows = convergence_summary.summarize(finals, curves)
+  # The closed experiments' runs are kept apart, in a section of their own.
+  closed = [r for r in rows if r["variant"] not in convergence.VARIANTS]
+  rows = [r for r in rows if r["variant"] in convergence.VARIANTS]
+  measured = [
+      r for r in direction if bench_direction.is_measured(r["variant"])
+  ]
   # The plot and the tables below read the seeds the summary reads.
   _, curves, left_out = convergence_summary.without_untrained(finals, curves)
+  curves = [c for c in curves if c["variant"] in convergence.VARIANTS]
   plots.convergence(curves, out / "convergence.png")
   warmup = max(r["warmup_steps"] for r in finals)
   stalls = _stalls(curves, warmup)
@@ -357,8 +391,8 @@ def _convergence_section(
           bert_gap_table=_gap_table(curves, "bert_mlm"),
           sgd_lr=dict(convergence.SGD)["optimizer.learning_rate"],
           reading=_convergence_reading(rows, curves, warmup),
-          direction=_direction(direction),
-          screen=_screen(finals, direction),
+          direction=_direction(measured),
+          closed=_closed(closed, finals, direction),
           minutes=sum(r["wall_seconds"] for r in finals) / 60,
           runs=len(finals),
       )

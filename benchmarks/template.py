@@ -3,7 +3,7 @@
 A snippet starts at a line ``<!-- name -->`` and runs to the next one; its
 fields are ``str.format`` fields. A paragraph of it (lines between blank
 lines) is joined into one line, except a fenced code block, so that the
-template reads wrapped and the report has one line a paragraph.
+template reads in short lines and the report has one line a paragraph.
 """
 
 import functools

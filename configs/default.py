@@ -138,14 +138,6 @@ def get_config() -> ml_collections.ConfigDict:
       {
           "name": "acp_sgd",
           **{name: _compressor_args(name) for name in registry.names()},
-          # What it averages: "gradient"; or "momentum", AdamW's first
-          # moment after its dense warm-up, the second moment frozen then,
-          # or "preconditioned_momentum", that moment over sqrt(nu) + eps
-          # (acp_jax.compressed_adam; optimizer adamw, warmup_steps >= 1);
-          # or "subspace_adam", the gradient, AdamW's moments kept in the
-          # coordinates that power_sgd or acp_sgd all-reduce
-          # (acp_jax.subspace_adam; optimizer adamw).
-          "compress": "gradient",
           # name "auto": the compressor that acp_jax.advise recommends for
           # this model on these workers and link (train/advice.py).
           "auto": {

@@ -186,6 +186,24 @@ def test_checkpoint_of_another_run_is_refused_before_reading_arrays(
   assert "params" not in message  # equal keys are not listed
 
 
+@pytest.mark.parametrize("recorded", [1.0, 0.5])
+def test_a_run_that_recorded_a_retired_error_decay(recorded, tmp_path):
+  """The trainer's configs of older versions held acp_sgd's error_decay: at
+  1 the run resumes as today's, another value is refused."""
+  args = {"rank": 4, "error_decay": recorded}
+  old = dict(RUN, compressor={"name": "acp_sgd", "args": args})
+  saved = checkpoint.Checkpointer(str(tmp_path), keep=0, run=old)
+  saved.save(1, _state(1), {"step": 1})
+  saved.close()
+  now = dict(RUN, compressor={"name": "acp_sgd", "args": {"rank": 4}})
+  ckpt = checkpoint.Checkpointer(str(tmp_path), keep=0, run=now)
+  if recorded != 1:
+    with pytest.raises(ValueError, match=r"error_decay=0\.5, an option this"):
+      ckpt.restore_latest(_state())
+    return
+  _assert_restored(ckpt.restore_latest(_state()), 1)
+
+
 def test_readable_arrays_that_differ_from_their_checksums_fall_back(
     tmp_path, caplog
 ):
@@ -679,6 +697,36 @@ def test_public_restore_refuses_another_compressor_of_the_same_shapes(
       tmp_path / "c", fresh, compressor=dp.compressor
   )
   assert acp_checkpoint.checksums(restored) == acp_checkpoint.checksums(state)
+
+
+@pytest.mark.parametrize("recorded", [1.0, 1, "none", None, 0.9])
+def test_public_restore_of_a_retired_error_decay(
+    recorded, tmp_path, monkeypatch, caplog
+):
+  """Older versions recorded ACP-SGD's error_decay: at the value that kept
+  the residual whole it restores into today's compressor, with a note;
+  any other is refused, naming the option."""
+  dp, state = _public_state(acp_jax.acp_sgd(2))
+  record = acp_checkpoint.compressor_record(dp.compressor)
+  assert "error_decay" not in record["args"]
+  record["args"]["error_decay"] = recorded
+  with monkeypatch.context() as m:
+    m.setattr(acp_checkpoint, "compressor_record", lambda _: record)
+    acp_checkpoint.save(tmp_path / "c", state, compressor=dp.compressor)
+  fresh = _public_state(acp_jax.acp_sgd(2), seed=1)[1]
+  if recorded == 0.9:
+    with pytest.raises(ValueError, match=r"error_decay=0\.9, an option this"):
+      acp_checkpoint.restore(tmp_path / "c", fresh, compressor=dp.compressor)
+    return
+  with caplog.at_level(logging.WARNING, logger="acp_jax.checkpoint"):
+    restored = acp_checkpoint.restore(
+        tmp_path / "c", fresh, compressor=dp.compressor
+    )
+  assert acp_checkpoint.checksums(restored) == acp_checkpoint.checksums(state)
+  (note,) = [
+      r.getMessage() for r in caplog.records if "error_decay" in r.getMessage()
+  ]
+  assert f"ignored acp_sgd's error_decay={recorded!r}" in note
 
 
 @pytest.mark.parametrize("strict", [True, False])

@@ -61,40 +61,6 @@ def test_error_feedback_changes_only_what_follows_the_first_step(name):
   assert not np.allclose(out[True][1]["a"], out[False][1]["a"], atol=1e-6)
 
 
-@pytest.mark.parametrize("name", sorted(LOW_RANK))
-def test_decayed_residual_is_momentum_less_what_was_sent(name):
-  """With every device holding the same gradient, what it sent is the mean,
-  so each step must keep E' = G + beta E - mean (DeMo's momentum m = beta m
-  + G, less what was sent), through P- and Q-steps alike."""
-  beta = 0.5
-  compress, comm = exchange(LOW_RANK[name](2, error_decay=beta), MATRICES)
-  error = jax.tree.map(lambda x: np.zeros(x.shape, np.float32), MATRICES)
-  for seed in range(3):
-    one = dense_mean(helpers.random_grads(seed, MATRICES))
-    grads = helpers.replicate(jax.tree.map(jnp.asarray, one))
-    mean, comm = compress(grads, comm)
-    expected = jax.tree.map(
-        lambda g, e, m: g + beta * e - np.asarray(m), one, error, mean
-    )
-    error = jax.tree.map(lambda e: np.asarray(e)[0], comm.error)
-    chex.assert_trees_all_close(error, expected, rtol=1e-5, atol=1e-5)
-    assert any(np.abs(e).max() > 1e-3 for e in jax.tree.leaves(error))
-
-
-@pytest.mark.parametrize("name", sorted(LOW_RANK))
-def test_zero_error_decay_sends_what_no_error_feedback_sends(name):
-  """beta = 0: the residual is kept but never added, so every step's mean is
-  that of the compressor without error feedback."""
-  means = {}
-  for kwargs in ({"error_decay": 0.0}, {"use_error_feedback": False}):
-    compress, comm = exchange(LOW_RANK[name](2, **kwargs), MATRICES)
-    means[tuple(kwargs)] = []
-    for seed in range(3):
-      mean, comm = compress(helpers.random_grads(seed, MATRICES), comm)
-      means[tuple(kwargs)].append(helpers.to_numpy(mean))
-  chex.assert_trees_all_close(*means.values(), rtol=1e-5, atol=1e-6)
-
-
 def _decaying_spectrum_grads():
   """Device gradients whose mean has singular values 1, 0.9, 0.81, ..."""
   rng = np.random.default_rng(0)
@@ -190,7 +156,6 @@ def test_bf16_factors_train_close_to_fp32_and_keep_residuals_in_fp32(name):
         ({"use_error_feedback": 1}, "use_error_feedback must be a bool, got 1"),
         ({"warm_start": None}, "warm_start must be a bool, got None"),
         ({"warmup_factors": "no"}, "warmup_factors must be a bool, got 'no'"),
-        ({"error_decay": 1.5}, r"error_decay must be a number in \[0, 1\]"),
         ({"comm_dtype": jnp.int8}, "comm_dtype must be a floating dtype"),
     ],
 )

@@ -275,6 +275,13 @@ class Checkpointer:
   def _check_run(
       self, path: epath.Path, saved: dict[str, Any], by: str
   ) -> None:
+    if "compressor" in saved:
+      saved = {
+          **saved,
+          "compressor": acp_checkpoint.current_record(
+              saved["compressor"], path
+          ),
+      }
     if differ := acp_checkpoint.differences(
         saved, self._run, now_is="this run has"
     ):

@@ -19,8 +19,6 @@ from acp_jax import registry
 from train import checks
 from train import models
 from train import pipeline
-from train.optimizers import COMPRESS
-from train.optimizers import compress_mode
 from train.optimizers import compressor
 from train.optimizers import optimizer
 from train.optimizers import OPTIMIZER_SHARED
@@ -244,17 +242,9 @@ def _validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   )
   _check_keys(
       "config.compressor",
-      set(config.compressor) - {"name", "compress", "auto"},
+      set(config.compressor) - {"name", "auto"},
       registry.names(),
   )
-  _check_choice("config.compressor.compress", compress_mode(config), COMPRESS)
-  compress = compress_mode(config)
-  if compress != "gradient" and config.optimizer.name != "adamw":
-    raise ValueError(
-        f"config.compressor.compress={compress!r} runs AdamW's moments in the"
-        f" compressor, but config.optimizer.name={config.optimizer.name!r}; set"
-        " config.optimizer.name='adamw' or compress='gradient'"
-    )
   compressor(config, "data")  # the factory checks its own arguments
   optimizer(config, config.optimizer.learning_rate)  # and so does this one
 

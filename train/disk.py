@@ -5,7 +5,7 @@ import errno
 
 
 def no_space(error: BaseException) -> bool:
-  """Whether a full disk is at the root of ``error``, however wrapped."""
+  """Whether a full disk is at the root of ``error``, at any depth."""
   seen = set()
   while error is not None and id(error) not in seen:
     seen.add(id(error))

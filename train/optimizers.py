@@ -11,24 +11,6 @@ import optax
 import acp_jax
 from acp_jax import registry
 
-# What the compressor averages: the gradient, or (AdamW only) Adam's first
-# moment, its second frozen after the compressor's dense warm-up, as it is
-# or divided by sqrt(nu) + eps (``acp_jax.compressed_adam``'s
-# ``preconditioned``), by name; or, "subspace_adam" (AdamW and a low-rank
-# compressor only), the gradient, with Adam's moments kept in the
-# coordinates it all-reduces (``acp_jax.subspace_adam``), and with
-# "subspace_adam_momentum" its factors tracking the first moment
-# (``track_momentum``).
-COMPRESS = {
-    "gradient": None,
-    "momentum": False,
-    "preconditioned_momentum": True,
-    "subspace_adam": False,
-    "subspace_adam_momentum": True,
-    "subspace_adam_rms": False,
-    "subspace_adam_momentum_rms": True,
-}
-
 
 def compressor(
     config: ml_collections.ConfigDict,
@@ -44,39 +26,11 @@ def compressor(
   if leaf_order is not None:
     args.setdefault("leaf_order", leaf_order)
   try:
-    made = registry.get(name).factory(axis_name=axis_name, **args)
+    return registry.get(name).factory(axis_name=axis_name, **args)
   except TypeError as e:  # an argument the factory does not take
     raise ValueError(f"config.compressor.{name}: {e}") from None
   except ValueError as e:
     raise ValueError(f"config.compressor.{name}: {e}") from None
-  compress = compress_mode(config)
-  if compress == "gradient":
-    return made
-  try:
-    if compress.startswith("subspace_adam"):
-      return acp_jax.subspace_adam(
-          made,
-          **_adam_moments(config),
-          track_momentum=COMPRESS[compress],
-          match_rms=compress.endswith("_rms"),
-      )
-    return acp_jax.compressed_adam(
-        made, **_adam_moments(config), preconditioned=COMPRESS[compress]
-    )
-  except TypeError as e:  # an argument of AdamW's that it does not take
-    raise ValueError(f"config.optimizer.adamw: {e}") from None
-  except ValueError as e:
-    raise ValueError(f"config.compressor.compress={compress!r}: {e}") from None
-
-
-def compress_mode(config: ml_collections.ConfigDict) -> str:
-  """What the compressor averages: a key of ``COMPRESS``."""
-  return config.compressor.get("compress", "gradient")
-
-
-def _adam_moments(config: ml_collections.ConfigDict) -> dict[str, float]:
-  """AdamW's own arguments (its decays and eps), for compressed_adam."""
-  return dict(config.optimizer.get("adamw", {}))
 
 
 def schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
@@ -143,13 +97,6 @@ def optimizer(
   """
   args = config.optimizer
   name = args.name
-  if compress_mode(config) != "gradient":
-    # Adam's scaling is the compressor's (compressed_adam, which takes
-    # AdamW's own arguments); what follows it in optax.adamw follows here.
-    return optax.chain(
-        optax.add_decayed_weights(args.get("weight_decay", 0.0)),
-        optax.scale_by_learning_rate(lr),
-    )
   try:
     return OPTIMIZERS[name](
         lr, args.get("weight_decay", 0.0), **dict(args.get(name, {}))

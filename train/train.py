@@ -27,7 +27,6 @@ from train.experiment import init_state
 from train.experiment import put_batch
 from train.experiment import REPLICATED
 from train.experiment import TrainState
-from train.optimizers import compress_mode
 from train.steps import compile_steps
 from train.steps import is_finite
 
@@ -88,16 +87,14 @@ def run_identity(experiment: Experiment, state: TrainState) -> dict[str, Any]:
 
 def state_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """The settings beyond ``run_identity`` that shape the optimizer state
-  (the optimizer's own arguments, what the compressor averages), keyed as an
-  operator sets them: named when a checkpoint's state has another
-  structure."""
+  (the optimizer's own arguments), keyed as an operator sets them: named
+  when a checkpoint's state has another structure."""
   optimizer = config.optimizer
   return {
       "config": {
           "optimizer": {
               optimizer.name: dict(optimizer.get(optimizer.name, {}))
           },
-          "compressor": {"compress": compress_mode(config)},
       },
       **advice.settings(config),
   }
