@@ -35,7 +35,7 @@ from acp_jax.ssgd import ssgd
 from acp_jax.topk import topk_sgd
 from acp_jax.topk import TopkSgdState
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = (
     "AcpSgdState",

@@ -611,13 +611,17 @@ def _record(directory: str) -> dict[str, Any]:
 
 
 # Factory arguments that older versions recorded and this one no longer has,
-# each with the test of the value that left the compressor as it is today.
+# each with the test, of the value and the factory's name, that the value
+# left the compressor as it is today.
 _RETIRED = {
     # DeMo-style decay of the residual; 1 (or "none" in older records) kept
     # it whole, as every low-rank compressor now does.
-    "error_decay": lambda v: v is None or v == "none" or (
+    "error_decay": lambda v, _: v is None or v == "none" or (
         isinstance(v, (int, float)) and not isinstance(v, bool) and v == 1
     ),
+    # The factory's own name, which releases before 0.2.0 recorded among
+    # its arguments by mistake.
+    "caller": lambda v, name: v == name,
 }
 
 
@@ -635,7 +639,7 @@ def current_record(made: Any, path: Any) -> Any:
   args = dict(made["args"])
   for name in sorted(set(args) & set(_RETIRED)):
     value = args.pop(name)
-    if not _RETIRED[name](value):
+    if not _RETIRED[name](value, made["name"]):
       raise ValueError(
           f"the checkpoint at {path} was saved with {made['name']}'s"
           f" {name}={value!r}, an option this version of acp_jax no longer"

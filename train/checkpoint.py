@@ -39,9 +39,10 @@ from acp_jax import checkpoint as acp_checkpoint
 from train import checks
 from train import disk
 
-# The layout of a checkpoint and its record, raised when either changes:
-# a checkpoint of another format is refused as version skew, naming the
-# version that wrote it. 1: records before the format was recorded.
+# The layout of a checkpoint and its record, raised when either changes.
+# Older formats in ``_UPGRADES`` are read, filling what they lack; any other
+# is refused as version skew, naming the version that wrote it. 1: records
+# before the format was recorded.
 FORMAT = 2
 # Keys the Checkpointer adds to each record.
 _RESERVED = ("run", "checksums", "layout", "format", "written_by")
@@ -236,7 +237,7 @@ class Checkpointer:
     _check_format(path, raw)
     if error is None:
       try:
-        record = acp_checkpoint.unsealed(raw, path)
+        record = _upgraded(path, acp_checkpoint.unsealed(raw, path))
         if missing := [k for k in _RESERVED if k not in record]:
           error = f"its record lacks {missing}"
       except acp_checkpoint.DamagedError as e:
@@ -383,10 +384,55 @@ def written_by() -> str:
   return f"acp_jax {acp_jax.__version__}"
 
 
+def _format_1(record: dict[str, Any]) -> tuple[dict[str, Any], str]:
+  """A record of format 1 (acp_jax before 0.2.0, which wrote no format) as
+  format 2 holds it, and what was filled in. The state's arrays are laid
+  out alike; the record lacked the run's id (the log's lines carried none
+  either), the skipped steps (that version skipped none), the guard's
+  reference loss (taken again from the first step resumed) and, in the
+  run, JAX_ENABLE_X64 (that version trained in float32)."""
+  run = {"JAX_ENABLE_X64": False, **record["run"]}
+  filled = {
+      **record,
+      "run": run,
+      "format": 1,
+      "written_by": "an acp_jax before 0.2.0",
+  }
+  return filled, (
+      "no run id, no skipped steps, the divergence guard's reference from"
+      " the first step resumed, run.JAX_ENABLE_X64=False"
+  )
+
+
+# Each older format this version reads: record -> (record as FORMAT holds
+# it, what was filled in).
+_UPGRADES = {1: _format_1}
+
+
+def _upgraded(path: epath.Path, record: dict[str, Any]) -> dict[str, Any]:
+  """``record`` (verified) as this format holds it, saying in one line
+  what an older format's record was given."""
+  saved = record.get("format", 1)
+  if saved == FORMAT:
+    return record
+  record, filled = _UPGRADES[saved](record)
+  logging.warning(
+      "checkpoint %s is of format %d, written by %s: read as format %d with"
+      " %s",
+      path,
+      saved,
+      record["written_by"],
+      FORMAT,
+      filled,
+  )
+  return record
+
+
 def _check_format(path: epath.Path, raw: Any) -> None:
   """Raises ``ValueError`` if the record ``raw`` (as read, unverified) was
-  written in another checkpoint format: version skew, not damage."""
-  if not isinstance(raw, dict) or raw.get("format") == FORMAT:
+  written in a checkpoint format this version cannot read: version skew,
+  not damage."""
+  if not isinstance(raw, dict) or raw.get("format", 1) in (FORMAT, *_UPGRADES):
     return
   saved = raw.get("format", 1)
   by = raw.get("written_by") or (
@@ -394,7 +440,8 @@ def _check_format(path: epath.Path, raw: Any) -> None:
   )
   raise ValueError(
       f"checkpoint {path} was written by {by} in checkpoint format {saved};"
-      f" this is {written_by()}, which reads format {FORMAT}: version skew,"
+      f" this is {written_by()}, which reads formats"
+      f" {', '.join(map(str, sorted({*_UPGRADES, FORMAT})))}: version skew,"
       " not damage. Resume it with the version that wrote it, or move"
       f" {path.parent} away to start the run over."
   )
