@@ -15,6 +15,7 @@ command resumes it. Only public calls that every release has are used.
 
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -111,11 +112,19 @@ def trainer(out):
   shutil.rmtree(os.path.join(workdir, "tensorboard"), ignore_errors=True)
 
 
+def strip_paths(root):
+  """Orbax's commit markers name the folder they were written in: a path of
+  the machine that made them, not the repository's."""
+  for marker in pathlib.Path(root).rglob("commit_success.txt"):
+    marker.write_text("Checkpoint commit was successful.\n")
+
+
 if __name__ == "__main__":
   jax.config.update("jax_num_cpu_devices", 8)
   root = sys.argv[1]
   for name, make in (("library", library), ("trainer", trainer)):
     os.makedirs(os.path.join(root, name), exist_ok=True)
     make(os.path.join(root, name))
+  strip_paths(root)
   with open(os.path.join(root, "release.json"), "w") as f:
     json.dump({"acp_jax": acp_jax.__version__, "jax": jax.__version__}, f)
