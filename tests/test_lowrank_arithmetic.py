@@ -189,13 +189,16 @@ def test_a_user_step_donating_params_and_state_copies_no_residual(name):
   tx = dp.chain(optax.sgd(0.1))
   params = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
   state = jax.eval_shape(tx.init, params)
+  # One row per device, which could as well be time-major: said.
   batch = jax.ShapeDtypeStruct((2, 8, shape[0]), jnp.float32)
+  specs = (jax.sharding.PartitionSpec("data"),)
 
   def loss(p, x):
     return jnp.mean((x @ p["w"]) ** 2)
 
   def step(p, s, x):
-    updates, s = tx.update(dp.value_and_grad(loss)(p, x)[1], s, p)
+    grads = dp.value_and_grad(loss, batch_specs=specs)(p, x)[1]
+    updates, s = tx.update(grads, s, p)
     return optax.apply_updates(p, updates), s
 
   def copies(donate):
