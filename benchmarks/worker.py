@@ -221,13 +221,17 @@ def _data_parallel(args, layout: str):
 
 def _step_fn(dp, tx, loss_fn):
   """The jitted data-parallel step: local gradients, their compressed mean
-  fed to ``tx`` (a ``dp.chain``), the update applied."""
+  fed to ``tx`` (a ``dp.chain``), the update applied. The batch is said to
+  split on axis 0: a small workload's rows, one per device, could as well
+  be time steps."""
   import jax
   import optax
 
   @jax.jit
   def step(params, state, batch):
-    loss, grads = dp.value_and_grad(loss_fn)(params, batch)
+    loss, grads = dp.value_and_grad(loss_fn, batch_specs=(dp.device_spec,))(
+        params, batch
+    )
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state, loss
 
@@ -435,7 +439,9 @@ def _part_programs(dp, local, inner, loss_fn, params) -> dict:
     return optax.apply_updates(params, updates), inner_state
 
   return {
-      "forward_backward": jax.jit(dp.value_and_grad(loss_fn)),
+      "forward_backward": jax.jit(
+          dp.value_and_grad(loss_fn, batch_specs=(dp.device_spec,))
+      ),
       "compress": _compress_fn(dp, params),
       "compress_local": _compress_fn(local, params),
       "optimizer": optimizer,
