@@ -502,13 +502,55 @@ class DataParallel:
       if params is not None:
         _local_grads.check_stacked(updates, params, self.num_devices)
       mean, comm, finite = self._compress(updates, state.comm)
-      mean, inner = tx.update(mean, state.inner, params, **extra_args)
-      if self.nonfinite == "skip":
-        inner = phase_lib.where(finite, inner, state.inner)
-        mean = jax.tree.map(lambda u: jnp.where(finite, u, 0), mean)
-      return mean, DataParallelState(comm=comm, inner=inner)
+      return inner_update(
+          self, tx, mean, comm, finite, state, params, extra_args
+      )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+  def step(
+      self,
+      tx: optax.GradientTransformation,
+      blocks: Any,
+      *,
+      overlap: bool | None = None,
+  ) -> Callable[..., tuple[Any, DataParallelState, jax.Array]]:
+    """A whole training step of a model given as blocks, overlapped or fused.
+
+    ``step(params, opt_state, *batch) -> (params, opt_state, loss)``, with
+    ``opt_state`` from ``chain(tx).init(params)`` and ``loss`` the mean of
+    the devices' losses. Each batch argument is split over the devices along
+    its leading axis. ``params`` and ``opt_state`` are donated: use the ones
+    the step returns.
+
+    Overlapped (``acp_jax.overlap``), the backward pass runs block by block
+    and each block's gradients are exchanged by the compressor as soon as
+    they are complete, on a communication thread, while the next block's
+    backward pass runs: the overlap of wait-free backpropagation, which
+    XLA:CPU gives no collective within one program. Fused, it is one jitted
+    program of ``value_and_grad`` and ``chain(tx)``'s update. Both give the
+    same result to float32 rounding, from the same state: checkpoints,
+    ``at_step`` and the compressor's phase are the same either way.
+
+    Args:
+      tx: the optimizer fed with the compressed mean, as in ``chain(tx)``.
+      blocks: the model as a sequence of functions ``block(params, carry,
+        *batch) -> carry`` of the whole params tree: the first takes
+        ``carry=None``, the last returns this device's scalar loss. The
+        overlapped step exchanges each block's params once its backward
+        pass has completed their gradient.
+      overlap: True for the overlapped step, False for the fused one; None
+        (the default) overlaps where it pays, in multi-process runs with one
+        CPU device per process, and fuses elsewhere (on GPUs, XLA overlaps
+        the fused step's collectives itself; simulated devices of one
+        process run their programs in lockstep). Where the blocks cannot be
+        split (one block holds every param, or the compressor draws random
+        factors for all leaves at once), the step is fused, with a one-line
+        warning on the ``acp_jax.overlap`` logger.
+    """
+    from acp_jax import overlap as overlap_lib
+
+    return overlap_lib.make_step(self, tx, blocks, overlap)
 
   # -- gradients ----------------------------------------------------------------
 
@@ -650,6 +692,26 @@ class DataParallel:
           norm.axis_name = None
 
     return synchronized
+
+
+def inner_update(
+    dp: DataParallel,
+    tx: optax.GradientTransformation,
+    mean: Any,
+    comm: Any,
+    finite: jax.Array,
+    state: DataParallelState,
+    params: Any,
+    extra_args: dict[str, Any],
+) -> tuple[Any, DataParallelState]:
+  """``chain(tx)``'s update after the exchange: ``tx`` on the compressed
+  ``mean``, and with ``nonfinite="skip"`` the whole step undone where the
+  mean is not finite. ``comm`` is the compressor's next state."""
+  updates, inner = tx.update(mean, state.inner, params, **extra_args)
+  if dp.nonfinite == "skip":
+    inner = phase_lib.where(finite, inner, state.inner)
+    updates = jax.tree.map(lambda u: jnp.where(finite, u, 0), updates)
+  return updates, DataParallelState(comm=comm, inner=inner)
 
 
 def _naming_assumed_splits(
