@@ -319,8 +319,8 @@ def from_parts(
   Sign-SGD, Top-k), from its checked ``args`` and what is its own:
   ``init(params)`` and ``update(updates, state)``, here checked first (real
   floating-point leaves; where the update runs and what it is given, a
-  state of ``state_type``). ``made_by`` records ``args.own`` with the axis
-  and the bucket size."""
+  state of ``state_type``). ``made_by`` records ``args.own`` with the axis,
+  the bucket size and the leaf order."""
   name, axis_name = args.caller, args.axis_name
 
   def init_fn(params):
@@ -333,7 +333,12 @@ def from_parts(
     _checks.check_state(state, state_type, name)
     return update(updates, state)
 
-  made_by = dict(args.own, axis_name=axis_name, bucket_bytes=args.bucket_bytes)
+  made_by = dict(
+      args.own,
+      axis_name=axis_name,
+      bucket_bytes=args.bucket_bytes,
+      leaf_order=args.leaf_order,
+  )
   spec = Spec(
       volume,
       axis_name,

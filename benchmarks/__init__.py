@@ -13,6 +13,7 @@ SUBCOMMANDS = (
     "overhead",
     "convergence",
     "cluster",
+    "overlap_step",
     "quality",
     "project",
     "sign_scaling",

@@ -8,6 +8,9 @@ prints.
   python -m benchmarks.worker quality --task T --variant V --seed S \
       --data_path F --workdir D --steps S --eval_every E [--target L] \
       --coordinator_address A --num_processes N --process_id I
+  python -m benchmarks.worker overlap --workload W --compressor C \
+      --steps S --rounds R --coordinator_address A --num_processes N \
+      --process_id I
   python -m benchmarks.worker psum --sizes 4096,1048576 --repeats 5 \
       [--busy_mb MB] --coordinator_address A --num_processes N --process_id I
   python -m benchmarks.worker nodes --workload W --compressor C --steps S \
@@ -16,7 +19,10 @@ prints.
 
 ``parts`` times a data-parallel step, the same step on each process's
 device alone (the compute-only step the cost model starts from) and, with
-``--breakdown``, the step's parts, all in lockstep. ``quality`` trains a convergence task with
+``--breakdown``, the step's parts, all in lockstep. ``overlap`` times the workload's step fused
+and overlapped (``acp_jax.DataParallel.step`` on the model's stages),
+alternating round by round, and the fused step on this process's device
+alone. ``quality`` trains a convergence task with
 the trainer until its held-out loss reaches a target (time to quality on
 the link). ``psum`` times
 all-reduces of float32 buffers of the given byte sizes, on idle processes
@@ -32,12 +38,13 @@ and received, and the packets it sent, per timed step; with
 ``--params_out``, it saves the params before and after the steps, whole,
 for comparing runs.
 
-The three modes are one program, kept in one module: they share the
+The modes are one program, kept in one module: they share the
 process's start (``jax.distributed``, in ``main``), its flags, and ``parts``
 and ``nodes`` the workload's data-parallel step (``_data_parallel``).
 """
 
 import argparse
+import functools
 import json
 import pathlib
 import resource
@@ -98,6 +105,12 @@ def _parser() -> argparse.ArgumentParser:
       default=False,
       help="then one more round that also times the step's parts",
   )
+  overlap = sub.add_parser("overlap", parents=[common])
+  overlap.add_argument("--workload", required=True)
+  overlap.add_argument("--compressor", required=True)
+  overlap.add_argument("--steps", type=int, required=True, help="per round")
+  overlap.add_argument("--rounds", type=int, default=3)
+  overlap.add_argument("--warmup", type=int, default=4)
   psum = sub.add_parser("psum", parents=[common])
   psum.add_argument("--sizes", required=True, help="comma-separated bytes")
   psum.add_argument("--repeats", type=int, default=5)
@@ -578,6 +591,96 @@ def _parts(args) -> dict:
   return {**out, **method.summary()}
 
 
+def model_blocks(experiment) -> list:
+  """The workload's per-device loss as the blocks of
+  ``DataParallel.step``: each of its model's ``stages``, the last followed
+  by the loss, on pure-dict params and the stacked batch of ``_loss_fn``."""
+  import jax
+  from flax import nnx
+
+  from train import loss as loss_lib
+
+  graphdef, batch_stats = experiment.graphdef, experiment.abstract_batch_stats
+  num = len(
+      nnx.merge(graphdef, experiment.abstract_params, batch_stats).stages(
+          train=False
+      )
+  )
+
+  def block(k, params, carry, batch):
+    batch = jax.tree.map(lambda x: x[0], batch)
+    model = nnx.merge(graphdef, params, batch_stats)
+    rngs = nnx.Rngs(dropout=jax.random.key(k))
+    stage = model.stages(train=True, rngs=rngs)[k]
+    out = stage(batch["inputs"] if carry is None else carry)
+    return loss_lib.mean_loss(out, batch) if k == num - 1 else out
+
+  return [functools.partial(block, k) for k in range(num)]
+
+
+# The steps ``overlap`` times, alternating round by round.
+OVERLAP_MODES = ("fused", "overlapped")
+
+
+def _overlap(args) -> dict:
+  """Each round's median seconds of the step fused and overlapped, in
+  lockstep (``_lockstep``), the two alternating which goes first; and of
+  the fused step on this process's device alone, the compute-only step."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as P
+
+  experiment, dp, inner, params, batch, _ = _data_parallel(args, "flat")
+  blocks = model_blocks(experiment)
+  local, to_local = _one_device(dp)
+  runs = {
+      mode: {
+          "step": dp.step(inner, blocks, overlap=mode == "overlapped"),
+          "params": jax.tree.map(jnp.copy, params),
+          "batch": batch,
+      }
+      for mode in OVERLAP_MODES
+  }
+  runs["local"] = {
+      "step": local.step(inner, blocks, overlap=False),
+      "params": to_local(params, P()),
+      "batch": to_local(batch, local.device_spec),
+  }
+  for mode, run in runs.items():
+    owner = local if mode == "local" else dp
+    run["state"] = owner.chain(inner).init(run["params"])
+    run["steps"] = 0
+  timed, cycle = _lockstep(dp.mesh), len(experiment.compressor.cycle)
+
+  def steps(run, n):
+    seconds = []
+    for _ in range(n):
+      owner = local if run is runs["local"] else dp
+      state = owner.at_step(run["state"], run["steps"])
+      (run["params"], run["state"], loss), _, t = timed(
+          run["step"], run["params"], state, run["batch"]
+      )
+      run["steps"] += 1
+      seconds.append(t)
+    return seconds, float(loss)
+
+  rounds = []
+  for r in range(args.rounds):
+    order = OVERLAP_MODES if r % 2 == 0 else OVERLAP_MODES[::-1]
+    medians = {}
+    for mode in (*order, "local"):
+      warmup = max(args.warmup, 2 * cycle) if r == 0 else args.warmup
+      steps(runs[mode], warmup)
+      seconds, loss = steps(runs[mode], args.steps)
+      medians[mode] = statistics.median(seconds)
+      medians[f"{mode}_loss"] = loss
+    rounds.append(medians)
+  return {
+      "rounds": rounds,
+      "exchange_order": list(runs["overlapped"]["step"].exchange_order),
+  }
+
+
 def psum(args) -> dict:
   """Median seconds of an all-reduce of each size: on idle processes
   (``psum_seconds``), and, with ``--busy_mb``, right after every process
@@ -673,7 +776,13 @@ def main(argv: list[str] | None = None) -> None:
 
   devices = args.devices if args.mode == "nodes" else 1
   runtime.setup(num_cpu_devices=devices, **{k: getattr(args, k) for k in _DIST})
-  modes = {"nodes": _nodes, "parts": _parts, "psum": psum, "quality": quality}
+  modes = {
+      "nodes": _nodes,
+      "parts": _parts,
+      "overlap": _overlap,
+      "psum": psum,
+      "quality": quality,
+  }
   result = modes[args.mode](args)
   print("RESULT " + json.dumps({"process_id": args.process_id, **result}))
 

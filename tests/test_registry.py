@@ -122,9 +122,10 @@ def test_replace_keeps_every_setting_and_what_made_it_only_unchanged(name):
 @pytest.mark.parametrize("name", ["ssgd", "sign_sgd", "power_sgd", "acp_sgd"])
 def test_replace_of_a_setting_the_update_took_takes_effect_or_is_refused(name):
   """The update closes over the axis it sends on: a replaced axis_name is
-  the factory's compressor on that axis, which runs on a mesh of it; a
-  replaced leaf_order, which S-SGD does not record, is refused naming the
-  factory call."""
+  the factory's compressor on that axis, which runs on a mesh of it, and a
+  replaced leaf_order the factory's compressor with that order. A compressor
+  that no factory made cannot change what its update took: refused, naming
+  the call to make again."""
   made = MADE[name]()
   moved = made._replace(axis_name="batch")
   assert moved == registry.make(
@@ -151,8 +152,16 @@ def test_replace_of_a_setting_the_update_took_takes_effect_or_is_refused(name):
         -jax.grad(lambda p: jnp.mean(x @ p["w"]))(params)["w"],
         rtol=1e-5,
     )
-    with pytest.raises(ValueError, match=r"leaf_order.*acp_jax\.ssgd\("):
-      made._replace(leaf_order=(0,))
+  reordered = made._replace(leaf_order=(0,))
+  assert reordered.leaf_order == (0,)
+  assert reordered == registry.make(
+      made.made_by[0], {**made.made_by[1], "leaf_order": (0,)}
+  )
+  by_hand = acp_jax.Compressor(
+      made.init, made.update, made.volume, axis_name="data"
+  )
+  with pytest.raises(ValueError, match=r"leaf_order.*Make the compressor again"):
+    by_hand._replace(leaf_order=(0,))
 
 
 def test_compressors_of_other_arguments_differ():

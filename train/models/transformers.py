@@ -5,6 +5,7 @@ in PyTorch, so low-rank compressors see the reference implementations'
 matrices.
 """
 
+import functools
 import math
 
 import jax
@@ -172,19 +173,38 @@ class Bert(nnx.Module):
     self.mlm_norm = nnx.LayerNorm(hidden, epsilon=1e-12, rngs=rngs)
     self.mlm_bias = nnx.Param(jnp.zeros((vocab_size,), jnp.float32))
 
-  def __call__(self, inputs, *, train: bool, rngs: nnx.Rngs | None = None):
+  def stages(self, *, train: bool, rngs: nnx.Rngs | None = None) -> list:
+    """The forward pass as functions applied in turn, tokens to logits: the
+    embeddings, each layer, the masked-LM head (the blocks of an
+    overlapped step, ``acp_jax.DataParallel.step``)."""
     check_dropout_rngs(self, self.dropout_rate, train, rngs)
-    positions = _positions(inputs, self.max_len)
-    x = (
-        self.word_embed(inputs)
-        + self.position_embed(positions)
-        + self.type_embed.embedding[0]
-    )
-    x = self.dropout(self.embed_norm(x), deterministic=not train, rngs=rngs)
-    for layer in self.layers:
-      x = layer(x, train=train, rngs=rngs)
-    x = self.mlm_norm(jax.nn.gelu(self.mlm_dense(x), approximate=False))
-    return self.word_embed.attend(x) + self.mlm_bias[...]
+
+    def embed(inputs):
+      positions = _positions(inputs, self.max_len)
+      x = (
+          self.word_embed(inputs)
+          + self.position_embed(positions)
+          + self.type_embed.embedding[0]
+      )
+      return self.dropout(
+          self.embed_norm(x), deterministic=not train, rngs=rngs
+      )
+
+    def head(x):
+      x = self.mlm_norm(jax.nn.gelu(self.mlm_dense(x), approximate=False))
+      return self.word_embed.attend(x) + self.mlm_bias[...]
+
+    layers = [
+        functools.partial(layer, train=train, rngs=rngs)
+        for layer in self.layers
+    ]
+    return [embed, *layers, head]
+
+  def __call__(self, inputs, *, train: bool, rngs: nnx.Rngs | None = None):
+    x = inputs
+    for stage in self.stages(train=train, rngs=rngs):
+      x = stage(x)
+    return x
 
 
 class CharLMBlock(nnx.Module):
