@@ -8,7 +8,6 @@ whose arithmetic lives in ``orthogonalize`` and ``projection``.
 
 from collections.abc import Callable
 import dataclasses
-import logging
 import math
 from typing import Any, NamedTuple
 import warnings
@@ -26,12 +25,6 @@ from acp_jax import state_trees
 from acp_jax import orthogonalize
 from acp_jax import phase as phase_lib
 from acp_jax import projection
-
-
-def _not_a_dense_step_error(record: logging.LogRecord) -> bool:
-  """False for JAX's log of ``check_dense_step``'s error (see there)."""
-  error = record.exc_info[1] if record.exc_info else None
-  return not getattr(error, "from_check_dense_step", False)
 
 
 def check_dense_step(cfg: "LowRank", count: jax.Array) -> None:
@@ -64,14 +57,10 @@ def check_dense_step(cfg: "LowRank", count: jax.Array) -> None:
           " taken, and use the state it returns (an nnx.Optimizer is"
           " switched in place)."
       )
-      error.from_check_dense_step = True
       raise error
 
-  # Every device's callback raises (one that went on would wait for the
-  # others in the step's all-reduce until XLA aborts the process), and JAX
-  # logs each before failing the step with one of them: the step's error
-  # says it once, so the devices' copies are not logged.
-  logging.getLogger("jax._src.debugging").addFilter(_not_a_dense_step_error)
+  # Every device's callback raises: one that went on would wait for the
+  # others in the step's all-reduce until XLA aborts the process.
   jax.debug.callback(check, count)
 
 
