@@ -46,6 +46,7 @@ RECORD_FILES = (
     "convergence_direction",
     "cluster",
     "cluster_links",
+    "overlap_step",
     "advice",
     "projection",
     "cluster_hierarchical",
@@ -455,6 +456,9 @@ def _sections(found, out: pathlib.Path) -> list[str]:
       ),
       "cluster": lambda rows: report_cluster.cluster_section(
           rows, found["cluster_links"], out
+      ),
+      "overlap_step": lambda rows: report_cluster.overlap_step_section(
+          rows, found["cluster"]
       ),
       "advice": lambda rows: report_cluster.advice_section(
           found["cluster"], found["cluster_links"], rows

@@ -496,3 +496,118 @@ def advice_section(rows, calibration, advice) -> list[str]:
           ),
       )
   ]
+
+
+_OVERLAP_COLUMNS = {
+    "workers": "workers",
+    "link": "link",
+    "method": "method",
+    "fused": "fused ms",
+    "overlapped": "overlapped ms",
+    "compute": "compute-only ms",
+    "collectives": "collectives, priced ms",
+    "limit": "overlap limit ms",
+    "over_limit": "overlapped vs limit",
+    "speedup": "fused / overlapped",
+}
+
+
+def _priced_collectives(r, cluster_rows) -> float | None:
+  """Seconds of ``r``'s collectives as the cost model prices them: the
+  cluster run's prediction less its compute-only step, for the same model,
+  workers, link and compressor (None where the cluster did not run it)."""
+  for c in cluster_rows:
+    same = all(
+        c.get(k) == r[k] for k in ("model", "workers", "bandwidth", "compressor")
+    )
+    if same and c.get("system") == "acp_jax" and "predicted_step_s" in c:
+      return c["predicted_step_s"] - c["step_local_s"]
+  return None
+
+
+def _spread(r, key: str, scale: float = 1e3) -> str:
+  return (
+      f"{scale * r[key]:.0f} ({scale * r[key + '_min']:.0f}–"
+      f"{scale * r[key + '_max']:.0f})"
+  )
+
+
+def overlap_rows(rows, cluster_rows) -> list[dict[str, Any]]:
+  """Each overlap record as the report's table shows it, with its limit:
+  the larger of its compute-only step and its priced collectives."""
+  out = []
+  for r in rows:
+    priced = _priced_collectives(r, cluster_rows)
+    limit = None if priced is None else max(r["local_s"], priced)
+    out.append({
+        "workers": r["workers"],
+        "link": plots.link_label(r["bandwidth"]),
+        "method": plots.LABELS[r["compressor"]],
+        "fused": _spread(r, "fused_s"),
+        "overlapped": _spread(r, "overlapped_s"),
+        "compute": _spread(r, "local_s"),
+        "collectives": "not priced" if priced is None else f"{1e3 * priced:.0f}",
+        "limit": "" if limit is None else f"{1e3 * limit:.0f}",
+        "over_limit": (
+            ""
+            if limit is None
+            else f"{100 * (r['overlapped_s'] / limit - 1):+.0f}%"
+        ),
+        "speedup": (
+            f"{r['speedup']:.2f}× ({r['speedup_min']:.2f}–"
+            f"{r['speedup_max']:.2f})"
+        ),
+    })
+  return out
+
+
+def _acp_over_power(run) -> str:
+  """ACP-SGD's overlapped step against Power-SGD's, per link and workers
+  of one run, each round paired with the same round."""
+  lines = []
+  for acp in (r for r in run if r["compressor"] == "acp_sgd"):
+    power = [
+        r
+        for r in run
+        if r["compressor"] == "power_sgd"
+        and (r["workers"], r["bandwidth"]) == (acp["workers"], acp["bandwidth"])
+    ]
+    if not power:
+      continue
+    ratios = [
+        p / a
+        for a, p in zip(
+            records.runs(acp, "overlapped_s"),
+            records.runs(power[0], "overlapped_s"),
+        )
+    ]
+    lines.append(
+        f"- {acp['workers']} workers, {plots.link_label(acp['bandwidth'])}:"
+        f" Power-SGD / ACP-SGD overlapped {statistics.median(ratios):.2f}×"
+        f" (rounds {', '.join(f'{x:.2f}' for x in ratios)})"
+    )
+  return "\n".join(lines) or "- no link ran both"
+
+
+def overlap_step_section(rows, cluster_rows) -> list[str]:
+  """The overlapped step against the fused one: a table per run."""
+  runs: dict[tuple, list] = {}
+  for r in rows:
+    runs.setdefault((r["date"], r["command"]), []).append(r)
+  blocks = [
+      fill(
+          "overlap_step",
+          steps=max(r["timed_steps"] for r in rows),
+          rounds=max(len(records.runs(r, "speedup")) for r in rows),
+      )
+  ]
+  for run in runs.values():
+    blocks.append(
+        fill(
+            "overlap_step_run",
+            provenance=template.provenance(run),
+            table=records.table(overlap_rows(run, cluster_rows), _OVERLAP_COLUMNS),
+            acp_over_power=_acp_over_power(run),
+        )
+    )
+  return blocks

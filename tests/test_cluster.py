@@ -2,7 +2,10 @@
 
 import json
 import pathlib
+import signal
 import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -72,6 +75,56 @@ def test_links_are_shaped_and_torn_down_on_error():
       raise KeyError("fail inside")
   assert _namespaces() == before
   assert not pathlib.Path("/etc/netns/acptest-w0").exists()
+
+
+@needs_root
+def test_a_terminated_run_stops_its_workers_and_deletes_its_links(tmp_path):
+  """SIGTERM, as a job scheduler or ``timeout`` sends it, ends a cluster
+  run as Ctrl-C does: no worker and no namespace outlives it."""
+  before = _namespaces()
+  run = subprocess.Popen(
+      [
+          sys.executable,
+          "-m",
+          "benchmarks",
+          f"--results_dir={tmp_path}",
+          "overlap_step",
+          "--quick",
+          "--bandwidths=unshaped",
+          "--compressors=acp_sgd",
+          "--steps=1000",
+      ],
+      cwd=helpers.ROOT,
+      stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL,
+  )
+  try:
+    deadline = time.monotonic() + 120
+    while _namespaces() == before and time.monotonic() < deadline:
+      time.sleep(0.2)
+    ours = _namespaces() - before
+    assert ours, "the run built no namespaces within 120 s"
+    deadline = time.monotonic() + 120
+    while not _workers(ours) and time.monotonic() < deadline:
+      time.sleep(0.2)
+    assert _workers(ours), "the run started no workers within 120 s"
+    run.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=60) == 128 + signal.SIGTERM
+  finally:
+    run.kill()
+  assert _namespaces() == before
+  assert not _workers(ours)
+
+
+def _workers(namespaces: set[str]) -> list[str]:
+  """The processes running in ``namespaces``."""
+  return [
+      pid
+      for name in namespaces
+      for pid in subprocess.run(
+          ["ip", "netns", "pids", name], capture_output=True, text=True
+      ).stdout.split()
+  ]
 
 
 @needs_root
@@ -439,3 +492,60 @@ def test_a_method_that_did_not_run_on_a_link_has_no_bar(monkeypatch, tmp_path):
   ]
   plots.cluster(rows, tmp_path / "cluster.png")
   assert drawn == [("ACP-SGD", [6.0, 13.0]), ("S-SGD", [0.5])]
+
+
+def _overlap_record(compressor, bandwidth, fused, overlapped, local):
+  """An ``overlap_step`` record of three rounds: per-round seconds."""
+  base = {
+      "model": "bert_base_2l",
+      "workers": 2,
+      "bandwidth": bandwidth,
+      "compressor": compressor,
+      "timed_steps": 6,
+      "machine": "m",
+      "date": "d",
+      "command": "c",
+  }
+  return {
+      **base,
+      **records.repeated("fused_s", fused),
+      **records.repeated("overlapped_s", overlapped),
+      **records.repeated("local_s", local),
+      **records.repeated(
+          "speedup", [f / o for f, o in zip(fused, overlapped)]
+      ),
+  }
+
+
+def test_report_prices_each_overlap_limit_from_the_cluster_run():
+  """The limit is the larger of the compute-only step and the collectives
+  the cluster run priced for the same point; a point it did not price says
+  so; ACP-SGD against Power-SGD pairs each round with its own round."""
+  rows = [
+      _overlap_record("acp_sgd", "10mbit", [1.0, 1.1, 1.2], [0.5, 0.6, 0.5],
+                      [0.2, 0.2, 0.2]),
+      _overlap_record("power_sgd", "10mbit", [1.5, 1.5, 1.5], [1.0, 0.9, 1.5],
+                      [0.2, 0.2, 0.2]),
+      _overlap_record("ssgd", "10mbit", [9.0] * 3, [8.0] * 3, [0.2] * 3),
+  ]
+  priced = {
+      "model": "bert_base_2l",
+      "workers": 2,
+      "bandwidth": "10mbit",
+      "system": "acp_jax",
+      "step_local_s": 0.3,
+  }
+  cluster_rows = [
+      {**priced, "compressor": "acp_sgd", "predicted_step_s": 0.7},
+      {**priced, "compressor": "power_sgd", "predicted_step_s": 0.2},
+  ]
+  shown = report_cluster.overlap_rows(rows, cluster_rows)
+  acp, power, dense = shown
+  assert acp["collectives"] == "400" and acp["limit"] == "400"
+  assert acp["over_limit"] == "+25%" and acp["fused"] == "1100 (1000–1200)"
+  # Its priced collectives (-100 ms) are below its compute-only step.
+  assert power["limit"] == "200" and power["over_limit"] == "+400%"
+  assert dense["collectives"] == "not priced" and dense["limit"] == ""
+  assert acp["speedup"].startswith("2.00×")
+  text = "\n".join(report_cluster.overlap_step_section(rows, cluster_rows))
+  assert "Power-SGD / ACP-SGD overlapped 2.00× (rounds 2.00, 1.50, 3.00)" in text
