@@ -503,13 +503,13 @@ class DataParallel:
       if params is not None:
         _local_grads.check_stacked(updates, params, self.num_devices)
       mean, comm, finite = self._compress(updates, state.comm)
-      return self.inner_update(
+      return self._inner_update(
           tx, mean, comm, finite, state, params, extra_args
       )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
-  def inner_update(
+  def _inner_update(
       self,
       tx: optax.GradientTransformation,
       mean: Any,

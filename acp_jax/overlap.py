@@ -354,7 +354,7 @@ class _Segmented:
     finite = jnp.all(jnp.stack(finites))
     if self.dp.nonfinite != "propagate":
       new_comm = phase_lib.where(finite, new_comm, state.comm)
-    updates, state = self.dp.inner_update(
+    updates, state = self.dp._inner_update(
         self.tx, mean, new_comm, finite, state, params, {}
     )
     return optax.apply_updates(params, updates), state
