@@ -379,12 +379,22 @@ def _shown(value: Any) -> str:
   return repr(plain_setting(value))
 
 
+# The factory of each registered compressor, by name: ``registry.register``
+# adds to it (the registry imports the factories, which import this module).
+FACTORIES: dict[str, Callable[..., "Compressor"]] = {}
+
+
 def _remade(made_by: tuple[str, dict[str, Any]]) -> Compressor:
   """The compressor ``made_by`` says, made again by its registered factory
   (what a pickled compressor is)."""
-  from acp_jax import registry  # pylint: disable=import-outside-toplevel
-
-  return registry.make(*made_by)
+  name, args = made_by
+  if name not in FACTORIES:
+    raise ValueError(
+        f"no compressor named {name!r} is registered (registered:"
+        f" {', '.join(FACTORIES)}): register it (acp_jax.registry.register)"
+        " before making it again from what made it"
+    )
+  return FACTORIES[name](**args)
 
 
 def chain(

@@ -55,6 +55,7 @@ from acp_jax import _local_grads
 from acp_jax import _specs
 from acp_jax import collectives
 from acp_jax import compressor as compressor_lib
+from acp_jax import overlap as overlap_lib
 from acp_jax import phase as phase_lib
 from acp_jax._local_grads import LocalGrads
 
@@ -502,11 +503,30 @@ class DataParallel:
       if params is not None:
         _local_grads.check_stacked(updates, params, self.num_devices)
       mean, comm, finite = self._compress(updates, state.comm)
-      return inner_update(
-          self, tx, mean, comm, finite, state, params, extra_args
+      return self._inner_update(
+          tx, mean, comm, finite, state, params, extra_args
       )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+  def _inner_update(
+      self,
+      tx: optax.GradientTransformation,
+      mean: Any,
+      comm: Any,
+      finite: jax.Array,
+      state: DataParallelState,
+      params: Any,
+      extra_args: dict[str, Any],
+  ) -> tuple[Any, DataParallelState]:
+    """``chain(tx)``'s update after the exchange: ``tx`` on the compressed
+    ``mean``, and with ``nonfinite="skip"`` the whole step undone where the
+    mean is not finite. ``comm`` is the compressor's next state."""
+    updates, inner = tx.update(mean, state.inner, params, **extra_args)
+    if self.nonfinite == "skip":
+      inner = phase_lib.where(finite, inner, state.inner)
+      updates = jax.tree.map(lambda u: jnp.where(finite, u, 0), updates)
+    return updates, DataParallelState(comm=comm, inner=inner)
 
   def step(
       self,
@@ -548,8 +568,6 @@ class DataParallel:
         factors for all leaves at once), the step is fused, with a one-line
         warning on the ``acp_jax.overlap`` logger.
     """
-    from acp_jax import overlap as overlap_lib
-
     return overlap_lib.make_step(self, tx, blocks, overlap)
 
   # -- gradients ----------------------------------------------------------------
@@ -692,26 +710,6 @@ class DataParallel:
           norm.axis_name = None
 
     return synchronized
-
-
-def inner_update(
-    dp: DataParallel,
-    tx: optax.GradientTransformation,
-    mean: Any,
-    comm: Any,
-    finite: jax.Array,
-    state: DataParallelState,
-    params: Any,
-    extra_args: dict[str, Any],
-) -> tuple[Any, DataParallelState]:
-  """``chain(tx)``'s update after the exchange: ``tx`` on the compressed
-  ``mean``, and with ``nonfinite="skip"`` the whole step undone where the
-  mean is not finite. ``comm`` is the compressor's next state."""
-  updates, inner = tx.update(mean, state.inner, params, **extra_args)
-  if dp.nonfinite == "skip":
-    inner = phase_lib.where(finite, inner, state.inner)
-    updates = jax.tree.map(lambda u: jnp.where(finite, u, 0), updates)
-  return updates, DataParallelState(comm=comm, inner=inner)
 
 
 def _naming_assumed_splits(

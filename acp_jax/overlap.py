@@ -59,7 +59,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import optax
 
-from acp_jax import data_parallel
 from acp_jax import phase as phase_lib
 
 # The stream the communication thread's programs are launched on.
@@ -294,10 +293,8 @@ class _Segmented:
     }
     self.update = placed_like_inputs(
         self._update_program,
-        (0, 1, 4),
-        lambda params, inner, means, new_comm, comm, finites: sharding_of(
-            (params, data_parallel.DataParallelState(comm=comm, inner=inner))
-        ),
+        (0, 1),
+        lambda params, state, *_: sharding_of((params, state)),
     )
 
   def _backward_program(self, k: int, stack, unstack) -> Callable:
@@ -349,17 +346,16 @@ class _Segmented:
 
     return exchange
 
-  def _update_program(self, params, inner, means, new_comm, comm, finites):
+  def _update_program(self, params, state, means, new_comm, finites):
     """The mean and the compressor's state put back together, ``tx`` run on
     the mean and applied: ``chain(tx)``'s update after the exchanges."""
     mean = self._merge_leaves(means)
-    new_comm = self._merge_state(new_comm, comm)
+    new_comm = self._merge_state(new_comm, state.comm)
     finite = jnp.all(jnp.stack(finites))
     if self.dp.nonfinite != "propagate":
-      new_comm = phase_lib.where(finite, new_comm, comm)
-    state = data_parallel.DataParallelState(comm=comm, inner=inner)
-    updates, state = data_parallel.inner_update(
-        self.dp, self.tx, mean, new_comm, finite, state, params, {}
+      new_comm = phase_lib.where(finite, new_comm, state.comm)
+    updates, state = self.dp._inner_update(
+        self.tx, mean, new_comm, finite, state, params, {}
     )
     return optax.apply_updates(params, updates), state
 
@@ -423,9 +419,7 @@ class _Segmented:
     new_comm = {k: r[1] for k, r in results.items()}
     finites = [r[2] for r in results.values()]
     mean_loss = results[self.order[0]][3]
-    params, state = self.update(
-        params, state.inner, means, new_comm, comm, finites
-    )
+    params, state = self.update(params, state, means, new_comm, finites)
     return params, state, mean_loss
 
 

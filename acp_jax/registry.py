@@ -56,6 +56,7 @@ def register(entry: Entry) -> Entry:
   if entry.name in _ENTRIES:
     raise ValueError(f"a compressor named {entry.name!r} is registered")
   _ENTRIES[entry.name] = entry
+  compressor_lib.FACTORIES[entry.name] = entry.factory
   return entry
 
 
@@ -63,6 +64,7 @@ def unregister(name: str) -> None:
   """Removes the compressor ``name`` (a test's own, once it is done)."""
   get(name)
   del _ENTRIES[name]
+  del compressor_lib.FACTORIES[name]
 
 
 def names() -> tuple[str, ...]:

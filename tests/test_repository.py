@@ -11,6 +11,8 @@ import pathlib
 import re
 import subprocess
 
+import pytest
+
 THIS_FILE = pathlib.Path(__file__).resolve()
 ROOT = THIS_FILE.parents[1]
 # Folders that exist on one machine only.
@@ -149,8 +151,10 @@ def import_cycle(graph: dict[str, set[str]]) -> list[str]:
   return []
 
 
-def test_the_benchmarks_have_no_import_loop():
-  loop = import_cycle(package_imports("benchmarks"))
+@pytest.mark.parametrize("package", ["acp_jax", "train", "benchmarks"])
+def test_no_package_has_an_import_loop(package):
+  """Lazy imports inside functions count: a loop through one is a loop."""
+  loop = import_cycle(package_imports(package))
   assert not loop, " -> ".join(loop)
 
 
@@ -183,6 +187,28 @@ def test_the_library_reads_no_stack_and_no_tracer_internals():
       for path in sorted((ROOT / "acp_jax").rglob("*.py"))
   }
   assert not {name: hits for name, hits in found.items() if hits}
+
+
+# A private module of a library (``jax._src``, ``optax._src``, a logger of
+# one): renamed or moved in any release, without notice.
+PRIVATE_MODULE = re.compile(r"\b(?:jax|jaxlib|optax|flax|chex|orbax)[\w.]*\._src\b")
+
+
+def test_no_code_reads_a_private_module_of_its_libraries():
+  found = {
+      str(path.relative_to(ROOT)): PRIVATE_MODULE.findall(path.read_text())
+      for package in ("acp_jax", "train", "benchmarks", "tests", "configs")
+      for path in sorted((ROOT / package).rglob("*.py"))
+      if path != THIS_FILE
+  }
+  assert not {name: hits for name, hits in found.items() if hits}
+  for code in (
+      "from optax._src import numerics",
+      "logging.getLogger('jax._src.debugging')",
+      "import orbax.checkpoint._src.path",
+  ):
+    assert PRIVATE_MODULE.search(code), code
+  assert not PRIVATE_MODULE.search("optax.safe_increment(count)")
 
 
 def test_the_inspection_check_sees_each_kind():
