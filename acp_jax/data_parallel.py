@@ -533,7 +533,7 @@ class DataParallel:
       tx: optax.GradientTransformation,
       blocks: Any,
       *,
-      overlap: bool | None = None,
+      overlap: bool = False,
   ) -> Callable[..., tuple[Any, DataParallelState, jax.Array]]:
     """A whole training step of a model given as blocks, overlapped or fused.
 
@@ -559,14 +559,19 @@ class DataParallel:
         ``carry=None``, the last returns this device's scalar loss. The
         overlapped step exchanges each block's params once its backward
         pass has completed their gradient.
-      overlap: True for the overlapped step, False for the fused one; None
-        (the default) overlaps where it pays, in multi-process runs with one
-        CPU device per process, and fuses elsewhere (on GPUs, XLA overlaps
-        the fused step's collectives itself; simulated devices of one
-        process run their programs in lockstep). Where the blocks cannot be
-        split (one block holds every param, or the compressor draws random
-        factors for all leaves at once), the step is fused, with a one-line
-        warning on the ``acp_jax.overlap`` logger.
+      overlap: True for the overlapped step, False (the default) for the
+        fused one. Overlap pays where XLA gives none itself, in multi-process
+        runs with one CPU device per process, and where both the exchange
+        and the backward pass are a good part of the step; where compute
+        dominates, the extra programs and the communication thread make the
+        step slower (``benchmarks/results/REPORT.md``, section 4, measures
+        both on shaped links; ``python -m benchmarks overlap_step`` measures
+        yours). On GPUs XLA overlaps the fused step's collectives itself,
+        and simulated devices of one process run their programs in
+        lockstep. Where the blocks cannot be split (one block holds every
+        param, or the compressor draws random factors for all leaves at
+        once), the step is fused, with a one-line warning on the
+        ``acp_jax.overlap`` logger.
     """
     return overlap_lib.make_step(self, tx, blocks, overlap)
 

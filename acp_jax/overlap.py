@@ -433,7 +433,7 @@ def make_step(
     dp: Any,
     tx: optax.GradientTransformation,
     blocks: Sequence[Callable],
-    overlap: bool | None = None,
+    overlap: bool = False,
 ) -> Callable:
   """``DataParallel.step``'s step; see there."""
   blocks = tuple(blocks)
@@ -442,15 +442,9 @@ def make_step(
         "blocks must be a non-empty sequence of functions block(params,"
         f" carry, *batch), got {blocks!r}"
     )
-  if overlap not in (None, True, False):
-    raise ValueError(f"overlap must be True, False or None, got {overlap!r}")
+  if not isinstance(overlap, bool):
+    raise ValueError(f"overlap must be True or False, got {overlap!r}")
   fused = fused_step(dp, tx, blocks)
-  if overlap is None:
-    overlap = (
-        jax.process_count() > 1
-        and jax.local_device_count() == 1
-        and jax.default_backend() == "cpu"
-    )
   if not overlap:
     return fused
   return OverlappedStep(dp, tx, blocks, fused)

@@ -102,7 +102,7 @@ def test_a_step_that_cannot_be_split_is_fused_with_a_line(
   assert step.exchange_order == ()
 
 
-def test_the_default_fuses_on_simulated_devices():
+def test_the_default_is_the_fused_step():
   dp = acp_jax.DataParallel(acp_jax.ssgd(), helpers.mesh())
   step = dp.step(optax.sgd(0.1), overlap_process.blocks())
   assert not isinstance(step, overlap.OverlappedStep)
