@@ -563,7 +563,7 @@ def overlap_rows(rows, cluster_rows) -> list[dict[str, Any]]:
 
 def _acp_over_power(run) -> str:
   """ACP-SGD's overlapped step against Power-SGD's, per link and workers
-  of one run, each round paired with the same round."""
+  of one run that ran both, each round paired with the same round."""
   lines = []
   for acp in (r for r in run if r["compressor"] == "acp_sgd"):
     power = [
@@ -586,7 +586,7 @@ def _acp_over_power(run) -> str:
         f" Power-SGD / ACP-SGD overlapped {statistics.median(ratios):.2f}×"
         f" (rounds {', '.join(f'{x:.2f}' for x in ratios)})"
     )
-  return "\n".join(lines) or "- no link ran both"
+  return "\n".join(lines)
 
 
 def overlap_step_section(rows, cluster_rows) -> list[str]:
