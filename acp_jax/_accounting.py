@@ -85,8 +85,11 @@ def unused_leaves(
   nnx = _local_grads.flax_nnx()
   if nnx is not None and isinstance(params, nnx.Module):
     graphdef, state, rest = nnx.split(params, nnx.Param, ...)
-    loss = lambda p, *b: fun(nnx.merge(graphdef, p, rest), *b)
-    params = state
+    # The rest (BatchNorm statistics, Rngs counts) goes in as an argument:
+    # merged inside the trace, the module's copy may update it there.
+    loss = lambda p, r, *b: fun(nnx.merge(graphdef, p, r), *b)
+    batch = (nnx.as_pure(rest), *batch)
+    params = nnx.as_pure(state)
   else:
     loss = fun
   grad = jax.grad(lambda p, *b: loss(p, *b)[0] if has_aux else loss(p, *b))
@@ -95,6 +98,37 @@ def unused_leaves(
       jaxpr, [True] * len(jaxpr.invars), opaque=True
   )[0]
   return [not f for f in from_inputs]
+
+
+def loss_step_bytes(
+    dp: Any,
+    fun: Callable[..., Any],
+    params: Any,
+    batch: tuple,
+    has_aux: bool,
+    batch_norm: str,
+) -> int:
+  """Bytes all-reduced over ``dp``'s device axes by
+  ``dp.value_and_grad(fun)`` besides the loss's mean: BatchNorm's
+  statistics (their mean, and its gradient's, under ``batch_norm="global"``),
+  the module's state averaged after the step (running statistics), and any
+  collective of ``fun``'s own. Traced on shapes; an NNX module is left as it
+  is, its copy updated inside the trace."""
+  value_and_grad = dp.value_and_grad(
+      fun, has_aux=has_aux, batch_norm=batch_norm
+  )
+  nnx = _local_grads.flax_nnx()
+  if nnx is not None and isinstance(params, nnx.Module):
+    graphdef, state = nnx.split(params)
+    step = lambda s, *b: value_and_grad(nnx.merge(graphdef, s), *b)
+    params = nnx.as_pure(state)
+  else:
+    step = value_and_grad
+  closed = jax.make_jaxpr(step)(params, *batch)
+  loss = closed.out_avals[0]
+  return _dataflow.all_reduced_bytes(closed.jaxpr, dp.device_axes) - (
+      loss.size * loss.dtype.itemsize
+  )
 
 
 def warn_if_sharded_elsewhere(

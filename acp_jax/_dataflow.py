@@ -29,6 +29,9 @@ _REDUCING = frozenset(
     )
 )
 
+# Collectives that XLA lowers to an all-reduce of their operands.
+_ALL_REDUCES = frozenset(("psum", "psum_invariant", "pmax", "pmin"))
+
 
 def _collective_axes(params: dict) -> tuple | None:
   axes = params.get("axes", params.get("axis_name"))
@@ -97,6 +100,18 @@ def flow(
       out = opaque if nested else any(ins)
     env.update((v, out) for v in eqn.outvars)
   return [read(v) for v in jaxpr.outvars], marked
+
+
+def all_reduced_bytes(jaxpr: Any, axes: tuple[str, ...]) -> int:
+  """The bytes of the operands of ``jaxpr``'s all-reduces (``psum``,
+  ``pmax``, ``pmin``) over any of ``axes``, nested jaxprs included."""
+  total = 0
+  for eqn in jaxpr.eqns:
+    over = _collective_axes(eqn.params) or ()
+    if eqn.primitive.name in _ALL_REDUCES and set(over) & set(axes):
+      total += sum(v.aval.size * v.aval.dtype.itemsize for v in eqn.invars)
+    total += sum(all_reduced_bytes(j, axes) for j in _nested(eqn))
+  return total
 
 
 def _nested(eqn: Any) -> list[Any]:

@@ -285,6 +285,7 @@ class DataParallel:
       fun: Callable[..., Any] | None = None,
       *batch: Any,
       has_aux: bool = False,
+      batch_norm: str = "global",
   ) -> dict[str, dict[str, compressor_lib.CommVolume]]:
     """Bytes one step sends per device on each mesh axis, by phase.
 
@@ -300,8 +301,14 @@ class DataParallel:
         compiled step leaves them out; their compressed factors, computed
         from a residual, are still sent and counted. Without ``fun``,
         every param counts as read.
+        With ``fun``, the step's other all-reduces count too, on the
+        compressor's axis: those of ``value_and_grad(fun)`` but the loss's
+        mean (BatchNorm's statistics and their gradient, a module's state
+        averaged after the step, collectives of ``fun``'s own).
       *batch: the arguments after the params of ``fun``.
       has_aux: whether ``fun`` returns ``(loss, aux)``.
+      batch_norm: as given to ``value_and_grad``; ``"global"`` sends the
+        statistics of each ``nnx.BatchNorm``.
 
     Returns:
       ``{axis name: {phase: CommVolume}}`` with the phase names of
@@ -317,20 +324,31 @@ class DataParallel:
       sharded over one (model parallelism) are all-gathered whole for the
       step, which warns here.
     """
-    unused = None
-    if fun is not None:
+    _checks.choice("batch_norm", batch_norm, BATCH_NORMS)
+    if fun is None:
+      unused, extra = None, 0
+    else:
       unused = _accounting.unused_leaves(fun, params, batch, has_aux)
+      extra = _accounting.loss_step_bytes(
+          self, fun, params, batch, has_aux, batch_norm
+      )
     nnx = _local_grads.flax_nnx()
     if nnx is not None and isinstance(params, nnx.Module):
       params = nnx.state(params, nnx.Param)
     self._warn_if_sharded_elsewhere(params)
     if self.local_axis is None and unused is None:
-      return {
+      volumes = {
           self.axis_name: compressor_lib.comm_bytes(
               self.compressor, params, num_devices=self.num_nodes
           )
       }
-    return _accounting.hierarchical(self, params, unused=unused)
+    else:
+      volumes = _accounting.hierarchical(self, params, unused=unused)
+    volumes[self.axis_name] = {
+        phase: v._replace(all_reduce=v.all_reduce + extra)
+        for phase, v in volumes[self.axis_name].items()
+    }
+    return volumes
 
   def _warn_if_sharded_elsewhere(self, params: Any) -> None:
     """Warns if a param is sharded over a mesh axis that is not a device
@@ -635,8 +653,9 @@ class DataParallel:
     ``nnx.BatchNorm`` of the module given without an ``axis_name`` (and
     not ``use_running_average``) takes the device axes as its
     ``axis_name`` for the call, so that its statistics are averaged over
-    the devices (two small all-reduces per layer, 256 B for 16 features
-    in float32, not in ``comm_bytes``). ``batch_norm="local"`` keeps each
+    the devices (the mean and the mean of squares, and their gradient:
+    256 B for 16 features in float32, which ``comm_bytes`` given the loss
+    counts). ``batch_norm="local"`` keeps each
     device's own statistics, as PyTorch DDP does without
     ``SyncBatchNorm``. A Flax Linen ``nn.BatchNorm`` is not seen: give it
     ``axis_name``.

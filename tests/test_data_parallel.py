@@ -331,6 +331,60 @@ def test_comm_bytes_given_the_loss_equal_the_compiled_step_with_an_unused_layer(
     )
 
 
+class BatchNormCnn(nnx.Module):
+  """A CNN with BatchNorm and Dropout: state that the step updates."""
+
+  def __init__(self, rngs):
+    self.conv = nnx.Conv(1, 8, (3, 3), rngs=rngs)
+    self.norm = nnx.BatchNorm(8, rngs=rngs)
+    self.drop = nnx.Dropout(0.1, rngs=rngs)
+    self.out = nnx.Linear(4 * 4 * 8, 5, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.drop(jax.nn.relu(self.norm(self.conv(x))))
+    return self.out(h.reshape(h.shape[0], -1))
+
+
+@pytest.mark.parametrize("batch_norm", ["global", "local"])
+@pytest.mark.parametrize("make", [lambda: acp_jax.acp_sgd(2), acp_jax.ssgd])
+def test_comm_bytes_of_a_batch_norm_cnn_equal_the_compiled_step(
+    make, batch_norm
+):
+  """comm_bytes given the loss runs on a module with BatchNorm and Dropout,
+  leaves it as it was, and counts the statistics' all-reduces: their mean
+  and its gradient under global BatchNorm, the running statistics averaged
+  after the step under both."""
+  dp = dp_of(make())
+  model = BatchNormCnn(nnx.Rngs(0))
+  images = jax.device_put(
+      RNG.standard_normal((4 * NUM_DEVICES, 4, 4, 1)).astype(np.float32),
+      NamedSharding(helpers.mesh(), P(AXIS)),
+  )
+  labels = batch()[1]
+  updated = (nnx.BatchStat, nnx.RngCount)
+  before = nnx.clone(nnx.state(model, *updated))
+  counted = dp.comm_bytes(model, nnx_loss, images, labels, batch_norm=batch_norm)
+  chex.assert_trees_all_equal(nnx.state(model, *updated), before)
+  optimizer = nnx.Optimizer(model, dp.chain(optax.sgd(0.1)), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    value_and_grad = dp.value_and_grad(nnx_loss, batch_norm=batch_norm)
+    loss, grads = value_and_grad(model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+  compiled = step.lower(model, optimizer, images, labels).compile()
+  sent = acp_jax.hlo.collective_stats(compiled.as_text())["all-reduce"].bytes
+  first = next(iter(counted[AXIS].values()))  # the phase init starts in
+  # The 4 bytes are the loss's mean; 8 features' mean and mean of squares,
+  # float32, make 64.
+  assert sent == first.total + 4
+  params = dp.comm_bytes(model)[AXIS]
+  statistics = {"global": 3 * 64, "local": 64}[batch_norm]
+  assert first.total - next(iter(params.values())).total == statistics
+
+
 @pytest.mark.parametrize(
     "wrap, fix",
     [
