@@ -186,6 +186,20 @@ def test_a_signal_saves_and_the_rerun_resumes_bitwise(signum, tmp_path):
   assert losses(workdir) == losses(reference)
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_while_starting_ends_the_run_with_a_line(signum, tmp_path):
+  """A signal within the first seconds (imports, compiling) ended the run
+  with no line at all."""
+  proc = _launch(str(tmp_path / "run"))
+  time.sleep(1)  # within the imports
+  proc.send_signal(signum)
+  ((_, err),) = helpers.finish([proc], 120)
+  assert proc.returncode == EXIT_INTERRUPTED, err[-3000:]
+  assert err.strip().splitlines()[-1].startswith(
+      f"stopped by {signal.Signals(signum).name} before training started"
+  ), err[-3000:]
+
+
 def test_sighup_asks_to_save_and_stop_as_sigterm_does():
   """A closed terminal sends SIGHUP: noted, the run saves at the next step
   boundary and says so, as with SIGTERM (the whole path, in a subprocess,
@@ -268,7 +282,7 @@ def test_a_missing_peer_fails_within_the_timeout(tmp_path):
     "signum, cause",
     [
         (signal.SIGKILL, "Gloo"),  # the collective fails
-        (signal.SIGSTOP, "this step waited 30 s"),  # it would wait forever
+        (signal.SIGSTOP, "it waited 30 s"),  # it would wait forever
     ],
     ids=["killed", "stopped"],
 )
@@ -311,6 +325,39 @@ def test_a_peer_killed_mid_run_ends_the_other_with_its_own_line(
   assert cause in last and "Run the same command again" in last
   resumed = int(last.split("resumes from checkpoint ")[1].rstrip("."))
   assert resumed >= 5 and resumed in saved_steps(workdir)
+
+
+def test_a_save_that_waits_on_a_silent_peer_ends_the_run_with_its_own_line(
+    tmp_path,
+):
+  """A peer killed or frozen during a checkpoint save left the survivor
+  waiting in the save until JAX's heartbeat aborted it (rc -6, no trainer
+  line): the watchdog of the steps covers saves and evaluations too. Here
+  a save that waits past --distributed_timeout_s stands for the peer."""
+  workdir = str(tmp_path / "run")
+  script = f"""
+import time
+from tests.test_train import small_config
+from train import checkpoint, runtime, train
+runtime._silent_peer_s = 2  # what a joined run's --distributed_timeout_s sets
+checkpoint.Checkpointer.save = lambda *args, **kwargs: time.sleep(60)
+train.train_and_evaluate(
+    small_config(steps=4, checkpoint_every_steps=2), {workdir!r}
+)
+"""
+  start = time.monotonic()
+  proc = subprocess.run(
+      [sys.executable, "-c", script],
+      capture_output=True,
+      text=True,
+      timeout=120,
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+  )
+  assert proc.returncode == runtime.EXIT_PEER_LOST, proc.stderr[-3000:]
+  assert time.monotonic() - start < 60
+  last = proc.stderr.strip().splitlines()[-1]
+  assert "stopped during the checkpoint save after step 2" in last, last
+  assert "it waited 2 s (--distributed_timeout_s)" in last, last
 
 
 @pytest.mark.slow

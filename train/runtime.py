@@ -152,7 +152,13 @@ class PeerLost(Exception):
   stopped (killed, or its machine lost); ``checkpoint`` is the step of the
   newest checkpoint known good, or None."""
 
-  def __init__(self, step: int, checkpoint: int | None, cause: str):
+  def __init__(
+      self,
+      step: int,
+      checkpoint: int | None,
+      cause: str,
+      during: str | None = None,
+  ):
     resume = (
         f"resumes from checkpoint {checkpoint}"
         if checkpoint is not None
@@ -160,7 +166,8 @@ class PeerLost(Exception):
     )
     super().__init__(
         f"process {jax.process_index()} of {jax.process_count()}: another"
-        f" process of the run stopped during step {step} ({cause}), so this"
+        f" process of the run stopped during {during or f'step {step}'}"
+        f" ({cause}), so this"
         " one stops too. Run the same command again in every process: the"
         f" run {resume}."
     )
@@ -178,18 +185,24 @@ def peer_lost(
 
 
 @contextlib.contextmanager
-def waiting_on_peers(step: int, checkpoint: int | None):
-  """A block that waits for ``step``'s collectives: if it waits longer than
-  --distributed_timeout_s, the process ends with ``PeerLost``'s line and
-  ``EXIT_PEER_LOST``. A peer killed mid-step can leave a collective waiting
+def waiting_on_peers(
+    step: int, checkpoint: int | None, during: str | None = None
+):
+  """A block that waits on the other processes, for ``step``'s collectives
+  or for what ``during`` names (the evaluation or the checkpoint save after
+  it): if it waits longer than --distributed_timeout_s, the process ends
+  with ``PeerLost``'s line and ``EXIT_PEER_LOST``. A peer killed or frozen
+  mid-step (or mid-save) can leave a collective or a barrier waiting
   without an error (gloo does not always see the connection go), until
   JAX's heartbeat aborts the process; this watchdog ends it first."""
   if _silent_peer_s is None:
     yield
     return
-  cause = f"this step waited {_silent_peer_s} s (--distributed_timeout_s)"
+  cause = f"it waited {_silent_peer_s} s (--distributed_timeout_s)"
   watchdog = threading.Timer(
-      _silent_peer_s, _peer_silent, (PeerLost(step, checkpoint, cause),)
+      _silent_peer_s,
+      _peer_silent,
+      (PeerLost(step, checkpoint, cause, during),),
   )
   watchdog.daemon = True
   watchdog.start()

@@ -244,19 +244,32 @@ def _between_steps(
   if evaluation.due(step) or checkpoints.due(step) or stop:
     steps.flush()
     if evaluation.due(step):
-      log.evaluation(
-          step, {**evaluation(state), "train_seconds": timer.total()}
-      )
+      with _peers(step, checkpoints, "the evaluation after"):
+        metrics = evaluation(state)
+      log.evaluation(step, {**metrics, "train_seconds": timer.total()})
     if checkpoints.due(step) or stop:
-      checkpoints.save(step, state, steps.latest, steps.policy.skipped)
+      _save(step, state, steps, checkpoints)
     timer.pause()
+
+
+def _peers(step, checkpoints, what: str):
+  """The watchdog over ``what`` is done after ``step`` (its evaluation, its
+  checkpoint's save), which waits on the other processes."""
+  return runtime.waiting_on_peers(
+      step, checkpoints.last_good, f"{what} step {step}"
+  )
+
+
+def _save(step, state, steps, checkpoints) -> None:
+  with _peers(step, checkpoints, "the checkpoint save after"):
+    checkpoints.save(step, state, steps.latest, steps.policy.skipped)
 
 
 def _save_at_target(step, state, steps, checkpoints) -> None:
   """Ends the run at ``step``, where it reached its target: its checkpoint,
   unless one was just saved."""
   if not checkpoints.due(step):
-    checkpoints.save(step, state, steps.latest, steps.policy.skipped)
+    _save(step, state, steps, checkpoints)
 
 
 def _summary(experiment, state, metrics, evaluation, timer) -> dict[str, Any]:
