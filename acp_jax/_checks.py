@@ -448,21 +448,30 @@ def check_descends(
   return True
 
 
-def check_optimizer_after(inner_state: Any) -> None:
-  """Raises if the optimizer that ``DataParallel.chain`` feeds holds
-  ``optax.MultiSteps``, read from its state (an optax transform's state type
-  names it, however deeply it is chained): the compressed exchange runs
-  before it at every micro-step, so a step of k micro-batches would send k
-  times."""
-  if _states_of(inner_state, (optax.MultiStepsState,)):
-    raise ValueError(
-        "DataParallel.chain(tx): tx holds optax.MultiSteps, which would"
-        " accumulate after the compressed exchange, so every micro-step"
-        " would send. Accumulate the local gradients instead: add up k"
-        " micro-batches' dp.value_and_grad gradients with + (and divide by"
-        " k), then call the optimizer once, one compressed send per k"
-        " micro-steps."
+def check_optimizer_after(inner_state: Any, where: str) -> None:
+  """Raises if the optimizer after the compressor (``DataParallel.chain``'s
+  ``tx``, ``acp_jax.chain``'s transforms) holds ``optax.MultiSteps``, read
+  from its state (an optax transform's state type names it, however deeply
+  it is chained): the compressed exchange runs before it at every
+  micro-step, so a step of k micro-batches would send k times."""
+  if not _states_of(inner_state, (optax.MultiStepsState,)):
+    return
+  if where.startswith("DataParallel"):
+    instead = (
+        "add up k micro-batches' dp.value_and_grad gradients with + (and"
+        " divide by k), then call the optimizer once"
     )
+  else:
+    instead = (
+        "add up k micro-batches' gradients on each device (and divide by"
+        " k), then call its update once"
+    )
+  raise ValueError(
+      f"{where}: the optimizer holds optax.MultiSteps, which would"
+      " accumulate after the compressed exchange, so every micro-step would"
+      f" send. Accumulate before the compressor instead: {instead}, one"
+      " compressed send per k micro-steps."
+  )
 
 
 def begin_update(grads: Any, axis_name: str, caller: str) -> int:

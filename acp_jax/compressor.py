@@ -420,8 +420,10 @@ def chain(
     compressor: made by one of this package's factories (or a
       ``Compressor`` of one's own).
     *transforms: the optax transforms that follow it; none a compressor,
-      and none with a NaN, infinite or negative learning rate (refused
-      where their update of a gradient of ones shows it).
+      none holding ``optax.MultiSteps`` (refused by ``init``: the exchange
+      before it would send at every micro-step), and none with a NaN,
+      infinite or negative learning rate (refused where their update of a
+      gradient of ones shows it).
 
   Returns:
     The chained transformation.
@@ -445,9 +447,12 @@ def chain(
   def init_fn(params):
     if not probed:
       _checks.check_descends(rest, params, where)
-    return (compressor.init(params), *rest.init(params))
+    others = rest.init(params)
+    _checks.check_optimizer_after(others, where)
+    return (compressor.init(params), *others)
 
   def update_fn(updates, state, params=None, **extra_args):
+    _checks.check_optimizer_after(state[1:], where)
     with _checks.placed():
       mean, first = compressor.update(updates, state[0], params)
     updates, others = rest.update(mean, state[1:], params, **extra_args)

@@ -503,13 +503,13 @@ class DataParallel:
       if not probed:
         _checks.check_descends(tx, params, where)
       inner = self._inner_init(tx, params)(params)
-      _checks.check_optimizer_after(inner)
+      _checks.check_optimizer_after(inner, where)
       return DataParallelState(
           comm=self.init_comm(_values(params)), inner=inner
       )
 
     def update_fn(updates, state, params=None, **extra_args):
-      _checks.check_optimizer_after(state.inner)
+      _checks.check_optimizer_after(state.inner, where)
       if isinstance(updates, Mapping) and set(updates) == {"stacked"}:
         raise TypeError(
             "nnx.Optimizer's wrt filter left out the guard of the local"

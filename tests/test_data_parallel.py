@@ -473,6 +473,11 @@ def test_multisteps_inside_chain_is_refused(nested):
   _, params = pure_mlp()
   with pytest.raises(ValueError, match="holds optax.MultiSteps.*with \\+"):
     dp.chain(tx).init(params)
+  # acp_jax.chain, for loops of one's own under pmap or shard_map, alike.
+  with pytest.raises(
+      ValueError, match="acp_jax.chain: the optimizer holds optax.MultiSteps"
+  ):
+    acp_jax.chain(acp_jax.acp_sgd(2), tx).init(params)
 
 
 def test_a_raw_compressor_under_multisteps_is_refused_when_debugging(
