@@ -16,7 +16,10 @@ variant, each round's training seconds to the target (evaluations left
 out), its steps and bytes, and the median step; where that task's curves
 hold the variant at that device count, also the time composed from their
 steps to the target and this run's step time, and whether it lies within
-``thresholds.COMPOSED_VS_DIRECT`` of the direct run.
+``thresholds.COMPOSED_VS_DIRECT`` of the direct run. A variant named in
+``--compose`` is not run to the target: each round trains
+``--compose_steps`` steps for its step time, and its time to the target is
+only the composed one, whose rule the direct runs of other links check.
 """
 
 import math
@@ -93,6 +96,7 @@ def target_loss(target: str, curves: dict[str, Any]) -> float:
 
 
 def _run(network, args, variant, target, workdir) -> list[dict[str, Any]]:
+  steps = args.compose_steps if variant in args.compose else args.steps
   return launch.on_network(
       network,
       lambda i: launch.jax_cmd(
@@ -102,8 +106,8 @@ def _run(network, args, variant, target, workdir) -> list[dict[str, Any]]:
           f"--seed={args.seed}",
           f"--data_path={getattr(args, convergence.data_flag(args.task))}",
           f"--workdir={workdir}",
-          f"--steps={args.steps}",
-          f"--eval_every={args.eval_every}",
+          f"--steps={steps}",
+          f"--eval_every={min(args.eval_every, steps)}",
           f"--target={target}",
           *(["--quick"] if args.quick else []),
           *launch.distributed(network, i),
@@ -155,6 +159,11 @@ def record(
   if simulated:
     steps = time_to_quality.steps_to_target(simulated, target)
     composed = time_to_quality.compose(steps, step_seconds)
+    out.update(
+        records.repeated(
+            "composed_seconds", [steps.median * s for s in step_seconds]
+        )
+    )
     out["composed_seconds"] = composed.median
     out["composed_agrees"] = time_to_quality.agrees(
         composed.median, out["steady_seconds"]
@@ -201,6 +210,7 @@ def measure(args) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]
                   "bandwidth": bandwidth,
                   "variant": variant,
                   "seed": args.seed,
+                  "composed_only": variant in args.compose,
                   **record(done, target, curves.get(variant)),
               })
               points.extend(curve_points(runs[-1], done))
@@ -234,6 +244,18 @@ def add_arguments(parser) -> None:
       " the task's simulated curves at the same device count)",
   )
   parser.add_argument("--steps", type=cli.int_at_least(1), default=600)
+  parser.add_argument(
+      "--compose",
+      type=cli.names(tuple(convergence.VARIANTS), "variant"),
+      default="",
+      help="variants (of --variants) whose time to the target is composed,"
+      " not run: each round trains --compose_steps steps for its step time,"
+      " and the task's simulated curve gives its steps to the target (for"
+      " S-SGD on a slow link, whose direct run would take most of the sweep)",
+  )
+  parser.add_argument(
+      "--compose_steps", type=cli.int_at_least(2), default=30
+  )
   parser.add_argument("--eval_every", type=cli.int_at_least(1), default=25)
   parser.add_argument("--repeats", type=cli.int_at_least(1), default=3)
   parser.add_argument("--seed", type=cli.int_at_least(0), default=0)
@@ -254,6 +276,9 @@ def main(args) -> None:
         f"error: --{convergence.data_flag(args.task)} is needed by"
         f" {args.task}"
     )
+  stray = sorted(set(args.compose) - set(args.variants))
+  if stray:
+    raise SystemExit(f"error: --compose names {stray}, not in --variants")
   meta = cli.start(args, 1)  # each worker is a process of its own device
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
   try:

@@ -24,6 +24,7 @@ from benchmarks import pipeline
 from benchmarks import plots
 from benchmarks import records
 from benchmarks import report_cluster
+from benchmarks import report_quality
 from benchmarks import targets
 from benchmarks import thresholds
 from benchmarks import template
@@ -46,6 +47,7 @@ RECORD_FILES = (
     "convergence_direction",
     "cluster",
     "cluster_links",
+    "quality",
     "overlap_step",
     "advice",
     "projection",
@@ -457,6 +459,7 @@ def _sections(found, out: pathlib.Path) -> list[str]:
       "cluster": lambda rows: report_cluster.cluster_section(
           rows, found["cluster_links"], out
       ),
+      "quality": report_quality.quality_section,
       "overlap_step": lambda rows: report_cluster.overlap_step_section(
           rows, found["cluster"]
       ),
@@ -532,3 +535,7 @@ def main(args) -> None:
   if rows:
     print("The README's table of the cluster run:")
     print(report_cluster.summary_table(rows))
+  rows = records.read("quality", args.results_dir)
+  if rows:
+    print("The README's table of time to quality:")
+    print(report_quality.summary_table(rows))

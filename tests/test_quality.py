@@ -119,3 +119,68 @@ def test_two_workers_train_to_a_target_across_a_shaped_link(tmp_path):
     assert {p["round"] for p in mine} == {1, 2}
     assert max(p["step"] for p in mine) == r["steps"]
     assert min(p["eval_loss"] for p in mine) <= 3.5
+
+
+def _quality_row(variant, bandwidth, seconds):
+  return {
+      "task": "char_lm",
+      "workers": 2,
+      "bandwidth": bandwidth,
+      "variant": variant,
+      "target_loss": 2.4,
+      "reached": f"{sum(math.isfinite(s) for s in seconds)}/{len(seconds)}",
+      "steps": 100,
+      "bytes_sent": 1e6,
+      **records.repeated("train_seconds", seconds),
+      "date": "2026-12-06 03:00 UTC",
+      "command": "quality",
+      "machine": "test",
+  }
+
+
+def test_the_report_pairs_rounds_and_names_only_a_method_first_in_every_one():
+  from benchmarks import report_quality
+
+  run = [
+      _quality_row("ssgd", "10mbit", [100.0, 120.0, 90.0]),
+      _quality_row("power_sgd_warm", "10mbit", [20.0, 60.0, 30.0]),
+      _quality_row("acp_sgd_2r_warm", "10mbit", [25.0, 40.0, math.inf]),
+      _quality_row("ssgd", "1gbit", [10.0, 10.0, 10.0]),
+      _quality_row("power_sgd_warm", "1gbit", [12.0, 11.0, 13.0]),
+      _quality_row("acp_sgd_2r_warm", "1gbit", [11.0, 12.0, 9.0]),
+  ]
+  # Round by round, a capped round counting as never.
+  assert report_quality.sooner(run[1], run[0]) == [5.0, 2.0, 3.0]
+  assert report_quality.sooner(run[2], run[0]) == [4.0, 3.0, 0.0]
+  # Power-SGD was first in rounds 1 and 3 only; S-SGD at 1 Gb/s in rounds
+  # 1 and 2 only.
+  assert report_quality.fastest_every_round(run, 2, "10mbit") is None
+  assert report_quality.fastest_every_round(run, 2, "1gbit") is None
+  run[2] = _quality_row("acp_sgd_2r_warm", "10mbit", [15.0, 40.0, 20.0])
+  assert report_quality.fastest_every_round(run, 2, "10mbit") == (
+      "acp_sgd_2r_warm"
+  )
+  table = report_quality.summary_table(run).splitlines()
+  assert table[0] == "| method | 10 Mb/s, 2 workers | 1 Gb/s, 2 workers |"
+  # Seconds, the median of the rounds; S-SGD's over them, the median of
+  # 100/15, 120/40 and 90/20; in bold, first in every round.
+  assert table[4] == (
+      "| ACP-SGD (r=8), 60 dense steps | **20 s, 4.50×** | 11 s, 0.91× |"
+  )
+
+
+def test_a_composed_only_variant_counts_by_its_composed_rounds():
+  from benchmarks import report_quality
+
+  simulated = {0: {4: 3.0, 8: 2.4}}
+  rounds = [_round(None, 20.0, per_second=64.0), _round(None, 20.0, per_second=32.0)]
+  r = quality.record(rounds, 2.5, simulated)
+  # 8 steps to 2.5 at 0.5 s and at 1 s a step.
+  assert records.runs(r, "composed_seconds") == [4.0, 8.0]
+  ssgd = {**_quality_row("ssgd", "10mbit", [0.0, 0.0]), **r,
+          "composed_only": True}
+  acp = _quality_row("acp_sgd_2r_warm", "10mbit", [2.0, 2.0])
+  assert report_quality.sooner(acp, ssgd) == [2.0, 4.0]
+  assert "S-SGD | 6 s (composed) |" in report_quality.summary_table(
+      [ssgd, acp]
+  )

@@ -1,0 +1,189 @@
+"""The report's time to quality: how soon each method reaches S-SGD's
+held-out loss across the shaped link (``python -m benchmarks quality``),
+and the README's table of it.
+
+A method is faster to quality than S-SGD by the ratio of S-SGD's seconds to
+its own, paired round by round (the rounds interleave the methods); a
+round that did not reach the target within its step cap counts as never.
+"""
+
+import math
+import statistics
+from typing import Any
+
+from benchmarks import convergence
+from benchmarks import plots
+from benchmarks import records
+from benchmarks import template
+from benchmarks import thresholds
+from benchmarks import workloads
+from benchmarks.template import fill
+
+_COLUMNS = {
+    "workers": "workers",
+    "link": "link",
+    "method": "method",
+    "reached": "reached",
+    "steps": "steps",
+    "mb": "MB sent",
+    "seconds": "seconds (range)",
+    "sooner": "S-SGD / it (range)",
+    "composed": "composed s",
+    "composed_agrees": "agrees",
+}
+
+
+def label(task: str, variant: str) -> str:
+  """A convergence variant as the report names it: ``ACP-SGD (r=8),
+  60 dense steps``."""
+  v = convergence.VARIANTS[variant]
+  name = plots.LABELS[v.compressor]
+  if v.rank_factor:
+    cfg = workloads.load_config(*convergence.TASKS[task])
+    name += f" (r={cfg.compressor[v.compressor].rank * v.rank_factor})"
+  if v.comm_dtype:
+    name += f", {v.comm_dtype}"
+  if v.warmup:
+    name += f", {v.warmup} dense steps"
+  return name
+
+
+def _seconds(r: dict[str, Any]) -> list[float]:
+  """Each round's seconds to the target: trained to it, or, for a variant
+  that was only composed, its steps to it times the round's step time."""
+  key = "composed_seconds" if r.get("composed_only") else "train_seconds"
+  return records.runs(r, key) or [r[key]]
+
+
+def sooner(r: dict[str, Any], ssgd: dict[str, Any]) -> list[float]:
+  """S-SGD's seconds to the target over ``r``'s, round by round (0 where
+  ``r`` did not reach it, math.inf where S-SGD did not)."""
+  return [
+      b / a if math.isfinite(a) else 0.0
+      for a, b in zip(_seconds(r), _seconds(ssgd))
+  ]
+
+
+def _span(values: list[float], digits: str) -> str:
+  if not values or not any(math.isfinite(v) and v > 0 for v in values):
+    return "not reached"
+  shown = lambda x: format(x, digits) if math.isfinite(x) else "never"
+  low, high = min(values), max(values)
+  if low == high:
+    return shown(statistics.median(values))
+  return (
+      f"{shown(statistics.median(values))} ({shown(low)}–{shown(high)})"
+  )
+
+
+def rows(run: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """The table's rows of one run: each (workers, link, variant)."""
+  ssgd = {
+      (r["workers"], r["bandwidth"]): r for r in run if r["variant"] == "ssgd"
+  }
+  out = []
+  for r in run:
+    base = ssgd.get((r["workers"], r["bandwidth"]))
+    ratios = sooner(r, base) if base and r is not base else []
+    out.append({
+        "workers": r["workers"],
+        "link": plots.link_label(r["bandwidth"]),
+        "method": label(r["task"], r["variant"])
+        + (" (composed)" if r.get("composed_only") else ""),
+        "reached": r["reached"],
+        "steps": r["steps"],
+        "mb": r["bytes_sent"] / 1e6,
+        "seconds": _span(_seconds(r), ".0f"),
+        "sooner": _span(ratios, ".2f") if ratios else "",
+        "composed": r.get("composed_seconds"),
+        "composed_agrees": r.get("composed_agrees"),
+    })
+  return out
+
+
+def fastest_every_round(
+    run: list[dict[str, Any]], workers: int, bandwidth: str
+) -> str | None:
+  """The variant that reached the target first in every round on a link,
+  or None where none did."""
+  here = [
+      r for r in run if (r["workers"], r["bandwidth"]) == (workers, bandwidth)
+  ]
+  rounds = min(len(_seconds(r)) for r in here)
+  firsts = {
+      min(here, key=lambda r: _seconds(r)[i])["variant"] for i in range(rounds)
+  }
+  return firsts.pop() if len(firsts) == 1 else None
+
+
+def _by_run(rows_: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+  runs: dict[tuple, list] = {}
+  for r in rows_:
+    runs.setdefault((r["date"], r["command"]), []).append(r)
+  return list(runs.values())
+
+
+def _reading(run: list[dict[str, Any]]) -> str:
+  """Per link, the method first to the target in every round, if any."""
+  points = dict.fromkeys((r["workers"], r["bandwidth"]) for r in run)
+  said = []
+  for workers, bandwidth in points:
+    first = fastest_every_round(run, workers, bandwidth)
+    where = f"{plots.link_label(bandwidth)} with {workers} workers"
+    said.append(
+        f"{where}, {label(run[0]['task'], first)} in every round"
+        if first
+        else f"{where}, no method in every round"
+    )
+  return template.and_list(said)
+
+
+def quality_section(rows_: list[dict[str, Any]]) -> list[str]:
+  """A table per run of ``quality.json``."""
+  blocks = [fill("quality", tolerance=thresholds.COMPOSED_VS_DIRECT)]
+  for run in _by_run(rows_):
+    blocks.append(
+        fill(
+            "quality_run",
+            provenance=template.provenance(run),
+            task=run[0]["task"],
+            target=run[0]["target_loss"],
+            table=records.table(rows(run), _COLUMNS),
+            first=_reading(run),
+        )
+    )
+  return blocks
+
+
+def summary_table(rows_: list[dict[str, Any]]) -> str:
+  """The README's table of one quality run: each method's seconds to the
+  target per link and worker count (the median of its rounds) and how many
+  times sooner than S-SGD (the median of the rounds' ratios); in bold, the
+  method first to the target in every round, where one was."""
+  where = lambda r: (r["workers"], r["bandwidth"])
+  columns = list(dict.fromkeys(map(where, rows_)))
+  first = {c: fastest_every_round(rows_, *c) for c in columns}
+  head = ["method"] + [
+      f"{plots.link_label(b)}, {w} workers" for w, b in columns
+  ]
+  lines = [head, ["---"] + ["---:"] * len(columns)]
+  ssgd = {where(r): r for r in rows_ if r["variant"] == "ssgd"}
+  for variant in dict.fromkeys(r["variant"] for r in rows_):
+    line = [label(rows_[0]["task"], variant)]
+    for c in columns:
+      r = next(
+          (x for x in rows_ if where(x) == c and x["variant"] == variant),
+          None,
+      )
+      if r is None:
+        line.append("")
+        continue
+      seconds = statistics.median(_seconds(r))
+      text = f"{seconds:.0f} s" if math.isfinite(seconds) else "not reached"
+      if r.get("composed_only"):
+        text += " (composed)"
+      if variant != "ssgd" and c in ssgd:
+        text += f", {statistics.median(sooner(r, ssgd[c])):.2f}×"
+      line.append(f"**{text}**" if variant == first[c] else text)
+    lines.append(line)
+  return "\n".join("| " + " | ".join(line) + " |" for line in lines)
