@@ -9,8 +9,36 @@ Running the same command again resumes from the latest checkpoint in
 """
 
 import os
+import signal
 import sys
 
+# Exit status after SIGTERM, SIGINT or SIGHUP, once the checkpoint is saved: a
+# temporary failure (sysexits' EX_TEMPFAIL), retrying resumes.
+EXIT_INTERRUPTED = 75
+
+
+def _stopped_outside_a_step(signum, frame):
+  """A signal before training starts (imports, joining, compiling) or after
+  it ends: one line, not a silent death; no step is cut short."""
+  del frame
+  print(
+      f"stopped by {signal.Signals(signum).name} before training started or"
+      " after it ended: no step was cut short, and the workdir holds every"
+      " checkpoint saved. Run the same command again to resume.",
+      file=sys.stderr,
+      flush=True,
+  )
+  sys.exit(EXIT_INTERRUPTED)
+
+
+# Before the imports, which take seconds; training catches these signals
+# itself while it runs (runtime.StopRequests) and saves before it stops. Not
+# in the data workers, which import this module under another name.
+if __name__ == "__main__":
+  for _signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(_signum, _stopped_outside_a_step)
+
+# pylint: disable=wrong-import-position
 from absl import app
 from absl import flags
 from absl import logging
@@ -25,9 +53,7 @@ from train import plots
 from train import runtime
 from train import train
 
-# Exit status after SIGTERM, SIGINT or SIGHUP, once the checkpoint is saved: a
-# temporary failure (sysexits' EX_TEMPFAIL), retrying resumes.
-EXIT_INTERRUPTED = 75
+# pylint: enable=wrong-import-position
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Training config file.", lock_config=True
