@@ -697,6 +697,8 @@ class DataParallel:
     """
     _checks.choice("normalize", normalize, NORMALIZATIONS)
     _checks.choice("batch_norm", batch_norm, BATCH_NORMS)
+    if batch_norm == "global":
+      fun = _normalising_globally(fun, self.device_axes)
 
 
     def compute(params, *batch):
@@ -720,20 +722,7 @@ class DataParallel:
           batch_specs=batch_specs,
       )(params, *batch)
 
-    if batch_norm == "local":
-      return compute
-
-    def synchronized(params, *batch):
-      norms = _unsynchronized_batch_norms(params)
-      for norm in norms:
-        norm.axis_name = self.device_axes
-      try:
-        return compute(params, *batch)
-      finally:
-        for norm in norms:
-          norm.axis_name = None
-
-    return synchronized
+    return compute
 
 
 def _naming_assumed_splits(
@@ -824,19 +813,28 @@ def _with_replicated_aux_checked(
   return checked
 
 
-def _unsynchronized_batch_norms(model: Any) -> list[Any]:
-  """The ``nnx.BatchNorm`` layers of ``model`` (if an NNX module) that
-  compute batch statistics over no axis: each device's shard alone."""
-  nnx = _local_grads.flax_nnx()
-  if nnx is None or not isinstance(model, nnx.Module):
-    return []
-  return [
-      node
-      for _, node in nnx.iter_graph(model)
-      if isinstance(node, nnx.BatchNorm)
-      and node.axis_name is None
-      and not node.use_running_average
-  ]
+def _normalising_globally(
+    fun: Callable[..., Any], axes: tuple[str, ...]
+) -> Callable[..., Any]:
+  """``fun(model, *batch)`` with the ``nnx.BatchNorm`` layers of ``model``
+  (if an NNX module) that compute batch statistics over no axis given
+  ``axes``, so that they average them over the devices. ``fun`` runs on the
+  module's copy that the step merges inside its trace; the user's module is
+  not touched."""
+
+  def loss(model, *batch):
+    nnx = _local_grads.flax_nnx()
+    if nnx is not None and isinstance(model, nnx.Module):
+      for _, node in nnx.iter_graph(model):
+        if (
+            isinstance(node, nnx.BatchNorm)
+            and node.axis_name is None
+            and not node.use_running_average
+        ):
+          node.axis_name = axes
+    return fun(model, *batch)
+
+  return loss
 
 
 def _globally_normalized(

@@ -107,6 +107,43 @@ def convergence(curves, path) -> None:
   plt.close(fig)
 
 
+def quality(points, target: float, path) -> None:
+  """Held-out loss against training seconds, a panel per (task, workers,
+  link), a line per variant and round (its colour its ``compressor``'s,
+  thick where ``thick``), and the target as a horizontal line."""
+  panels = list(
+      dict.fromkeys((p["task"], p["workers"], p["bandwidth"]) for p in points)
+  )
+  fig, axes = plt.subplots(
+      1, len(panels), figsize=(5 * len(panels), 4), squeeze=False
+  )
+  for ax, panel in zip(axes[0], panels):
+    lines: dict[tuple, list] = {}
+    for p in points:
+      if (p["task"], p["workers"], p["bandwidth"]) == panel:
+        lines.setdefault((p["variant"], p["round"]), []).append(p)
+    for (variant, round_), line in lines.items():
+      ax.plot(
+          [p["train_seconds"] for p in line],
+          [p["eval_loss"] for p in line],
+          color=COLORS[line[0]["compressor"]],
+          linewidth=2.5 if line[0]["thick"] else 1.2,
+          marker=".",
+          label=variant if round_ == 1 else None,
+      )
+    ax.axhline(target, color="gray", linestyle=":", label="target")
+    task, workers, bandwidth = panel
+    ax.set_title(f"{task}, {workers} workers, {link_label(bandwidth)}")
+    ax.set_xlabel("training seconds")
+    ax.set_ylabel("held-out loss")
+    ax.set_xscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def cluster(rows, path) -> None:
   groups = {}
   for r in rows:

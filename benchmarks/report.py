@@ -48,6 +48,7 @@ RECORD_FILES = (
     "cluster",
     "cluster_links",
     "quality",
+    "quality_curves",
     "overlap_step",
     "advice",
     "projection",
@@ -459,7 +460,9 @@ def _sections(found, out: pathlib.Path) -> list[str]:
       "cluster": lambda rows: report_cluster.cluster_section(
           rows, found["cluster_links"], out
       ),
-      "quality": report_quality.quality_section,
+      "quality": lambda rows: report_quality.quality_section(
+          rows, found["quality_curves"], out
+      ),
       "overlap_step": lambda rows: report_cluster.overlap_step_section(
           rows, found["cluster"]
       ),

@@ -8,6 +8,7 @@ round that did not reach the target within its step cap counts as never.
 """
 
 import math
+import pathlib
 import statistics
 from typing import Any
 
@@ -138,10 +139,33 @@ def _reading(run: list[dict[str, Any]]) -> str:
   return template.and_list(said)
 
 
-def quality_section(rows_: list[dict[str, Any]]) -> list[str]:
-  """A table per run of ``quality.json``."""
+def _plot(run, curves, path: pathlib.Path) -> str:
+  """The run's held-out curves against training seconds into ``path``;
+  its Markdown image, or "" where the curves were not kept."""
+  mine = {(r["workers"], r["bandwidth"], r["variant"]) for r in run}
+  points = [
+      {
+          **p,
+          "compressor": convergence.VARIANTS[p["variant"]].compressor,
+          "thick": convergence.VARIANTS[p["variant"]].rank_factor == 2,
+      }
+      for p in curves
+      if (p["workers"], p["bandwidth"], p["variant"]) in mine
+      and p["date"] == run[0]["date"]
+  ]
+  if not points:
+    return ""
+  plots.quality(points, run[0]["target_loss"], path)
+  return f"![held-out loss against training seconds]({path.name})"
+
+
+def quality_section(
+    rows_: list[dict[str, Any]], curves: list[dict[str, Any]], out: pathlib.Path
+) -> list[str]:
+  """A table per run of ``quality.json``, and its curves drawn into
+  ``out``."""
   blocks = [fill("quality", tolerance=thresholds.COMPOSED_VS_DIRECT)]
-  for run in _by_run(rows_):
+  for i, run in enumerate(_by_run(rows_), 1):
     blocks.append(
         fill(
             "quality_run",
@@ -150,6 +174,7 @@ def quality_section(rows_: list[dict[str, Any]]) -> list[str]:
             target=run[0]["target_loss"],
             table=records.table(rows(run), _COLUMNS),
             first=_reading(run),
+            plot=_plot(run, curves, out / f"quality_run{i}.png"),
         )
     )
   return blocks
