@@ -31,7 +31,6 @@ import os
 import signal
 import statistics
 import sys
-import tempfile
 from typing import Any
 
 from acp_jax import costmodel
@@ -362,72 +361,66 @@ def measure(
   On each link every method runs ``repeats`` times, interleaved
   (``_measure_link``); a record holds the median over its runs and their
   spread. On ``breakdown_links`` the JAX methods' last round also takes
-  their steps apart.
-
-  The workers share one persistent compilation cache, made here and
-  removed after: each program compiles once per worker count, not once
-  per link.
+  their steps apart. The links come from ``launch.each_link``, one
+  compilation cache for all.
   """
   runs, calibration, failures = [], [], []
-  with tempfile.TemporaryDirectory() as cache, launch.compilation_cache(cache):
-    for p in workers:
-      for bandwidth in bandwidths:
-        rate = BANDWIDTHS[bandwidth]
-        with links.switched(p, rate) as network:
-          idle, busy, rows = calibrate(network, timeout, psum_sizes(rate))
-          print(
-              f"{p} workers, {bandwidth}: alpha {idle.alpha * 1e6:.0f} us"
-              f" idle, {busy.alpha * 1e6:.0f} us busy; beta"
-              f" {1 / idle.beta / 1e6:.0f} MB/s idle,"
-              f" {1 / busy.beta / 1e6:.0f} MB/s busy",
-              flush=True,
-          )
-          base = {"bandwidth": bandwidth, "workers": p, "model": model}
-          calibration.extend({**base, **row} for row in rows)
-          methods = _methods(
-              compressors,
-              torch,
-              bandwidth,
-              bandwidth == bandwidths[-1],
-              fastest_link_only,
-          )
-          results = _measure_link(
-              network,
-              model,
-              methods,
-              bandwidth,
-              steps,
-              warmup,
-              repeats,
-              bandwidth in breakdown_links,
-              timeout,
-              failures,
-          )
-          for (system, name), reps in results.items():
-            if not reps:
-              continue
-            if system == "torch":
-              record = _torch_record(reps)
-            else:
-              # Each worker's result, its rounds gathered.
-              record = _jax_record(
-                  [
-                      {**ws[-1], "rounds": [w["rounds"][0] for w in ws]}
-                      for ws in zip(*reps)
-                  ],
-                  model,
-                  idle,
-                  busy,
-              )
-            n, w = run_steps(system, name, bandwidth, steps, warmup)
-            runs.append({
-                **base,
-                "compressor": name,
-                "timed_steps": n,
-                "warmup_steps": w,
-                **record,
-            })
-            _show(runs[-1])
+  for p, bandwidth, network in launch.each_link(workers, bandwidths):
+    rate = BANDWIDTHS[bandwidth]
+    idle, busy, rows = calibrate(network, timeout, psum_sizes(rate))
+    print(
+        f"{p} workers, {bandwidth}: alpha {idle.alpha * 1e6:.0f} us"
+        f" idle, {busy.alpha * 1e6:.0f} us busy; beta"
+        f" {1 / idle.beta / 1e6:.0f} MB/s idle,"
+        f" {1 / busy.beta / 1e6:.0f} MB/s busy",
+        flush=True,
+    )
+    base = {"bandwidth": bandwidth, "workers": p, "model": model}
+    calibration.extend({**base, **row} for row in rows)
+    methods = _methods(
+        compressors,
+        torch,
+        bandwidth,
+        bandwidth == bandwidths[-1],
+        fastest_link_only,
+    )
+    results = _measure_link(
+        network,
+        model,
+        methods,
+        bandwidth,
+        steps,
+        warmup,
+        repeats,
+        bandwidth in breakdown_links,
+        timeout,
+        failures,
+    )
+    for (system, name), reps in results.items():
+      if not reps:
+        continue
+      if system == "torch":
+        record = _torch_record(reps)
+      else:
+        # Each worker's result, its rounds gathered.
+        record = _jax_record(
+            [
+                {**ws[-1], "rounds": [w["rounds"][0] for w in ws]}
+                for ws in zip(*reps)
+            ],
+            model,
+            idle,
+            busy,
+        )
+      n, w = run_steps(system, name, bandwidth, steps, warmup)
+      runs.append({
+          **base,
+          "compressor": name,
+          "timed_steps": n,
+          "warmup_steps": w,
+          **record,
+      })
+      _show(runs[-1])
   return runs, calibration, failures
 
 

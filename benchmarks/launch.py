@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from benchmarks import links
 
@@ -128,3 +128,17 @@ def compilation_cache(path: str):
         os.environ.pop(k, None)
       else:
         os.environ[k] = v
+
+
+def each_link(
+    workers: list[int], bandwidths: list[str]
+) -> Iterator[tuple[int, str, links.Network]]:
+  """Each (worker count, link name, network) of a sweep in turn, the link
+  up only while its turn runs. The workers of all turns share one
+  persistent compilation cache, made here and removed after: each program
+  compiles once per worker count, not once per link."""
+  with tempfile.TemporaryDirectory() as cache, compilation_cache(cache):
+    for p in workers:
+      for bandwidth in bandwidths:
+        with links.switched(p, BANDWIDTHS[bandwidth]) as network:
+          yield p, bandwidth, network

@@ -185,35 +185,34 @@ def measure(args) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]
   """Every (worker count, link, variant) record, the curves' points, and
   the failed runs."""
   runs, points, failures = [], [], []
-  with tempfile.TemporaryDirectory() as cache, launch.compilation_cache(cache):
-    for p in args.workers:
-      curves = simulated_curves(args.results_dir, args.task, p)
-      target = target_loss(args.target, curves)
-      for bandwidth in args.bandwidths:
-        with links.switched(p, launch.BANDWIDTHS[bandwidth]) as network:
-          rounds = {v: [] for v in args.variants}
-          for rep in range(args.repeats):
-            for variant in args.variants:
-              with tempfile.TemporaryDirectory() as workdir:
-                out = launch.attempt(
-                    failures,
-                    f"{p} workers {bandwidth} {variant} round {rep + 1}",
-                    lambda: _run(network, args, variant, target, workdir),
-                )
-              if out is not None:
-                rounds[variant].append(out[0])
-          for variant, done in rounds.items():
-            if done:
-              runs.append({
-                  "task": args.task,
-                  "workers": p,
-                  "bandwidth": bandwidth,
-                  "variant": variant,
-                  "seed": args.seed,
-                  "composed_only": variant in args.compose,
-                  **record(done, target, curves.get(variant)),
-              })
-              points.extend(curve_points(runs[-1], done))
+  curves = {
+      p: simulated_curves(args.results_dir, args.task, p) for p in args.workers
+  }
+  targets = {p: target_loss(args.target, curves[p]) for p in args.workers}
+  for p, bandwidth, network in launch.each_link(args.workers, args.bandwidths):
+    rounds = {v: [] for v in args.variants}
+    for rep in range(args.repeats):
+      for variant in args.variants:
+        with tempfile.TemporaryDirectory() as workdir:
+          out = launch.attempt(
+              failures,
+              f"{p} workers {bandwidth} {variant} round {rep + 1}",
+              lambda: _run(network, args, variant, targets[p], workdir),
+          )
+        if out is not None:
+          rounds[variant].append(out[0])
+    for variant, done in rounds.items():
+      if done:
+        runs.append({
+            "task": args.task,
+            "workers": p,
+            "bandwidth": bandwidth,
+            "variant": variant,
+            "seed": args.seed,
+            "composed_only": variant in args.compose,
+            **record(done, targets[p], curves[p].get(variant)),
+        })
+        points.extend(curve_points(runs[-1], done))
   return runs, points, failures
 
 

@@ -199,6 +199,19 @@ def test_the_readme_table_is_the_committed_cluster_run():
   assert report_cluster.summary_table(rows) in readme
 
 
+def test_the_readme_headline_is_the_committed_time_to_quality_runs():
+  from benchmarks import report_quality
+
+  rows = records.read("quality", records.RESULTS_DIR)
+  readme = (records.RESULTS_DIR.parents[1] / "README.md").read_text()
+  runs: dict[str, list] = {}
+  for r in rows:
+    runs.setdefault(r["task"], []).append(r)
+  assert runs
+  for task_rows in runs.values():
+    assert report_quality.summary_table(task_rows) in readme
+
+
 def test_a_record_names_the_commit_it_was_measured_on(monkeypatch, tmp_path):
   import subprocess
 
