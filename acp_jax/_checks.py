@@ -180,9 +180,14 @@ def factory_args(caller: str, **args: Any) -> dict[str, Any]:
   """A factory's arguments, checked in the order given; returns them with
   None resolved (``bucket_bytes``: 25 MiB, ``warmup_steps``: 0) and
   ``leaf_order`` as a tuple. Raises ``ValueError`` naming the argument, the
-  value and the fix."""
+  value and the fix. An argument of a name no rule knows (a compressor's of
+  one's own) is returned as it is, for its factory to check."""
   _check_static(caller, {k: v for k, v in args.items() if k in _STATIC})
-  return {name: _RULES[name](value, caller) for name, value in args.items()}
+  unchecked = lambda v, _: v
+  return {
+      name: _RULES.get(name, unchecked)(value, caller)
+      for name, value in args.items()
+  }
 
 
 class Bucketed(NamedTuple):

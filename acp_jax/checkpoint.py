@@ -39,11 +39,8 @@ import orbax.checkpoint as ocp
 from acp_jax import _local_grads
 from acp_jax import compressor as compressor_lib
 from acp_jax import phase as phase_lib
-from acp_jax.acp import AcpSgdState
+from acp_jax import registry
 from acp_jax.data_parallel import DataParallelState
-from acp_jax.powersgd import PowerSgdState
-from acp_jax.sign import SignSgdState
-from acp_jax.topk import TopkSgdState
 
 # The key of this module's record in an orbax checkpoint's custom metadata.
 _RECORD = "acp_jax"
@@ -51,14 +48,11 @@ _RECORD = "acp_jax"
 # What orbax appends to a checkpoint's path while its save is under way.
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
-# The states that only their compressor, arguments included, can continue.
-_COMPRESSOR_STATES = (
-    AcpSgdState,
-    DataParallelState,
-    PowerSgdState,
-    SignSgdState,
-    TopkSgdState,
-)
+
+def _compressor_states() -> tuple[type, ...]:
+  """The states that only their compressor, arguments included, can
+  continue: each registered compressor's, and ``DataParallel``'s."""
+  return (DataParallelState, *registry.state_types())
 
 # ``save``'s compressor when none is passed: distinct from None, which saves
 # a compressor's state without its record on purpose.
@@ -179,14 +173,15 @@ def _structure(tree: Any) -> dict[str, str]:
 def _compressor_paths(tree: Any) -> list[str]:
   """The paths in ``tree`` of the compressors' states: what only the same
   compressor, with the same arguments, can continue."""
+  types = _compressor_states()
   found = jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=lambda x: isinstance(x, _COMPRESSOR_STATES)
+      tree, is_leaf=lambda x: isinstance(x, types)
   )[0]
   return [
       jax.tree_util.keystr(path)
       + (".comm" if isinstance(x, DataParallelState) else "")
       for path, x in found
-      if isinstance(x, _COMPRESSOR_STATES)
+      if isinstance(x, types)
   ]
 
 

@@ -12,10 +12,14 @@ import dataclasses
 from typing import Any
 
 from acp_jax import compressor as compressor_lib
+from acp_jax.acp import AcpSgdState
 from acp_jax.acp import acp_sgd
+from acp_jax.powersgd import PowerSgdState
 from acp_jax.powersgd import power_sgd
+from acp_jax.sign import SignSgdState
 from acp_jax.sign import sign_sgd
 from acp_jax.ssgd import ssgd
+from acp_jax.topk import TopkSgdState
 from acp_jax.topk import topk_sgd
 
 
@@ -37,6 +41,10 @@ class Entry:
     row_sharded: whether ``ShardedDataParallel`` can run it on blocks of
       rows: it sums over a leaf only through ``collectives.leaf_mean`` and
       selects through ``collectives.row_gather``.
+    state: the type of its state (a NamedTuple), or None for a state that
+      holds nothing it alone can continue; a checkpoint of a state of this
+      type records the compressor and its arguments, and a restore refuses
+      another one.
   """
 
   name: str
@@ -46,6 +54,7 @@ class Entry:
   config: dict[str, Any] = dataclasses.field(default_factory=dict)
   low_rank: bool = False
   row_sharded: bool = False
+  state: type | None = None
 
 
 _ENTRIES: dict[str, Entry] = {}
@@ -65,6 +74,11 @@ def unregister(name: str) -> None:
   get(name)
   del _ENTRIES[name]
   del compressor_lib.FACTORIES[name]
+
+
+def state_types() -> tuple[type, ...]:
+  """The registered compressors' state types."""
+  return tuple(e.state for e in _ENTRIES.values() if e.state is not None)
 
 
 def names() -> tuple[str, ...]:
@@ -119,6 +133,7 @@ register(
         "#e69f00",
         {"majority_vote": False, "bucket_bytes": float},
         row_sharded=True,
+        state=SignSgdState,
     )
 )
 register(
@@ -129,6 +144,7 @@ register(
         "#56b4e9",
         {"density": 0.01, "bucket_bytes": float},
         row_sharded=True,
+        state=TopkSgdState,
     )
 )
 register(
@@ -140,6 +156,7 @@ register(
         _LOW_RANK_CONFIG,
         low_rank=True,
         row_sharded=True,
+        state=PowerSgdState,
     )
 )
 register(
@@ -151,5 +168,6 @@ register(
         _LOW_RANK_CONFIG,
         low_rank=True,
         row_sharded=True,
+        state=AcpSgdState,
     )
 )

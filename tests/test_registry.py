@@ -8,6 +8,7 @@ that ``DataParallel`` and the trainer's config take.
 import copy
 import dataclasses
 import pickle
+import typing
 
 import chex
 import jax
@@ -182,12 +183,18 @@ def test_a_compressor_built_by_hand_copies_but_does_not_pickle():
     pickle.dumps(custom)
 
 
+class MeanSgdState(typing.NamedTuple):
+  """The toy's state: the steps it took."""
+
+  steps: jax.Array
+
+
 def mean_sgd(*, axis_name="data", scale=1.0):
   """A toy compressor: the dense mean times ``scale``."""
 
   def init_fn(params):
     del params
-    return optax.EmptyState()
+    return MeanSgdState(steps=jnp.zeros([], jnp.int32))
 
   def update_fn(updates, state, params=None):
     del params
@@ -195,7 +202,7 @@ def mean_sgd(*, axis_name="data", scale=1.0):
     mean = jax.tree.map(
         lambda g: collectives.all_reduce(g, axis_name) * (scale / n), updates
     )
-    return mean, state
+    return mean, MeanSgdState(steps=state.steps + 1)
 
   def volume(params, num_devices):
     del num_devices
@@ -215,7 +222,14 @@ def mean_sgd(*, axis_name="data", scale=1.0):
 @pytest.fixture(name="toy")
 def _toy():
   registry.register(
-      registry.Entry("mean_sgd", mean_sgd, "mean", "#000000", {"scale": 1.0})
+      registry.Entry(
+          "mean_sgd",
+          mean_sgd,
+          "mean",
+          "#000000",
+          {"scale": 1.0},
+          state=MeanSgdState,
+      )
   )
   yield
   registry.unregister("mean_sgd")
@@ -260,3 +274,25 @@ def test_a_compressor_registered_alone_trains_through_data_parallel(toy):
   assert dp.comm_bytes(params)["data"]["step"].all_reduce == 4 * (
       12 * 16 + 16 * 5
   )
+
+
+def test_a_registered_compressors_state_is_checkpointed_with_its_settings(
+    toy, tmp_path
+):
+  """The registry entry's state type is all a checkpoint needs: the save
+  asks for the compressor, the restore refuses another setting."""
+  del toy
+  params = {"w": np.ones((4, 3), np.float32)}
+  made = mean_sgd(scale=0.5)
+  state = (params, made.init(params))
+  with pytest.raises(ValueError, match="compressor= is missing"):
+    acp_jax.checkpoint.save(str(tmp_path / "a"), state)
+  acp_jax.checkpoint.save(str(tmp_path / "b"), state, compressor=made)
+  restored = acp_jax.checkpoint.restore(
+      str(tmp_path / "b"), state, compressor=made
+  )
+  chex.assert_trees_all_equal(restored, state)
+  with pytest.raises(ValueError, match="scale"):
+    acp_jax.checkpoint.restore(
+        str(tmp_path / "b"), state, compressor=mean_sgd(scale=0.25)
+    )
