@@ -123,7 +123,8 @@ def record(
 ) -> dict[str, Any]:
   """A variant's record from its rounds (process 0's results): training
   seconds to the target, steps and bytes, each round's and their median and
-  range; math.inf where a round hit its cap.
+  range; None (never) where a round hit its cap, or the simulated curve
+  never reached the target.
 
   ``train_seconds`` is what a user waits, the first steps' compilation
   included; ``steady_seconds`` leaves out what the first evaluation
@@ -168,7 +169,10 @@ def record(
     out["composed_agrees"] = time_to_quality.agrees(
         composed.median, out["steady_seconds"]
     )
-  return out
+  return {
+      k: None if isinstance(v, float) and math.isinf(v) else v
+      for k, v in out.items()
+  }
 
 
 def curve_points(run: dict[str, Any], rounds) -> list[dict[str, Any]]:

@@ -53,7 +53,9 @@ def _seconds(r: dict[str, Any]) -> list[float]:
   """Each round's seconds to the target: trained to it, or, for a variant
   that was only composed, its steps to it times the round's step time."""
   key = "composed_seconds" if r.get("composed_only") else "train_seconds"
-  return records.runs(r, key) or [r[key]]
+  return [
+      math.inf if x is None else x for x in records.runs(r, key) or [r[key]]
+  ]
 
 
 def sooner(r: dict[str, Any], ssgd: dict[str, Any]) -> list[float]:

@@ -31,10 +31,21 @@ def test_a_record_gives_each_round_and_leaves_the_start_up_out():
   r = quality.record(rounds, 2.5, None)
   assert r["reached"] == "2/3" and r["steps"] == 12
   # The capped round counts as never reaching the target.
-  assert records.runs(r, "train_seconds") == [12.0, 14.0, math.inf]
+  assert records.runs(r, "train_seconds") == [12.0, 14.0, None]
   # 4 steps at 0.5 s took 10 s: 8 s of start-up left out of each round.
-  assert records.runs(r, "steady_seconds") == [4.0, 6.0, math.inf]
+  assert records.runs(r, "steady_seconds") == [4.0, 6.0, None]
   assert r["step_s"] == 0.5 and "composed_seconds" not in r
+
+
+def test_a_record_that_never_reached_its_target_is_written(tmp_path):
+  """A round capped before the target, and a simulated curve that never
+  reached it, made infinite fields, which records.write refuses: a sweep's
+  records were lost at its end."""
+  never = {0: {4: 3.0, 8: 2.9}}
+  r = quality.record([_round(None, 20.0), _round(8, 12.0)], 2.5, never)
+  assert r["composed_seconds"] is None and r["train_seconds_run1"] is None
+  records.write("quality", [r], tmp_path)
+  assert records.read("quality", tmp_path) == [r]
 
 
 def test_a_record_composes_simulated_steps_with_the_step_time():
