@@ -195,3 +195,21 @@ def test_a_composed_only_variant_counts_by_its_composed_rounds():
   assert "S-SGD | 6 s (composed) |" in report_quality.summary_table(
       [ssgd, acp]
   )
+
+
+def test_the_sooner_target_is_met_only_where_every_round_clears_it():
+  from benchmarks import targets
+
+  run = [
+      _quality_row("ssgd", "10mbit", [100.0, 120.0, 90.0]),
+      _quality_row("power_sgd_warm", "10mbit", [20.0, 60.0, 30.0]),
+      _quality_row("acp_sgd_2r_warm", "10mbit", [15.0, 40.0, 20.0]),
+      _quality_row("ssgd", "1gbit", [10.0, 10.0, 10.0]),  # no goal there
+      _quality_row("acp_sgd_2r_warm", "1gbit", [1.0, 1.0, 1.0]),
+  ]
+  (row,) = targets.check({"quality": run})
+  # ACP-SGD's rounds: 100/15, 120/40, 90/20; the lowest is 3.
+  assert row[1] == "ACP-SGD (r=8), 60 dense steps: 4.50x (3.00-6.67)"
+  assert row[2] is True
+  run[2] = _quality_row("acp_sgd_2r_warm", "10mbit", [15.0, 41.0, 20.0])
+  assert targets.check({"quality": run})[0][2] is False
