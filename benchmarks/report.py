@@ -541,4 +541,5 @@ def main(args) -> None:
   rows = records.read("quality", args.results_dir)
   if rows:
     print("The README's table of time to quality:")
-    print(report_quality.summary_table(rows))
+    curves = records.read("quality_curves", args.results_dir)
+    print(report_quality.summary_table(report_quality.with_startup(rows, curves)))

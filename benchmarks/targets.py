@@ -451,7 +451,9 @@ def _quality(records: Records) -> list[Row]:
   """Per task, worker count and link with a goal: the compressed method
   sooner to S-SGD's quality than S-SGD by the highest median of the
   rounds' ratios, and whether every round clears the goal."""
-  rows = records["quality"]
+  rows = report_quality.with_startup(
+      records["quality"], records.get("quality_curves") or []
+  )
   out = []
   where = lambda r: (r["task"], r["workers"], r["bandwidth"])
   points = dict.fromkeys(map(where, rows))

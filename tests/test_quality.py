@@ -195,6 +195,16 @@ def test_a_composed_only_variant_counts_by_its_composed_rounds():
   assert "S-SGD | 6 s (composed) |" in report_quality.summary_table(
       [ssgd, acp]
   )
+  # Its start-up, which the trained variants' seconds include, from each
+  # round's first evaluation: 4 steps at 0.5 s (1 s) took 10 s (11 s).
+  curves = [
+      {"workers": 2, "bandwidth": "10mbit", "variant": "ssgd",
+       "date": ssgd["date"], "round": i, "step": 4, "train_seconds": t}
+      for i, t in ((1, 10.0), (2, 11.0))
+  ]
+  (with_startup, _) = report_quality.with_startup([ssgd, acp], curves)
+  assert with_startup["startup_seconds"] == [8.0, 7.0]
+  assert report_quality.sooner(acp, with_startup) == [6.0, 7.5]
 
 
 def test_the_sooner_target_is_met_only_where_every_round_clears_it():
