@@ -538,8 +538,10 @@ def main(args) -> None:
   if rows:
     print("The README's table of the cluster run:")
     print(report_cluster.summary_table(rows))
-  rows = records.read("quality", args.results_dir)
-  if rows:
-    print("The README's table of time to quality:")
-    curves = records.read("quality_curves", args.results_dir)
-    print(report_quality.summary_table(report_quality.with_startup(rows, curves)))
+  rows = report_quality.with_startup(
+      records.read("quality", args.results_dir),
+      records.read("quality_curves", args.results_dir),
+  )
+  for task, task_rows in report_quality.by_task(rows).items():
+    print(f"The README's table of time to quality, {task}:")
+    print(report_quality.summary_table(task_rows))

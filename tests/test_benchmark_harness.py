@@ -207,9 +207,7 @@ def test_the_readme_headline_is_the_committed_time_to_quality_runs():
       records.read("quality_curves", records.RESULTS_DIR),
   )
   readme = (records.RESULTS_DIR.parents[1] / "README.md").read_text()
-  runs: dict[str, list] = {}
-  for r in rows:
-    runs.setdefault(r["task"], []).append(r)
+  runs = report_quality.by_task(rows)
   assert runs
   for task_rows in runs.values():
     assert report_quality.summary_table(task_rows) in readme
