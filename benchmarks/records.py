@@ -77,13 +77,16 @@ def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def portable_arg(arg: str) -> str:
-  """``arg`` with an absolute path made readable anywhere: relative to the
+  """``arg`` with a path made readable anywhere: relative to the
   repository where it lies inside it, else ``.../`` and its last two parts
-  (where this machine keeps its data says nothing to a reader)."""
+  (where this machine keeps its data says nothing to a reader). A relative
+  path counts when it climbs out of the working directory (``../``)."""
   flag, eq, value = (
       arg.partition("=") if arg.startswith("--") else ("", "", arg)
   )
   path = pathlib.Path(value)
+  if value.startswith("../"):
+    path = (pathlib.Path.cwd() / path).resolve()
   if not path.is_absolute():
     return arg
   root = RESULTS_DIR.parents[1]

@@ -3,6 +3,7 @@ benchmark: the flags each subcommand declares, and REPORT.md written from
 the committed records."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -230,3 +231,17 @@ def test_a_record_names_the_commit_it_was_measured_on(monkeypatch, tmp_path):
   # Outside a checkout it says so rather than naming another commit.
   monkeypatch.setattr(records, "RESULTS_DIR", tmp_path / "a" / "results")
   assert records.commit() == "unknown"
+
+
+def test_a_path_climbing_out_of_the_working_directory_is_shortened(
+    monkeypatch, tmp_path
+):
+  """A relative data path that climbs out of the working directory named a
+  folder outside the repository in the records' commands."""
+  (tmp_path / "work").mkdir()
+  monkeypatch.chdir(tmp_path / "work")
+  climbing = os.path.join(os.pardir, "data", "input.txt")
+  assert records.portable_arg(f"--char_lm_path={climbing}") == (
+      "--char_lm_path=.../data/input.txt"
+  )
+  assert records.portable_arg("--steps=500") == "--steps=500"
