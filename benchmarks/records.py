@@ -178,3 +178,12 @@ def runs(record: dict[str, Any], key: str) -> list[float]:
     values.append(record[f"{key}_run{i}"])
     i += 1
   return values
+
+
+def by_run(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+  """``rows`` grouped by the run that made them (its date and command), in
+  the order the runs first appear."""
+  runs: dict[tuple, list] = {}
+  for r in rows:
+    runs.setdefault((r["date"], r["command"]), []).append(r)
+  return list(runs.values())

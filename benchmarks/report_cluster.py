@@ -591,9 +591,6 @@ def _acp_over_power(run) -> str:
 
 def overlap_step_section(rows, cluster_rows) -> list[str]:
   """The overlapped step against the fused one: a table per run."""
-  runs: dict[tuple, list] = {}
-  for r in rows:
-    runs.setdefault((r["date"], r["command"]), []).append(r)
   blocks = [
       fill(
           "overlap_step",
@@ -601,7 +598,7 @@ def overlap_step_section(rows, cluster_rows) -> list[str]:
           rounds=max(len(records.runs(r, "speedup")) for r in rows),
       )
   ]
-  for run in runs.values():
+  for run in records.by_run(rows):
     blocks.append(
         fill(
             "overlap_step_run",

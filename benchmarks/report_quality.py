@@ -161,13 +161,6 @@ def fastest_every_round(
   return firsts.pop() if len(firsts) == 1 else None
 
 
-def _by_run(rows_: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-  runs: dict[tuple, list] = {}
-  for r in rows_:
-    runs.setdefault((r["date"], r["command"]), []).append(r)
-  return list(runs.values())
-
-
 def _reading(run: list[dict[str, Any]]) -> str:
   """Per link, the method first to the target in every round, if any."""
   points = dict.fromkeys((r["workers"], r["bandwidth"]) for r in run)
@@ -209,7 +202,7 @@ def quality_section(
   """A table per run of ``quality.json``, and its curves drawn into
   ``out``."""
   blocks = [fill("quality", tolerance=thresholds.COMPOSED_VS_DIRECT)]
-  for i, run in enumerate(_by_run(with_startup(rows_, curves)), 1):
+  for i, run in enumerate(records.by_run(with_startup(rows_, curves)), 1):
     blocks.append(
         fill(
             "quality_run",
