@@ -19,7 +19,13 @@ EXIT_INTERRUPTED = 75
 
 def _stopped_outside_a_step(signum, frame):
   """A signal before training starts (imports, joining, compiling) or after
-  it ends: one line, not a silent death; no step is cut short."""
+  it ends: one line, not a silent death; no step is cut short.
+
+  Exits at once (``os._exit``): a ``SystemExit`` raised here is swallowed
+  when the signal lands inside a callback that ignores exceptions (JAX's
+  garbage-collection hook), and the run would go on. Nothing is lost:
+  checkpoints are written atomically, and none is half-made outside a step.
+  """
   del frame
   print(
       f"stopped by {signal.Signals(signum).name} before training started or"
@@ -28,7 +34,8 @@ def _stopped_outside_a_step(signum, frame):
       file=sys.stderr,
       flush=True,
   )
-  sys.exit(EXIT_INTERRUPTED)
+  sys.stdout.flush()
+  os._exit(EXIT_INTERRUPTED)  # pylint: disable=protected-access
 
 
 # Before the imports, which take seconds; training catches these signals
