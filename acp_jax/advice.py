@@ -609,11 +609,8 @@ def _update_seconds(
 ) -> float:
   """``tx``'s update on one device (``timing.phase_calls``): the mean over
   its phases of the median of ``repeats`` calls."""
-  with warnings.catch_warnings():
-    # ACP-SGD's phase marker changes shape: its buffer is not reused.
-    warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-    calls = timing.phase_calls(tx, params)
-    times = timing.interleaved(dict(enumerate(calls)), repeats, warmup=1)
+  calls = timing.phase_calls(tx, params)
+  times = timing.interleaved(dict(enumerate(calls)), repeats, warmup=1)
   return statistics.fmean(statistics.median(t) for t in times.values())
 
 

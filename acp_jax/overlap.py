@@ -151,23 +151,42 @@ def unsegmentable(dp: Any, plan_: Plan) -> str | None:
 
 
 def placed_like_inputs(fn: Callable, donate: tuple[int, ...], outputs: Callable):
-  """``fn`` jitted with the arguments ``donate`` donated and its results
-  placed where ``outputs(*args)`` says (a tree of the arguments' shardings
-  and its other results'), made again for each placement of the arguments.
+  """``fn`` jitted with the arrays of the arguments ``donate`` donated and
+  its results placed where ``outputs(*args)`` says (a tree of the arguments'
+  shardings and its other results'), made again for each placement of the
+  arguments.
 
   Without the results' shardings, XLA pairs each donated buffer with the
   first result of its size: results then trade buffers through copies, and
   on XLA:CPU each call faults fresh pages for them (a segmented step's
-  update took 0.2-0.7 s, against 0.04 s placed, in two processes).
+  update took 0.2-0.7 s, against 0.04 s placed, in two processes). A
+  low-rank phase marker is not donated: its shape changes with the phase,
+  so no result could take its buffer and JAX would warn of it every step.
   """
   programs: dict[Any, Callable] = {}
 
   def call(*args):
     places = outputs(*args)
-    key = (jax.tree.structure(places), tuple(jax.tree.leaves(places)))
+    leaves, treedef = jax.tree.flatten(args)
+    owner = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
+    given = tuple(
+        i in donate and not phase_lib.is_marker(x.dtype, x.shape)
+        for i, x in zip(owner, leaves)
+    )
+    key = (treedef, given, jax.tree.structure(places))
+    key += tuple(jax.tree.leaves(places))
     if key not in programs:
-      programs[key] = jax.jit(fn, donate_argnums=donate, out_shardings=places)
-    return programs[key](*args)
+
+      def split(donated, kept):
+        donated, kept = iter(donated), iter(kept)
+        merged = [next(donated) if g else next(kept) for g in given]
+        return fn(*treedef.unflatten(merged))
+
+      programs[key] = jax.jit(split, donate_argnums=0, out_shardings=places)
+    return programs[key](
+        [x for x, g in zip(leaves, given) if g],
+        [x for x, g in zip(leaves, given) if not g],
+    )
 
   return call
 

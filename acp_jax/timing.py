@@ -14,6 +14,7 @@ import numpy as np
 
 from acp_jax import compressor as compressor_lib
 from acp_jax import data_parallel
+from acp_jax import overlap
 
 
 def interleaved(calls: dict[Any, Any], repeats: int, warmup: int = 2):
@@ -39,7 +40,8 @@ def phase_calls(tx, params: Any, seed: int = 0) -> list[Any]:
   on random normal gradients shaped like ``params``.
 
   The calls must run in phase order: each takes the state the previous one
-  left (donated, as in a train step, so the residuals are updated in place).
+  left (donated, as in a train step, so the residuals are updated in place;
+  ``overlap.placed_like_inputs``).
   """
   mesh = jax.make_mesh(
       (1,),
@@ -56,7 +58,9 @@ def phase_calls(tx, params: Any, seed: int = 0) -> list[Any]:
       params,
       dp.abstract_local_grads(params),
   )
-  compress = jax.jit(dp.compress, donate_argnums=(1,))
+  compress = overlap.placed_like_inputs(
+      dp.compress, (1,), lambda *args: overlap.sharding_of(args)
+  )
   state = [dp.init_comm(params)]
 
   def call():
