@@ -350,6 +350,8 @@ def check_local(grads: Any, axis_name: str, caller: str) -> None:
 # step checks when it runs that the gradients differ across devices, with
 # two collectives more, so identical batches on every device raise too.
 DEBUG_PLACEMENT = "ACP_JAX_DEBUG_PLACEMENT"
+# Whether a placing composition runs the update: a context variable, since
+# optax's ``update(grads, state, params)`` has no argument for it.
 _PLACED: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "placed", default=False
 )

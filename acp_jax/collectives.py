@@ -100,6 +100,13 @@ from acp_jax import _dataflow
 # ``acp_jax.buckets``).
 BucketPlan = Sequence[Sequence[int]]
 
+# The context below is set by the runtime (``DataParallel``,
+# ``ShardedDataParallel``, the byte counts) around a compressor's update,
+# whose signature optax fixes as ``update(grads, state, params)``: a
+# context variable carries how the runtime lays out the exchange without
+# changing the transform's signature. Each is read only while a step is
+# traced, and each defaults to the plain data-parallel exchange.
+
 # The axis over which packed buffers are split, or None (see ``split_over``).
 _SPLIT_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "split_axis", default=None
