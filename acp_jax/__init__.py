@@ -2,15 +2,19 @@
 
 Each factory returns an ``optax.GradientTransformation`` whose update, called
 inside ``jax.shard_map`` or ``jax.pmap`` with a device's local gradients,
-returns their (approximate) mean over the data-parallel axis. The readers of
-compiled HLO live in ``acp_jax.hlo``.
+returns their (approximate) mean over the data-parallel axis.
+
+The measurement tools (the advice, the cost model, simulated devices,
+timing, the readers of compiled HLO) live in ``acp_jax.tools``, which
+``import acp_jax`` does not load: ``acp_jax.advise``, ``acp_jax.Advice``,
+``acp_jax.advice`` and ``acp_jax.hlo`` import theirs on first use.
 """
+
+import importlib
+from typing import Any
 
 from acp_jax.acp import acp_sgd
 from acp_jax.acp import AcpSgdState
-from acp_jax import advice  # pylint: disable=unused-import
-from acp_jax.advice import Advice
-from acp_jax.advice import advise
 from acp_jax.buckets import backward_order
 from acp_jax.compressor import chain
 from acp_jax.compressor import comm_bytes
@@ -19,7 +23,6 @@ from acp_jax.compressor import Compressor
 from acp_jax.data_parallel import DataParallel
 from acp_jax.data_parallel import DataParallelState
 from acp_jax.data_parallel import LocalGrads
-from acp_jax import hlo  # pylint: disable=unused-import
 from acp_jax.lapack import limit_lapack_threads
 from acp_jax.lowrank import Options as LowRankOptions
 from acp_jax.phase import Phase
@@ -64,3 +67,28 @@ __all__ = (
     "ssgd",
     "topk_sgd",
 )
+
+# The tools' public names, each as (module, attribute; None: the module).
+_TOOLS = {
+    "Advice": ("acp_jax.tools.advice", "Advice"),
+    "advice": ("acp_jax.tools.advice", None),
+    "advise": ("acp_jax.tools.advice", "advise"),
+    "hlo": ("acp_jax.tools.hlo", None),
+}
+
+
+def __getattr__(name: str) -> Any:
+  """A tool's public name, imported from ``acp_jax.tools`` on first use."""
+  if name not in _TOOLS:
+    raise AttributeError(f"module 'acp_jax' has no attribute {name!r}")
+  module, attribute = _TOOLS[name]
+  value = importlib.import_module(module)
+  if attribute is not None:
+    value = getattr(value, attribute)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  """The package's names, the tools' not yet imported among them."""
+  return sorted(set(globals()) | set(_TOOLS))

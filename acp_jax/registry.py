@@ -38,6 +38,16 @@ class Entry:
       default) of that type, so that an override parses. Readers copy it.
     low_rank: whether it has a ``rank`` and a dense warm-up
       (``warmup_steps``), as Power-SGD and ACP-SGD do.
+    rounds: the dependent all-reduce rounds of one step, each waiting for
+      the one before (``acp_jax.tools.hlo.collective_rounds`` of its
+      compiled update): 2 for Power-SGD, whose second projection needs the
+      first's all-reduced factor; the cost model fuses its all-reduces into
+      that many.
+    pipelined: whether its one all-reduce a step can overlap backprop: each
+      leaf's depends on that leaf's gradient alone (and, for ACP-SGD, on a
+      factor all-reduced the step before), as S-SGD's and ACP-SGD's do; a
+      selection over a whole tensor or a second round cannot. The cost
+      model hides such a step's communication behind backward.
     row_sharded: whether ``ShardedDataParallel`` can run it on blocks of
       rows: it sums over a leaf only through ``collectives.leaf_mean`` and
       selects through ``collectives.row_gather``.
@@ -53,6 +63,8 @@ class Entry:
   color: str = ""
   config: dict[str, Any] = dataclasses.field(default_factory=dict)
   low_rank: bool = False
+  rounds: int = 1
+  pipelined: bool = False
   row_sharded: bool = False
   state: type | None = None
 
@@ -84,6 +96,12 @@ def state_types() -> tuple[type, ...]:
 def names() -> tuple[str, ...]:
   """The compressors' names, in the order they were registered."""
   return tuple(_ENTRIES)
+
+
+def low_rank() -> tuple[str, ...]:
+  """The low-rank compressors' names (``Entry.low_rank``), in the order
+  they were registered."""
+  return tuple(name for name, e in _ENTRIES.items() if e.low_rank)
 
 
 def get(name: str) -> Entry:
@@ -122,6 +140,7 @@ register(
         "S-SGD",
         "#4c4c4c",
         {"comm_dtype": str, "bucket_bytes": float},
+        pipelined=True,
         row_sharded=True,
     )
 )
@@ -155,6 +174,7 @@ register(
         "#009e73",
         _LOW_RANK_CONFIG,
         low_rank=True,
+        rounds=2,
         row_sharded=True,
         state=PowerSgdState,
     )
@@ -167,6 +187,7 @@ register(
         "#d55e00",
         _LOW_RANK_CONFIG,
         low_rank=True,
+        pipelined=True,
         row_sharded=True,
         state=AcpSgdState,
     )

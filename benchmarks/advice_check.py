@@ -5,7 +5,8 @@ measured best (the report's section and its target both read it)."""
 import functools
 from typing import Any
 
-from acp_jax import advice as advice_lib
+from acp_jax import registry
+from acp_jax.tools import advice as advice_lib
 from benchmarks import launch
 from benchmarks import workloads
 from train import experiment as experiment_lib
@@ -25,7 +26,7 @@ def advice_at(point, link, errors, params) -> dict[str, Any]:
   for r in point:
     c = r["compressor"]
     candidate = advice_lib.Candidate(
-        c, rank if c in advice_lib.LOW_RANK else None
+        c, rank if c in registry.low_rank() else None
     )
     measured[candidate] = r
   fastest_local = min(r["step_local_s"] for r in measured.values())

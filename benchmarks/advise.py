@@ -19,12 +19,13 @@ one is within the threshold; ``--measure_all`` measures every candidate's
 cluster sweep).
 
 ``--calibrate --char_lm_path PATH`` writes the threshold's records into
-the package (``acp_jax/advice_calibration.json``): for each char-LM variant
-of the convergence records (``convergence.json``) that trained Power-SGD or
-ACP-SGD on the gradient after a dense warm-up that warmed its factors, its
+the package (``acp_jax/tools/advice_calibration.json``): for each char-LM
+variant of the convergence records (``convergence.json``) that trained
+Power-SGD or ACP-SGD on the gradient after a dense warm-up that warmed its
+factors, its
 held-out loss gap to S-SGD (the mean over seeds) and its error and cosine
 measured as the advice measures a candidate's
-(``acp_jax.advice.measure``: the same warm-up and steps) on the
+(``acp_jax.tools.advice.measure``: the same warm-up and steps) on the
 convergence runs' char LM, workers and batch, from its initial params.
 """
 
@@ -37,8 +38,9 @@ from typing import Any
 
 import jax
 
-from acp_jax import advice as advice_lib
-from acp_jax import costmodel
+from acp_jax import registry
+from acp_jax.tools import advice as advice_lib
+from acp_jax.tools import costmodel
 from benchmarks import cli
 from benchmarks import convergence
 from benchmarks import convergence_summary
@@ -75,7 +77,7 @@ def calibration_runs(results_dir) -> list[dict[str, Any]]:
         variant is not None
         and r["task"] == _TASK
         and r["steps"] == _STEPS
-        and r["compressor"] in advice_lib.LOW_RANK
+        and r["compressor"] in registry.low_rank()
         and variant.warmup
         and variant.warm_factors
     ):
@@ -339,7 +341,7 @@ def main(args) -> None:
             for k in ("coordinator_address", "num_processes", "process_id")
         },
     )
-  # One device: the workers are simulated by vmap (acp_jax.simulated).
+  # One device: the workers are simulated by vmap (acp_jax.tools.simulated).
   meta = cli.start(args, None if args.measure_link else 1)
   link, measured_workers = _link(args)
   if jax.process_index():

@@ -10,7 +10,7 @@ For the overlap with backprop, the whole train step of ``train/train.py``
 (forward, backward, compressor, optimizer, metrics) is compiled the same
 way, on abstract state and batch, in every phase, once with the
 compressor's default buckets and once with all leaves in one bucket; and
-``acp_jax.hlo.overlap_potential`` reads from each how much of the step's
+``acp_jax.tools.hlo.overlap_potential`` reads from each how much of the step's
 compute its collectives could run beside.
 """
 
@@ -21,6 +21,7 @@ from typing import Any
 import jax
 
 import acp_jax
+from acp_jax.tools import hlo
 from benchmarks import cli
 from benchmarks import records as records_lib
 from benchmarks import thresholds
@@ -51,7 +52,7 @@ def compiled_phases(
         .compile(compiler_options=NO_COMBINER)
         .as_text()
     )
-    traffic = acp_jax.hlo.traffic(text)
+    traffic = hlo.traffic(text)
     phases.append(
         {
             "bytes": sum(s.bytes for s in traffic.values()),
@@ -62,7 +63,7 @@ def compiled_phases(
                 for k, s in traffic.items()
                 if k not in ("all-reduce", "all-gather")
             ),
-            "rounds": acp_jax.hlo.collective_rounds(text),
+            "rounds": hlo.collective_rounds(text),
         }
     )
   return phases
@@ -84,25 +85,27 @@ def measure(models: list[str]) -> list[dict[str, Any]]:
               tx, params, num_devices=mesh.size
           ).values()
       ]
-      hlo = compiled_phases(tx, params, mesh)
+      compiled = compiled_phases(tx, params, mesh)
       row = {
           **about,
           "compressor": name,
           "num_devices": mesh.size,
           "bytes_per_step": sum(volumes) / len(volumes),
-          "hlo_bytes_per_step": sum(h["bytes"] for h in hlo) / len(hlo),
-          "hlo_matches_accounting": [h["bytes"] for h in hlo] == volumes,
-          "all_reduce_ops": max(h["all_reduce_ops"] for h in hlo),
-          "all_gather_ops": max(h["all_gather_ops"] for h in hlo),
-          "other_collective_ops": max(h["other_ops"] for h in hlo),
-          "rounds": max(h["rounds"] for h in hlo),
+          "hlo_bytes_per_step": (
+              sum(h["bytes"] for h in compiled) / len(compiled)
+          ),
+          "hlo_matches_accounting": [h["bytes"] for h in compiled] == volumes,
+          "all_reduce_ops": max(h["all_reduce_ops"] for h in compiled),
+          "all_gather_ops": max(h["all_gather_ops"] for h in compiled),
+          "other_collective_ops": max(h["other_ops"] for h in compiled),
+          "rounds": max(h["rounds"] for h in compiled),
       }
       if len(volumes) == 2:  # ACP-SGD's P-steps and Q-steps
         row.update(
             bytes_p=volumes[0],
             bytes_q=volumes[1],
-            hlo_bytes_p=hlo[0]["bytes"],
-            hlo_bytes_q=hlo[1]["bytes"],
+            hlo_bytes_p=compiled[0]["bytes"],
+            hlo_bytes_q=compiled[1]["bytes"],
         )
       rows[name] = row
     for row in rows.values():
@@ -128,7 +131,7 @@ LAYOUTS = {"before": math.inf, "after": None}
 
 def step_overlap(
     model: str, compressor: str, bucket_bytes: float | None
-) -> tuple[acp_jax.Compressor, dict[str, acp_jax.hlo.OverlapReport]]:
+) -> tuple[acp_jax.Compressor, dict[str, hlo.OverlapReport]]:
   """The compressor of ``model``'s train step with ``bucket_bytes`` (None:
   its default) and, for each phase, the overlap report of that step,
   compiled with XLA:CPU's all-reduce combiner off."""
@@ -145,7 +148,7 @@ def step_overlap(
         .compile(compiler_options=NO_COMBINER)
         .as_text()
     )
-    reports[phase] = acp_jax.hlo.overlap_potential(text)
+    reports[phase] = hlo.overlap_potential(text)
   return experiment.compressor, reports
 
 

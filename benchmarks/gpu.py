@@ -17,11 +17,11 @@ the median is reported.
 
 Then the train step of each model is compiled for eight GPUs on this one
 (``jax_mock_gpu_topology``, mock NCCL), with XLA's latency-hiding scheduler
-on, and ``acp_jax.hlo.scheduled_overlap`` reads from the scheduled module how
-much compute sits between each collective's start and its done: the
-backward pass a collective hides behind. Each model compiles in a process
-of its own, since the topology is fixed when JAX's backend starts, beside
-the timings.
+on, and ``acp_jax.tools.hlo.scheduled_overlap`` reads from the scheduled
+module how much compute sits between each collective's start and its done:
+the backward pass a collective hides behind. Each model compiles in a
+process of its own, since the topology is fixed when JAX's backend starts,
+beside the timings.
 
 The whole run keeps within ``TIME_LIMIT_S``; what does not fit gives a
 record whose ``status`` says so. Without a GPU it does nothing.
@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from acp_jax import timing
+from acp_jax.tools import timing
 from benchmarks import cli
 from benchmarks import workloads
 
@@ -185,7 +185,7 @@ def schedule(model: str, compressors: Sequence[str]) -> None:
   process of its own.
   """
   jax.config.update("jax_mock_gpu_topology", TOPOLOGY)
-  import acp_jax
+  from acp_jax.tools import hlo
   from train import experiment as experiment_lib
   from train import train
 
@@ -205,7 +205,7 @@ def schedule(model: str, compressors: Sequence[str]) -> None:
       start = time.perf_counter()
       text = train_fn.lower(state, batch).compile().as_text()
       compile_s = time.perf_counter() - start
-      collectives = acp_jax.hlo.scheduled_overlap(text)
+      collectives = hlo.scheduled_overlap(text)
       if not collectives:
         print(
             "RESULT "

@@ -12,9 +12,9 @@ import re
 import statistics
 from typing import Any
 
-from acp_jax import advice as advice_lib
-from acp_jax import costmodel
 from acp_jax import registry
+from acp_jax.tools import advice as advice_lib
+from acp_jax.tools import costmodel
 from benchmarks import advice_check
 from benchmarks import cluster
 from benchmarks import plots

@@ -255,11 +255,11 @@ def step_traffic(step, dp, params, state, batch) -> list[dict[str, int]]:
   """What each phase of ``step`` sends, from its compiled HLO: all-reduce
   and all-gather bytes (each device's buffers) and collective counts, as
   ``costmodel.Traffic``'s fields."""
-  import acp_jax
+  from acp_jax.tools import hlo
 
   phases = []
   for comm in dp.phase_states(state.comm).values():
-    traffic = acp_jax.hlo.traffic(
+    traffic = hlo.traffic(
         step.lower(params, state._replace(comm=comm), batch).compile()
     )
     other = {

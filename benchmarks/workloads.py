@@ -23,7 +23,6 @@ from train import experiment as experiment_lib
 from train import optimizers
 
 COMPRESSORS = registry.names()
-LOW_RANK = tuple(n for n in COMPRESSORS if registry.get(n).low_rank)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +83,7 @@ def load_config(
 def _compressing(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """``cfg`` without its dense warm-up: the benchmarks measure the steps
   that compress."""
-  for low_rank in LOW_RANK:
+  for low_rank in registry.low_rank():
     cfg.compressor[low_rank].warmup_steps = 0
   return cfg
 
@@ -197,7 +196,7 @@ def cluster_config(
           ),
           ("per_device_batch_size", m["batch_size"]),
           ("compressor.name", compressor),
-          *((f"compressor.{n}.rank", m["rank"]) for n in LOW_RANK),
+          *((f"compressor.{n}.rank", m["rank"]) for n in registry.low_rank()),
           ("num_train_steps", steps),
           ("log_every_steps", steps),
           ("eval_every_steps", 0),

@@ -150,7 +150,7 @@ def get_config() -> ml_collections.ConfigDict:
               "latency": 0.0,
               "workers": 0,  # 0: this run's devices
               # Batches the errors are taken on (the first two warm the
-              # factors: acp_jax.advice.STEPS, WARMUP).
+              # factors: acp_jax.tools.advice.STEPS, WARMUP).
               "steps": 4,
               # The held-out loss gap to S-SGD the threshold promises.
               "max_gap": 0.1,

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import acp_jax
-from acp_jax import advice as advice_lib
-from acp_jax import costmodel
-from acp_jax import simulated
+from acp_jax import registry
+from acp_jax.tools import advice as advice_lib
+from acp_jax.tools import costmodel
+from acp_jax.tools import simulated
 from tests.test_train import small_config
 from train import advice as train_advice
 from train import train
@@ -278,9 +279,22 @@ def test_candidates_send_bfloat16_factors_off_the_cpu_only():
   on_gpu = advice_lib.default_candidates("gpu")
   assert not any(c.comm_dtype for c in on_cpu)
   assert {c.name for c in on_gpu} - {c.name for c in on_cpu} == {
-      f"{m}_r{r}_bf16" for m in advice_lib.LOW_RANK for r in advice_lib.RANKS
+      f"{m}_r{r}_bf16" for m in registry.low_rank() for r in advice_lib.RANKS
   }
   assert len(on_cpu) == 3 + 2 * len(advice_lib.RANKS)
+
+
+def test_a_candidate_without_a_rank_takes_its_registry_entrys_config():
+  """Types in an entry's config stand for the factory's defaults: left
+  out; Top-k keeps the configs' density."""
+  density = registry.get("topk_sgd").config["density"]
+  topk = advice_lib.Candidate("topk_sgd")
+  assert topk.kwargs() == {"density": density}
+  assert topk.make() == acp_jax.topk_sgd(density)
+  assert advice_lib.Candidate("ssgd").make() == acp_jax.ssgd()
+  assert advice_lib.Candidate("acp_sgd", 4, "bfloat16").make() == (
+      acp_jax.acp_sgd(4, comm_dtype="bfloat16")
+  )
 
 
 @pytest.mark.parametrize(
@@ -307,6 +321,8 @@ def test_bad_inputs_name_the_value():
     advice_lib.Link(bandwidth=-1.0)
   with pytest.raises(ValueError, match=r"method .*'lion'"):
     advice_lib.Candidate("lion")
+  with pytest.raises(ValueError, match=r"rank .* got rank 4 for 'ssgd'"):
+    advice_lib.Candidate("ssgd", 4)
 
 
 @pytest.mark.parametrize(

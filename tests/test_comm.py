@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import pytest
 
 import acp_jax
-from acp_jax import _hlo_text
 from acp_jax import collectives
 from acp_jax import lowrank
+from acp_jax.tools import _hlo_text
+from acp_jax.tools import hlo
 from tests import helpers
 from tests import shapes
 from tests.conftest import NUM_DEVICES
@@ -23,7 +24,7 @@ SMALL_RESNET = shapes.resnet(blocks=(1, 1, 1, 1), width=8, num_classes=10)
 
 
 def hlo_volume(tx, params, state):
-  traffic = acp_jax.hlo.traffic(helpers.compiled_update(tx, params, state))
+  traffic = hlo.traffic(helpers.compiled_update(tx, params, state))
   sent = {kind for kind, stats in traffic.items() if stats.count}
   assert sent <= {"all-reduce", "all-gather"}, traffic
   return acp_jax.CommVolume(
@@ -76,7 +77,7 @@ def collective_inputs(text):
   number = dict(
       re.findall(r"^\s*(%[\w.\-]+) = .* parameter\(([0-9]+)\)", text, re.M)
   )
-  closure = acp_jax.hlo._closure
+  closure = hlo._closure
   return [
       {int(number[a]) for a in closure(i.name, operands) if a in number}
       for i in instructions
@@ -209,10 +210,10 @@ def test_collectives_per_step(name, all_reduces, all_gathers, rounds):
   tx = COMPRESSORS[name].make()
   for state in helpers.phase_states(tx, SMALL_RESNET).values():
     text = helpers.compiled_update(tx, SMALL_RESNET, state).as_text()
-    traffic = acp_jax.hlo.traffic(text)
+    traffic = hlo.traffic(text)
     assert traffic["all-reduce"].count == all_reduces
     assert traffic["all-gather"].count == all_gathers
-    assert acp_jax.hlo.collective_rounds(text) == rounds
+    assert hlo.collective_rounds(text) == rounds
 
 
 @pytest.mark.parametrize(
@@ -253,7 +254,7 @@ def test_grad_step_sends_only_the_compressed_bytes(check_vma):
       )
   )
   state = helpers.replicate(tx.init(params))
-  traffic = acp_jax.hlo.traffic(f.lower(params, state, x).compile())
+  traffic = hlo.traffic(f.lower(params, state, x).compile())
   expected = acp_jax.comm_bytes(tx, params, num_devices=NUM_DEVICES)["p"]
   assert {kind for kind, stats in traffic.items() if stats.count} == {
       "all-reduce"

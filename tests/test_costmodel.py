@@ -5,7 +5,8 @@ import argparse
 import numpy as np
 import pytest
 
-from acp_jax import costmodel
+from acp_jax import registry
+from acp_jax.tools import costmodel
 from benchmarks import cluster
 from benchmarks import worker
 
@@ -94,7 +95,7 @@ def test_fused_rounds_match_the_compiled_step(compressor):
   phases = worker.step_traffic(step, dp, params, tx.init(params), batch)
   assert len(phases) == (2 if compressor == "acp_sgd" else 1)
   for phase in phases:
-    assert phase["all_reduce_ops"] == costmodel.ROUNDS.get(compressor, 1)
+    assert phase["all_reduce_ops"] == registry.get(compressor).rounds
     assert phase["all_gather_ops"] == 0
     # The compressor's bytes (each device's) and the loss's 4.
     assert phase["all_reduce"] > 4

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import acp_jax
 from acp_jax import checkpoint
+from acp_jax.tools import hlo
 from tests import helpers
 from tests.conftest import NUM_DEVICES
 
@@ -233,7 +234,7 @@ def test_accumulated_micro_batches_equal_one_large_batch():
   text = accumulated.lower(params, state, *batch()).compile().as_text()
   volume = acp_jax.comm_bytes(dp.compressor, params, num_devices=NUM_DEVICES)
   # One exchange for both micro-batches (their unused losses are dropped).
-  assert acp_jax.hlo.collective_stats(text)["all-reduce"].bytes == (
+  assert hlo.collective_stats(text)["all-reduce"].bytes == (
       volume["p"].all_reduce
   )
 
@@ -250,7 +251,7 @@ def test_compiled_step_sends_the_accounting_plus_the_loss(make):
   volume = acp_jax.comm_bytes(dp.compressor, params, num_devices=NUM_DEVICES)
   for phase, comm in dp.phase_states(state.comm).items():
     text = step.lower(params, state._replace(comm=comm), *batch()).compile()
-    stats = acp_jax.hlo.collective_stats(text.as_text())
+    stats = hlo.collective_stats(text.as_text())
     assert set(stats) == {"all-reduce"}
     assert stats["all-reduce"].bytes == volume[phase].total + 4, phase
 
@@ -321,7 +322,7 @@ def test_comm_bytes_given_the_loss_equal_the_compiled_step_with_an_unused_layer(
   assert dp.comm_bytes(model, nnx_loss, *batch())[AXIS] == read
   for phase, comm in dp.phase_states(state.comm).items():
     compiled = step.lower(params, state._replace(comm=comm), *batch()).compile()
-    stats = acp_jax.hlo.collective_stats(compiled.as_text())
+    stats = hlo.collective_stats(compiled.as_text())
     # The 4 bytes are the loss's mean.
     assert stats["all-reduce"].bytes == read[phase].total + 4, phase
     # Power-SGD packs the bias with its factors, which are sent.
@@ -375,7 +376,7 @@ def test_comm_bytes_of_a_batch_norm_cnn_equal_the_compiled_step(
     return loss
 
   compiled = step.lower(model, optimizer, images, labels).compile()
-  sent = acp_jax.hlo.collective_stats(compiled.as_text())["all-reduce"].bytes
+  sent = hlo.collective_stats(compiled.as_text())["all-reduce"].bytes
   first = next(iter(counted[AXIS].values()))  # the phase init starts in
   # The 4 bytes are the loss's mean; 8 features' mean and mean of squares,
   # float32, make 64.

@@ -13,8 +13,8 @@ import pytest
 
 import acp_jax
 from acp_jax import checkpoint
-from acp_jax import hlo
 from acp_jax import phase
+from acp_jax.tools import hlo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-import acp_jax
+from acp_jax.tools import hlo
 from benchmarks import gpu
 from benchmarks import project
 from benchmarks import records
@@ -75,15 +75,15 @@ ENTRY %main.87_spmd (param: f32[512,256], param.1: f32[256,10], param.2: f32[8,5
 
 
 def test_scheduled_overlap_counts_compute_between_start_and_done():
-  first, second = acp_jax.hlo.scheduled_overlap(SCHEDULED)
-  assert first == acp_jax.hlo.ScheduledCollective(
+  first, second = hlo.scheduled_overlap(SCHEDULED)
+  assert first == hlo.ScheduledCollective(
       name="%all-reduce-start",
       kind="all-reduce",
       bytes=256 * 10 * 4,
       done="%all-reduce-done",
       compute_between=2,  # %fusion.3 and %fusion.4
   )
-  assert second == acp_jax.hlo.ScheduledCollective(
+  assert second == hlo.ScheduledCollective(
       name="%all-reduce-start.1",
       kind="all-reduce",
       bytes=512 * 256 * 4 + 4,
@@ -103,7 +103,7 @@ def test_scheduled_overlap_counts_custom_calls_and_other_async_kinds():
       "  %all-gather-done = f32[64,10]{1,0} all-gather-done((f32[8,10]{1,0}, f32[64,10]{1,0}) %all-gather-start)\n"
       "  %all-reduce-done = ",
   )
-  first, gather, _ = acp_jax.hlo.scheduled_overlap(text)
+  first, gather, _ = hlo.scheduled_overlap(text)
   assert first.compute_between == 3
   assert (gather.kind, gather.bytes, gather.compute_between) == (
       "all-gather",
@@ -118,12 +118,12 @@ def test_scheduled_overlap_refuses_a_start_without_done():
       "copy((f32[512,256]{1,0}, f32[]) %all-reduce-start.1)",
   )
   with pytest.raises(ValueError, match="all-reduce-start.1"):
-    acp_jax.hlo.scheduled_overlap(text)
+    hlo.scheduled_overlap(text)
 
 
 def test_synchronous_collectives_are_not_listed():
   synchronous = SCHEDULED.replace("-start", "").replace("-done", "")
-  assert acp_jax.hlo.scheduled_overlap(synchronous) == []
+  assert hlo.scheduled_overlap(synchronous) == []
 
 
 def test_gpu_check_skips_without_a_gpu(tmp_path):

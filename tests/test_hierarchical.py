@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import acp_jax
 from acp_jax import collectives
+from acp_jax.tools import hlo
 from tests import helpers
 from tests.conftest import NUM_DEVICES
 from tests.helpers import COMPRESSORS
@@ -129,7 +130,7 @@ def bytes_by_axis(hlo_text: str, mesh) -> dict[str, acp_jax.CommVolume]:
   kinds = {"all-reduce": "all_reduce", "all-gather": "all_gather"}
   totals = {}
   for line in hlo_text.splitlines():
-    stats = acp_jax.hlo.collective_stats(line)
+    stats = hlo.collective_stats(line)
     if not stats:
       continue
     (kind, stat), = stats.items()

@@ -10,8 +10,8 @@ import optax
 import pytest
 
 import acp_jax
-from acp_jax import hlo
 from acp_jax import orthogonalize
+from acp_jax.tools import hlo
 from tests import helpers
 
 # Tall enough, at a rank high enough, for Cholesky-QR2 on a CPU.

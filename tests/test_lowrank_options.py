@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import acp_jax
+from acp_jax.tools import hlo
 from tests import helpers
 from tests.conftest import NUM_DEVICES
 
@@ -123,7 +124,7 @@ def test_low_precision_factors_send_half_the_bytes_in_accounting_and_hlo(
         tx16, MATRICES, state, compiler_options=helpers.ONE_BY_ONE
     ).as_text()
     hlo_bytes = sum(
-        s.bytes for s in acp_jax.hlo.collective_stats(text).values()
+        s.bytes for s in hlo.collective_stats(text).values()
     )
     if dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
       # XLA:CPU has no bf16 reduction: it widens the all-reduce to f32

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import acp_jax
+from acp_jax.tools import hlo
 from tests import helpers
 from tests.conftest import NUM_DEVICES
 
@@ -42,10 +43,10 @@ def by_name(report):
 
 
 def test_shares_split_compute_into_before_after_and_beside():
-  report = acp_jax.hlo.overlap_potential(MODULE)
+  report = hlo.overlap_potential(MODULE)
   assert report.compute_bytes == 192
   first, second = report.collectives
-  assert first == acp_jax.hlo.CollectiveOverlap(
+  assert first == hlo.CollectiveOverlap(
       name="%all-reduce",
       kind="all-reduce",
       bytes=32,
@@ -55,7 +56,7 @@ def test_shares_split_compute_into_before_after_and_beside():
       descendant_share=64 / 192,
       upstream_share=96 / 192,  # %c feeds the other all-reduce
   )
-  assert second == acp_jax.hlo.CollectiveOverlap(
+  assert second == hlo.CollectiveOverlap(
       name="%all-reduce.1",
       kind="all-reduce",
       bytes=96,
@@ -73,7 +74,7 @@ def test_shares_split_compute_into_before_after_and_beside():
 
 def test_a_chain_leaves_nothing_beside():
   chain = MODULE.replace("fusion(%y)", "fusion(%b)")
-  first, second = acp_jax.hlo.overlap_potential(chain).collectives
+  first, second = hlo.overlap_potential(chain).collectives
   assert first.independent_share == second.independent_share == 0.0
   assert (first.ancestor_share, first.descendant_share) == (32 / 192, 160 / 192)
   assert second.round == 2
@@ -97,7 +98,7 @@ def test_async_pair_is_one_collective_and_control_edges_are_not_data():
       )
   )
   assert "control-predecessors={%ars}" in text
-  first, _ = acp_jax.hlo.overlap_potential(text).collectives
+  first, _ = hlo.overlap_potential(text).collectives
   assert (first.name, first.kind, first.bytes) == ("%ars", "all-reduce", 32)
   assert first.independent_share == 96 / 192
   assert first.descendant_share == 64 / 192
@@ -119,7 +120,7 @@ def test_called_computations_weigh_as_their_caller():
 
 ENTRY""",
   )
-  report = acp_jax.hlo.overlap_potential(text)
+  report = hlo.overlap_potential(text)
   names = [c.name for c in report.collectives]
   assert names == ["%all-reduce", "%all-reduce.1"]
   assert [c.round for c in report.collectives] == [1, 3]
@@ -130,9 +131,9 @@ ENTRY""",
 
 
 def test_without_collectives_or_compute():
-  empty = acp_jax.hlo.overlap_potential("  %x = f32[2]{0} add(%a, %b)")
-  assert empty == acp_jax.hlo.OverlapReport((), 0.0, 0.0, 0)
-  (only,) = acp_jax.hlo.overlap_potential(
+  empty = hlo.overlap_potential("  %x = f32[2]{0} add(%a, %b)")
+  assert empty == hlo.OverlapReport((), 0.0, 0.0, 0)
+  (only,) = hlo.overlap_potential(
       "  %x = f32[2]{0} parameter(0)\n  %r = f32[2]{0} all-reduce(%x)"
   ).collectives
   assert only.independent_share == only.ancestor_share == 0.0
@@ -193,7 +194,7 @@ def step_report(name, phase=None, combine=False, bucket_bytes=math.inf):
       .lower(params, state, x, y)
       .compile(None if combine else helpers.ONE_BY_ONE)
   )
-  return acp_jax.hlo.overlap_potential(compiled.as_text())
+  return hlo.overlap_potential(compiled.as_text())
 
 
 def gradient_all_reduces(report):

@@ -23,6 +23,8 @@ import pytest
 import acp_jax
 from acp_jax import collectives
 from acp_jax import registry
+from acp_jax.tools import advice as advice_lib
+from acp_jax.tools import costmodel
 from tests import helpers
 from configs import default
 from tests.conftest import NUM_DEVICES
@@ -228,6 +230,8 @@ def _toy():
           "mean",
           "#000000",
           {"scale": 1.0},
+          # One all-reduce a leaf, of that leaf's gradient alone.
+          pipelined=True,
           state=MeanSgdState,
       )
   )
@@ -296,3 +300,52 @@ def test_a_registered_compressors_state_is_checkpointed_with_its_settings(
     acp_jax.checkpoint.restore(
         str(tmp_path / "b"), state, compressor=mean_sgd(scale=0.25)
     )
+
+
+def test_the_advice_and_the_cost_model_take_a_registered_compressor(toy):
+  """Its entry is all they read: the advice weighs it, made with its
+  config's values, and the cost model takes its rounds and whether it
+  overlaps backprop from it."""
+  del toy
+  candidates = advice_lib.default_candidates("cpu", ranks=(2,))
+  assert candidates[-1] == advice_lib.Candidate("mean_sgd")
+  assert candidates[-1].make() == mean_sgd(scale=1.0)
+  params = {"w": jnp.ones((12, 16), jnp.float32)}
+  sent = advice_lib.volumes(candidates, params, 4)
+  assert sent["mean_sgd"]["step"].all_reduce == 4 * 12 * 16
+  link = advice_lib.Link(bandwidth=1e6, latency=1e-4)
+  advice = advice_lib.recommend(
+      advice_lib.Measurements(
+          forward_backward=0.01,
+          update={c.name: 1e-4 for c in candidates},
+          error_to_noise={c.name: 0.0 for c in candidates},
+      ),
+      sent,
+      candidates,
+      workers=4,
+      link=link,
+      global_batch=8,
+      calibration=advice_lib.Calibration.recorded(),
+      overlap=True,
+  )
+  row = next(r for r in advice.rows if r.candidate.name == "mean_sgd")
+  (traffic,) = costmodel.traffic(sent["mean_sgd"], "mean_sgd")
+  assert traffic.all_reduce_ops == 1
+  comm = traffic.seconds(4, link.costs())
+  backward = costmodel.BACKWARD_SHARE * 0.01
+  assert row.step_s == pytest.approx(0.01 + 1e-4 + comm - min(comm, backward))
+  # The same compressor in two dependent rounds, communicating after
+  # backprop: the cost model prices it so, with no edit of its own.
+  registry.register(
+      dataclasses.replace(
+          registry.get("mean_sgd"), name="mean_sgd_2", rounds=2, pipelined=False
+      )
+  )
+  try:
+    (twice,) = costmodel.traffic(sent["mean_sgd"], "mean_sgd_2")
+    assert twice.all_reduce_ops == 2
+    assert costmodel.step_seconds(
+        0.01, backward, twice, "mean_sgd_2", 4, link.costs(), overlap=True
+    ) == pytest.approx(0.01 + twice.seconds(4, link.costs()))
+  finally:
+    registry.unregister("mean_sgd_2")

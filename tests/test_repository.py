@@ -7,9 +7,11 @@ long as no module in it reads another's names at import time.
 """
 
 import ast
+import os
 import pathlib
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -103,28 +105,55 @@ def test_a_records_command_names_no_folder_of_this_machine():
   assert "--out=benchmarks/results" in command
 
 
+def module_names(package: str) -> dict[str, pathlib.Path]:
+  """Each module of ``package`` (a folder at the root) and of its
+  subpackages, by dotted name (a package by its ``__init__.py``)."""
+  modules = {}
+  for path in sorted((ROOT / package).rglob("*.py")):
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    if parts[-1] == "__init__":
+      parts = parts[:-1]
+    modules[".".join(parts)] = path
+  return modules
+
+
+def imported_modules(
+    node: ast.AST, name: str, is_package: bool, modules: set[str]
+) -> set[str]:
+  """The modules of ``modules`` that an import statement ``node`` of module
+  ``name`` reads; a package's ``__init__`` counts only where a name is taken
+  from it, and the root package's not at all (every module imports it)."""
+  if isinstance(node, ast.Import):
+    return {a.name for a in node.names if "." in a.name} & modules
+  if not isinstance(node, ast.ImportFrom):
+    return set()
+  if node.level:  # relative: from the package the module is in
+    base = name.split(".")[: len(name.split(".")) - node.level + is_package]
+    source = ".".join(base + ([node.module] if node.module else []))
+  else:
+    source = node.module
+  found = set()
+  for alias in node.names:
+    if f"{source}.{alias.name}" in modules:
+      found.add(f"{source}.{alias.name}")
+    elif source in modules and "." in source:
+      found.add(source)
+  return found
+
+
 def package_imports(package: str) -> dict[str, set[str]]:
-  """Each module of ``package`` (a folder at the root) and the modules of the
-  same package it imports, anywhere in its body."""
-  folder = ROOT / package
-  modules = {p.stem for p in folder.glob("*.py")}
+  """Each module of ``package`` (a folder at the root) and of its
+  subpackages, by dotted name, and the modules of the same package it
+  imports, anywhere in its body."""
+  modules = module_names(package)
   graph = {}
-  for name in modules:
-    tree = ast.parse((folder / f"{name}.py").read_text(encoding="utf-8"))
+  for name, path in modules.items():
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    is_package = path.name == "__init__.py"
     found = set()
     for node in ast.walk(tree):
-      if isinstance(node, ast.Import):
-        found.update(
-            a.name.split(".")[1]
-            for a in node.names
-            if a.name.startswith(f"{package}.")
-        )
-      elif isinstance(node, ast.ImportFrom) and node.module:
-        if node.module == package:
-          found.update(a.name for a in node.names if a.name in modules)
-        elif node.module.startswith(f"{package}."):
-          found.add(node.module.split(".")[1])
-    graph[name] = found & modules - {name}
+      found |= imported_modules(node, name, is_package, set(modules))
+    graph[name] = found - {name}
   return graph
 
 
@@ -166,6 +195,69 @@ def test_the_loop_check_sees_a_loop():
       "a",
   ]
   assert not import_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}})
+
+
+def test_the_loop_check_reads_subpackages():
+  graph = package_imports("acp_jax")
+  assert "acp_jax.tools.advice" in graph
+  assert {"acp_jax.tools.costmodel", "acp_jax.registry"} <= graph[
+      "acp_jax.tools.advice"
+  ]
+  assert "acp_jax.tools._hlo_text" in graph["acp_jax.tools.hlo"]
+  modules = {"p.a", "p.sub", "p.sub.b", "p.sub.c"}
+  for code in ("from . import c", "from .c import x", "import p.sub.c"):
+    (node,) = ast.parse(code).body
+    assert imported_modules(node, "p.sub.b", False, modules) == {"p.sub.c"}
+  (node,) = ast.parse("from .sub import c").body
+  assert imported_modules(node, "p", True, modules) == {"p.sub.c"}
+  # A name taken from a subpackage's __init__ reads it; one from the root's
+  # does not count.
+  for code, read in (
+      ("from p.sub import y", {"p.sub"}),
+      ("from p import z", set()),
+      ("import p", set()),
+  ):
+    (node,) = ast.parse(code).body
+    assert imported_modules(node, "p.a", False, modules | {"p"}) == read
+
+
+def test_no_module_outside_the_tools_imports_them():
+  """The measurement tools sit above the library: a training script that
+  imports ``acp_jax`` loads none of them."""
+  reads = {
+      name: sorted(m for m in imported if m.startswith("acp_jax.tools"))
+      for name, imported in package_imports("acp_jax").items()
+      if not name.startswith("acp_jax.tools")
+  }
+  assert not {name: tools for name, tools in reads.items() if tools}
+
+
+def test_importing_the_library_loads_no_tool():
+  code = (
+      "import sys\n"
+      "import acp_jax\n"
+      "loaded = [m for m in sys.modules if m.startswith('acp_jax.tools')]\n"
+      "assert not loaded, loaded\n"
+      "assert acp_jax.advise.__module__ == 'acp_jax.tools.advice'\n"
+      "assert acp_jax.Advice is acp_jax.advice.Advice\n"
+      "assert acp_jax.hlo is sys.modules['acp_jax.tools.hlo']\n"
+      "assert 'acp_jax.tools.advice' in sys.modules\n"
+      "try:\n"
+      "  acp_jax.no_such_name\n"
+      "except AttributeError as e:\n"
+      "  assert \"'acp_jax'\" in str(e) and 'no_such_name' in str(e), e\n"
+      "else:\n"
+      "  raise AssertionError('no AttributeError')\n"
+  )
+  result = subprocess.run(
+      [sys.executable, "-c", code],
+      cwd=ROOT,
+      env={**os.environ, "PYTHONPATH": str(ROOT)},
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
 
 
 # Reading the Python stack or JAX's tracer internals: checks built on them

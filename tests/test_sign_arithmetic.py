@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import acp_jax
-from acp_jax import hlo
 from acp_jax import sign
+from acp_jax.tools import hlo
 
 
 @pytest.mark.parametrize("shape", [(5, 7), (4, 8), (3,)])

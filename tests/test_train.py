@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import acp_jax
+from acp_jax.tools import hlo
 from configs import default
 from tests import helpers
 from tests.conftest import NUM_DEVICES
@@ -251,7 +251,7 @@ def _compiled_bytes(experiment):
   totals = []
   for state in experiment_lib.abstract_phase_states(experiment).values():
     text = train_fn.lower(state, batch).compile().as_text()
-    stats = acp_jax.hlo.collective_stats(text)
+    stats = hlo.collective_stats(text)
     totals.append(sum(s.bytes for s in stats.values()))
   return totals
 

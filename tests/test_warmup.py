@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import acp_jax
 from acp_jax import checkpoint
+from acp_jax.tools import hlo
 from tests import helpers
 from tests.conftest import NUM_DEVICES
 from tests.helpers import mlp_loss
@@ -141,7 +142,7 @@ def test_each_phase_compiles_its_own_collectives_and_no_conditional(name):
         .as_text()
     )
     assert "conditional(" not in text
-    stats = acp_jax.hlo.collective_stats(text)
+    stats = hlo.collective_stats(text)
     loss = 4  # the loss that value_and_grad averages
     assert stats["all-reduce"].bytes == volumes[phase].total + loss, phase
 

@@ -26,7 +26,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from acp_jax import advice as advice_lib
+from acp_jax.tools import advice as advice_lib
 from train import checks
 from train import config as config_lib
 from train import experiment as experiment_lib

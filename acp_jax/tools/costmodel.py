@@ -12,9 +12,12 @@ backprop. S-SGD and ACP-SGD can: each layer's all-reduce depends only on
 that layer's gradient (and, for ACP-SGD, on the factor reduced last step),
 so it may run while earlier layers still back-propagate. Power-SGD's second
 all-reduce waits for its first, Sign-SGD and Top-k select over whole
-tensors: they communicate after backprop. Whether a runtime does overlap is
-its own matter (``overlap``): XLA:CPU runs a step's thunks in order, PyTorch
-DDP and the paper's implementation overlap.
+tensors: they communicate after backprop. A method's rounds and whether
+it pipelines are its registry entry's (``acp_jax.registry.Entry``'s
+``rounds`` and ``pipelined``), so a compressor registered there is priced
+with no edit here. Whether a runtime does overlap is its own matter
+(``overlap``): XLA:CPU runs a step's thunks in order, PyTorch DDP and the
+paper's implementation overlap.
 
 Pure arithmetic: ``acp_jax.advise`` predicts with it, and the benchmarks
 calibrate and project with it.
@@ -26,12 +29,8 @@ import dataclasses
 import numpy as np
 
 from acp_jax import compressor as compressor_lib
+from acp_jax import registry
 
-# Dependent all-reduce rounds per step (``acp_jax.hlo.collective_rounds`` of the
-# compiled update); the others take one.
-ROUNDS = {"power_sgd": 2}
-# Methods whose communication can start during backprop.
-PIPELINED = ("ssgd", "acp_sgd")
 # Backward takes about two thirds of forward plus backward (two matrix
 # products per forward one).
 BACKWARD_SHARE = 2 / 3
@@ -126,7 +125,7 @@ def traffic(
   of ``method``'s step: its all-reduces fused into its rounds (tensor
   fusion, as XLA's combiner and DDP's buckets do), its all-gathers into
   one."""
-  rounds = ROUNDS.get(method, 1)
+  rounds = registry.get(method).rounds
   return [
       Traffic(
           v.all_reduce,
@@ -152,5 +151,6 @@ def step_seconds(
   ``method`` hides behind ``backward`` seconds when the runtime
   ``overlap``s."""
   comm = traffic.seconds(p, link)
-  hidden = min(comm, backward) if overlap and method in PIPELINED else 0.0
+  pipelined = registry.get(method).pipelined
+  hidden = min(comm, backward) if overlap and pipelined else 0.0
   return compute + comm - hidden

@@ -5,14 +5,14 @@ For a model, a few batches, a number of workers and a link, ``advise``:
 
 1. measures this device's forward and backward time on one worker's share
    of a batch, and times each candidate's update on one device
-   (``acp_jax.timing``);
+   (``acp_jax.tools.timing``);
 2. reads each candidate's bytes per phase from ``acp_jax.comm_bytes``;
 3. predicts each candidate's step with the alpha-beta model
-   (``acp_jax.costmodel``): compute and update, plus each phase's
+   (``acp_jax.tools.costmodel``): compute and update, plus each phase's
    communication on the link, averaged over the phases;
 4. runs the candidates, fastest first, for a few steps on the user's own
    gradients, on the workers simulated by ``jax.vmap``
-   (``acp_jax.simulated``), to measure how far each one's compressed mean
+   (``acp_jax.tools.simulated``), to measure how far each one's compressed mean
    lies from the true mean (S-SGD's): its squared distance in units of the
    sampling noise that the true mean itself carries (``error_to_noise``),
    with the cosine beside it;
@@ -76,17 +76,12 @@ import jax.numpy as jnp
 
 from acp_jax import _checks
 from acp_jax import compressor as compressor_lib
-from acp_jax import costmodel
-from acp_jax import simulated
-from acp_jax import timing
 from acp_jax import registry
+from acp_jax.tools import costmodel
+from acp_jax.tools import simulated
+from acp_jax.tools import timing
 
-# The compressors the advice weighs, by factory name: the registry's.
-FACTORIES = {name: registry.get(name).factory for name in registry.names()}
-LOW_RANK = tuple(name for name in FACTORIES if registry.get(name).low_rank)
 RANKS = (1, 2, 4, 8, 16, 32)
-# Top-k's fraction of each tensor sent (the configs' own).
-TOPK_DENSITY = 0.01
 # Backends whose all-reduce sends bfloat16 as it is (XLA:CPU widens it to
 # float32, so bfloat16 factors save nothing there).
 BFLOAT16_BACKENDS = ("gpu", "tpu")
@@ -103,17 +98,24 @@ STEPS = 4
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-  """A compressor the advice weighs: its factory, rank and factor dtype."""
+  """A compressor the advice weighs: a registered compressor's name
+  (``acp_jax.registry``), and a low-rank one's rank and factor dtype.
+
+  A candidate without a rank is made with its registry entry's configured
+  arguments (Top-k with its ``density``); a low-rank one with its ``rank``
+  and ``comm_dtype``, the factory's defaults besides.
+  """
 
   method: str
   rank: int | None = None
   comm_dtype: str | None = None
 
   def __post_init__(self):
-    _checks.choice("method", self.method, tuple(FACTORIES))
-    if (self.rank is not None) != (self.method in LOW_RANK):
+    _checks.choice("method", self.method, registry.names())
+    low_rank = registry.low_rank()
+    if (self.rank is not None) != (self.method in low_rank):
       raise ValueError(
-          f"rank is for {' and '.join(LOW_RANK)} only, got rank"
+          f"rank is for {' and '.join(low_rank)} only, got rank"
           f" {self.rank!r} for {self.method!r}"
       )
 
@@ -124,40 +126,41 @@ class Candidate:
     return name + ("_bf16" if self.comm_dtype == "bfloat16" else "")
 
   def kwargs(self) -> dict[str, Any]:
-    """The factory's arguments that make this candidate."""
-    if self.method == "topk_sgd":
-      return {"density": TOPK_DENSITY}
-    if self.rank is None:
-      return {}
-    return {"rank": self.rank, "comm_dtype": self.comm_dtype}
+    """The factory's arguments that make this candidate: a low-rank one's
+    rank and factor dtype, or else the entry's configured values (a type in
+    ``Entry.config`` stands for the factory's default, and is left out)."""
+    if self.rank is not None:
+      return {"rank": self.rank, "comm_dtype": self.comm_dtype}
+    config = registry.get(self.method).config
+    return {k: v for k, v in config.items() if not isinstance(v, type)}
 
   def make(self, **kwargs: Any) -> compressor_lib.Compressor:
     """The compressor, with any further factory arguments (``axis_name``,
     ``warmup_steps``...)."""
-    return FACTORIES[self.method](**self.kwargs(), **kwargs)
+    factory = registry.get(self.method).factory
+    return factory(**self.kwargs(), **kwargs)
 
 
 def default_candidates(
     backend: str | None = None, ranks: Sequence[int] = RANKS
 ) -> tuple[Candidate, ...]:
-  """S-SGD, Sign-SGD, Top-k, and Power-SGD and ACP-SGD at each of ``ranks``
-  with float32 factors, and with bfloat16 ones where ``backend`` (default:
-  JAX's) all-reduces bfloat16 as it is."""
+  """Every registered compressor (``acp_jax.registry``), in the order they
+  were registered: one without a rank once, and a low-rank one (Power-SGD,
+  ACP-SGD) at each of ``ranks`` with factors of the gradients' dtype, and
+  with bfloat16 ones too where ``backend`` (default: JAX's) all-reduces
+  bfloat16 as it is."""
   backend = backend or jax.default_backend()
   dtypes = (None, "bfloat16") if backend in BFLOAT16_BACKENDS else (None,)
   for r in ranks:
     _checks.integer("rank", r, 1)
-  return (
-      Candidate("ssgd"),
-      Candidate("sign_sgd"),
-      Candidate("topk_sgd"),
-      *(
-          Candidate(m, r, d)
-          for m in LOW_RANK
-          for r in ranks
-          for d in dtypes
-      ),
-  )
+  low_rank = registry.low_rank()
+  candidates = []
+  for name in registry.names():
+    if name in low_rank:
+      candidates += [Candidate(name, r, d) for r in ranks for d in dtypes]
+    else:
+      candidates.append(Candidate(name))
+  return tuple(candidates)
 
 
 def _positive_number(name: str, value: Any) -> float:
@@ -272,7 +275,7 @@ class Calibration:
     (``CALIBRATION_FILE``, written from them by ``python -m benchmarks
     advise --calibrate``)."""
     text = (
-        importlib.resources.files("acp_jax")
+        importlib.resources.files("acp_jax.tools")
         .joinpath(CALIBRATION_FILE)
         .read_text()
     )
@@ -396,7 +399,7 @@ class Advice:
     its factors: train it with one too (``warmup_steps``, passed to
     Power-SGD and ACP-SGD only).
     """
-    if warmup_steps and self.pick.candidate.method in LOW_RANK:
+    if warmup_steps and self.pick.candidate.method in registry.low_rank():
       kwargs["warmup_steps"] = warmup_steps
     return self.pick.candidate.make(**kwargs)
 
@@ -476,9 +479,9 @@ def recommend(
   """The advice from measurements and each candidate's ``comm_bytes``
   (``volumes``, by candidate name): arithmetic only.
 
-  With ``overlap``, the pipelined methods (``costmodel.PIPELINED``) hide
-  their communication behind backprop, as GPU runtimes can; XLA:CPU does
-  not.
+  With ``overlap``, the pipelined methods (``registry.Entry.pipelined``)
+  hide their communication behind backprop, as GPU runtimes can; XLA:CPU
+  does not.
   """
   _checks.integer("workers", workers, 1)
   _checks.integer("global_batch", global_batch, 1)
@@ -581,7 +584,7 @@ def _errors_over_steps(
   over the steps after ``warmup``, on ``workers`` simulated devices; a
   low-rank candidate takes those first steps dense, warming its factors
   (its ``warmup_steps``)."""
-  warm = warmup and candidate.method in LOW_RANK
+  warm = warmup and candidate.method in registry.low_rank()
   tx = candidate.make(**({"warmup_steps": warmup} if warm else {}))
   state = jax.jit(tx.init)(params)
   devices = simulated.Devices(
@@ -796,16 +799,20 @@ def advise(
 
   Example::
 
+    from acp_jax.tools import advice as advice_lib
+
     advice = acp_jax.advise(
         loss_fn, params, [batch0, batch1, batch2, batch3], workers=8,
-        link=acp_jax.advice.Link(bandwidth=125e6, latency=50e-6),
+        link=advice_lib.Link(bandwidth=125e6, latency=50e-6),
     )
     print(advice.table())
     tx = optax.chain(advice.compressor(warmup_steps=60), optax.adamw(1e-3))
   """
   _checks.integer("workers", workers, 1)
   if not isinstance(link, Link):
-    raise TypeError(f"link must be an acp_jax.advice.Link, got {link!r}")
+    raise TypeError(
+        f"link must be an acp_jax.tools.advice.Link, got {link!r}"
+    )
   candidates = tuple(candidates or default_candidates())
   calibration = Calibration.recorded(max_gap)
   first = jax.tree.leaves(batches[0]) if len(batches) else []
