@@ -15,7 +15,6 @@ worker, their median and their range, and the ratio fused / overlapped of
 every round.
 """
 
-import statistics
 from typing import Any
 
 from benchmarks import cli

@@ -7,13 +7,11 @@ math is unchanged, this version continues them to the bit.
 """
 
 import json
-import os
 import pathlib
 import shutil
 import subprocess
 import sys
 
-import jax
 import pytest
 from flax import nnx
 
