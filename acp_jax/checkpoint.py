@@ -23,6 +23,7 @@ target are the parts of one verified save and restore, and its reference
 page lists them together for checkpointers of one's own.
 """
 
+from collections.abc import Mapping
 import hashlib
 import json
 import logging
@@ -172,31 +173,49 @@ def _structure(tree: Any) -> dict[str, str]:
 
 def _compressor_paths(tree: Any) -> list[str]:
   """The paths in ``tree`` of the compressors' states: what only the same
-  compressor, with the same arguments, can continue."""
+  compressor, with the same arguments, can continue. Under ``nnx.state``,
+  where an optimizer's state keeps its fields but not its types, a state is
+  a mapping of ``nnx.OptState`` leaves with its type's fields as keys."""
   types = _compressor_states()
+  fields = {frozenset(t._fields): t for t in types}
+
+  def state_type(x):
+    if isinstance(x, types):
+      return type(x)
+    if isinstance(x, Mapping) and frozenset(x) in fields:
+      if _holds_optimizer_state(x, every=True):
+        return fields[frozenset(x)]
+    return None
+
   found = jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=lambda x: isinstance(x, types)
+      tree, is_leaf=lambda x: state_type(x) is not None
   )[0]
-  return [
-      jax.tree_util.keystr(path)
-      + (".comm" if isinstance(x, DataParallelState) else "")
-      for path, x in found
-      if isinstance(x, types)
-  ]
+  paths = []
+  for path, x in found:
+    kind = state_type(x)
+    if kind is DataParallelState:
+      path += (
+          (jax.tree_util.GetAttrKey("comm"),)
+          if isinstance(x, DataParallelState)
+          else (jax.tree_util.DictKey("comm"),)
+      )
+    if kind is not None:
+      paths.append(jax.tree_util.keystr(path))
+  return paths
 
 
-def _holds_optimizer_state(tree: Any) -> bool:
-  """Whether ``tree`` holds an NNX optimizer's state, which ``nnx.state``
-  keeps without its types, a compressor's as any other."""
+def _holds_optimizer_state(tree: Any, every: bool = False) -> bool:
+  """Whether ``tree`` holds an NNX optimizer's state (``every``: holds
+  nothing else), which ``nnx.state`` keeps without its types, a
+  compressor's as any other."""
   nnx = _local_grads.flax_nnx()
   if nnx is None:
     return False
-  return any(
-      isinstance(x, nnx.OptState)
-      for x in jax.tree.leaves(
-          tree, is_leaf=lambda x: isinstance(x, nnx.OptState)
-      )
+  leaves = jax.tree.leaves(
+      tree, is_leaf=lambda x: isinstance(x, nnx.OptState)
   )
+  held = [isinstance(x, nnx.OptState) for x in leaves]
+  return bool(held) and (all(held) if every else any(held))
 
 
 def _is_fresh(path: Any, fresh: tuple[str, ...]) -> bool:

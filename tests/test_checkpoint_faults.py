@@ -8,6 +8,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 import optax
 import orbax.checkpoint as ocp
 import numpy as np
@@ -865,3 +866,39 @@ def test_public_restore_onto_fewer_devices_starts_the_compressor_afresh(
     acp_checkpoint.restore(
         tmp_path / "c", like, compressor=dp4.compressor, fresh=["[1].com"]
     )
+
+
+def test_nnx_restore_onto_fewer_devices_names_its_fresh_path(tmp_path):
+  """Under nnx.state the compressor's state keeps its fields but not its
+  type: the refusal named no fresh path. It names the one that restores,
+  and the params come back as saved."""
+
+  def loop(devices):
+    mesh = jax.make_mesh(
+        (devices,), (helpers.AXIS,),
+        axis_types=(jax.sharding.AxisType.Auto,),
+        devices=jax.devices()[:devices],
+    )
+    dp = acp_jax.DataParallel(acp_jax.topk_sgd(0.1), mesh)
+    model = nnx.Linear(64, 32, rngs=nnx.Rngs(devices))
+    tx = dp.chain(optax.sgd(0.1, momentum=0.9))
+    return dp, model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  dp, model, optimizer = loop(NUM_DEVICES)
+  acp_checkpoint.save(
+      tmp_path / "c", nnx.state((model, optimizer)), compressor=dp.compressor
+  )
+  dp4, model4, optimizer4 = loop(NUM_DEVICES // 2)
+  like = nnx.state((model4, optimizer4))
+  with pytest.raises(ValueError) as error:
+    acp_checkpoint.restore(tmp_path / "c", like, compressor=dp4.compressor)
+  fresh = "[1]['opt_state']['comm']"
+  assert f"fresh=[{fresh!r}]" in str(error.value).splitlines()[0]
+  restored = acp_checkpoint.restore(
+      tmp_path / "c", like, compressor=dp4.compressor, fresh=[fresh]
+  )
+  nnx.update((model4, optimizer4), restored)
+  sums = acp_checkpoint.checksums
+  assert sums(nnx.state(model4)) == sums(nnx.state(model))
+  error = optimizer4.opt_state.comm.error
+  assert error["kernel"].shape == (NUM_DEVICES // 2, 64, 32)
