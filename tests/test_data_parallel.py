@@ -429,6 +429,42 @@ def test_a_wrapper_around_chain_is_refused_naming_what_to_do(wrap, fix):
   assert re.search(fix, first), first
 
 
+@pytest.mark.parametrize(
+    "wrap, error",
+    [
+        (lambda tx: optax.MultiSteps(tx, every_k_schedule=2), ValueError),
+        (
+            lambda tx: optax.masked(
+                tx, lambda p: jax.tree.map(lambda _: True, p)
+            ),
+            ValueError,
+        ),
+        (lambda tx: optax.apply_if_finite(tx, 2), TypeError),
+    ],
+    ids=["multisteps", "masked", "apply_if_finite"],
+)
+def test_a_wrapper_around_chain_under_nnx_optimizer_is_refused_by_jax(
+    wrap, error
+):
+  """nnx.Optimizer hands tx the local gradients as an nnx.State, whose
+  type is the params' own: no code of this library runs before JAX finds
+  the two structures differ, so the refusal is JAX's, naming the local
+  gradients' fields (the mistakes page says so)."""
+  dp = dp_of(acp_jax.acp_sgd(2))
+  model = Mlp(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(
+      model, wrap(dp.chain(optax.sgd(0.1))), wrt=nnx.Param
+  )
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    _, grads = dp.value_and_grad(nnx_loss)(model, x, y)
+    optimizer.update(model, grads)
+
+  with pytest.raises(error, match=r"'guard', 'stacked'"):
+    step(model, optimizer, *batch())
+
+
 def test_local_grads_in_type_annotations_compare_as_types():
   """The refusal above rides on comparing LocalGrads with a container type;
   typing compares types with == too, and must still work."""
