@@ -91,6 +91,12 @@ def next_marker(marker_: jax.Array, phase: Phase) -> jax.Array:
   return jnp.broadcast_to(marker_.reshape(-1)[0], _SHAPE[phase])
 
 
+# The sharding of a jax.pmap-ed array in older jax, which jit takes as no
+# out_shardings and which holds the array's rank; newer jax gives pmap's
+# arrays a NamedSharding and has no such type.
+_PMAP_SHARDING = getattr(jax.sharding, "PmapSharding", ())
+
+
 def marker_as(marker_: Any, phase: Phase) -> Any:
   """The marker of ``phase`` where ``marker_`` lives, outside a step, with its
   leading device axes if any: an abstract one for an abstract marker, else
@@ -104,13 +110,23 @@ def marker_as(marker_: Any, phase: Phase) -> Any:
   sharding = getattr(marker_, "sharding", None)
   if isinstance(marker_, jax.ShapeDtypeStruct):
     return jax.ShapeDtypeStruct(shape, _DTYPE, sharding=sharding)
-  return jax.jit(
+  made = jax.jit(
       lambda m: jnp.broadcast_to(
           m.reshape(lead + (-1,))[..., :1].reshape(lead + (1,) * len(own)),
           shape,
       ),
-      out_shardings=sharding if isinstance(marker_, jax.Array) else None,
+      out_shardings=(
+          sharding
+          if isinstance(marker_, jax.Array)
+          and not isinstance(sharding, _PMAP_SHARDING)
+          else None
+      ),
   )(marker_)
+  if isinstance(sharding, _PMAP_SHARDING):
+    return jax.device_put(
+        made, _PMAP_SHARDING.default(shape, 0, list(sharding.devices))
+    )
+  return made
 
 
 def phase_at(step: int, warmup_steps: int, cycle: Sequence[str]) -> str:
