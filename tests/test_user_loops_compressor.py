@@ -103,7 +103,9 @@ def test_skip_needs_no_apply_if_finite(name):
 def test_a_nonfinite_batch_is_skipped_on_every_node_when_hierarchical(name):
   """Hierarchical: one device's inf, seen by all through the chunks."""
   auto = jax.sharding.AxisType.Auto
-  nodes = jax.make_mesh((2, NUM_DEVICES // 2), ("data", "local"), (auto, auto))
+  nodes = jax.make_mesh(
+      (2, NUM_DEVICES // 2), ("data", "local"), axis_types=(auto, auto)
+  )
   dp = lambda: acp_jax.DataParallel(
       COMPRESSORS[name](), nodes, local_axis="local", nonfinite="skip"
   )
@@ -227,7 +229,7 @@ def test_power_sgd_state_says_its_next_phase():
 def test_comm_bytes_warns_of_params_sharded_over_another_axis():
   """A model axis added all-gathers that comm_bytes silently missed."""
   auto = jax.sharding.AxisType.Auto
-  mesh = jax.make_mesh((4, 2), ("data", "model"), (auto, auto))
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(auto, auto))
   dp = acp_jax.DataParallel(acp_jax.acp_sgd(2), mesh)
   w1 = jax.device_put(PARAMS["w1"], NamedSharding(mesh, P(None, "model")))
   message = re.escape("['w1'] is sharded over mesh axis 'model'")
