@@ -12,6 +12,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -36,7 +37,7 @@ def tracked_files() -> list[pathlib.Path]:
         text=True,
     ).stdout.split("\0")
   except (OSError, subprocess.CalledProcessError):
-    skip = {".git", ".venv", "__pycache__"}
+    skip = {".git", ".venv", ".venv-floor", "__pycache__"}
     return [
         p
         for p in ROOT.rglob("*")
@@ -316,3 +317,31 @@ def test_the_inspection_check_sees_each_kind():
   ):
     assert inspections(code), code
   assert not inspections("root = path.parents[1]; tx.parent_state")
+
+
+def _ci_list(name: str) -> list[str]:
+  """The words of the bash array ``name=(...)`` in ``.ci/run``."""
+  text = (ROOT / ".ci" / "run").read_text()
+  match = re.search(rf"^{name}=\(([^)]*)\)", text, re.MULTILINE)
+  assert match, f".ci/run has no {name}=(...)"
+  return match.group(1).split()
+
+
+def test_ci_tests_the_floors_the_package_declares():
+  """The floors in pyproject.toml are the versions CI's floor venv pins,
+  and its core tests need neither flax nor the trainer."""
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  declared = project["dependencies"] + project["optional-dependencies"][
+      "checkpoint"
+  ]
+  floors = dict(
+      re.fullmatch(r"([\w-]+)>=([\w.]+)", d.split(";")[0].strip()).groups()
+      for d in declared
+  )
+  pinned = dict(p.split("==") for p in _ci_list("FLOORS"))
+  for package in ("jax", "optax", "orbax-checkpoint"):
+    assert pinned[package] == floors[package], package
+  assert pinned["jaxlib"] == pinned["jax"]
+  newer = re.compile(r"^(from|import) (flax|train|benchmarks)\b", re.M)
+  for path in _ci_list("CORE_TESTS"):
+    assert not newer.search((ROOT / path).read_text()), path
