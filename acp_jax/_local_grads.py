@@ -38,51 +38,12 @@ class LocalGradsError(TypeError, AttributeError):
   """
 
 
-class _LocalGradsType(type):
-  """The type of ``LocalGrads``, compared with the type of another tree
-  where JAX meets them in a tree function of two trees.
-
-  A wrapper around ``DataParallel.chain(tx)`` (``optax.MultiSteps``,
-  ``optax.masked``) or a plain optimizer combines the local gradients with
-  a tree of the params' structure (its accumulator, its mask, its moments)
-  before any code of this library runs: JAX finds the structures differ and,
-  to say where, compares the two trees' types. That comparison is the one
-  place left to say what to do instead, so it raises ``LocalGradsError``.
-  """
-
-  def __eq__(cls, other: Any) -> bool:
-    # Only the containers that params come in, found by identity alone:
-    # typing (Union[LocalGrads, ...]) compares types with == too.
-    if isinstance(other, type) and any(
-        base is container
-        for base in other.__mro__
-        for container in (dict, list, tuple, Mapping)
-    ):
-      raise LocalGradsError(
-          "acp_jax.LocalGrads met a tree of another structure (a"
-          f" {other.__name__}): a transform outside DataParallel.chain(tx)"
-          " (optax.MultiSteps, optax.masked, a plain optimizer) combined"
-          " them with the params' tree. Put it inside, where it sees the"
-          " mean gradient: dp.chain(optax.masked(tx, mask)). To"
-          " accumulate k micro-batches (optax.MultiSteps), add their local"
-          " gradients with + and divide by k, then update once; to send some"
-          " params dense, give the compressor keep_dense. Local gradients"
-          f" are each device's gradients, not the gradient: {_FIX}"
-      )
-    return cls is other
-
-  def __ne__(cls, other: Any) -> bool:
-    return not _LocalGradsType.__eq__(cls, other)
-
-  __hash__ = type.__hash__
-
-
 def flax_nnx():
   """``flax.nnx`` if the caller has imported it (we never import flax)."""
   return sys.modules.get("flax.nnx")
 
 
-class LocalGrads(metaclass=_LocalGradsType):
+class LocalGrads:
   """Each device's gradients, stacked: what ``DataParallel.value_and_grad``
   returns, and what only ``DataParallel.chain(tx)`` takes.
 
@@ -97,7 +58,8 @@ class LocalGrads(metaclass=_LocalGradsType):
   ``.shape``), or ``np.asarray``, raises ``LocalGradsError`` saying the
   same. A transform that combines them with another tree (a moment, the
   params, the accumulator of ``optax.MultiSteps``, the mask of
-  ``optax.masked``) raises ``LocalGradsError`` saying where it goes.
+  ``optax.masked``) meets JAX's own pytree structure error, which names
+  ``LocalGrads``: such a transform goes inside ``chain`` too.
 
   Add up micro-batches' local gradients with ``+`` (or ``sum``) and scale
   them with ``*`` and ``/``; read the arrays from ``stacked``.

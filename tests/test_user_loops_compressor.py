@@ -123,24 +123,6 @@ def test_propagate_is_todays_poisoning():
     dp_of("ssgd", nonfinite="ignore")
 
 
-@pytest.mark.parametrize("name", ["acp_sgd", "ssgd"])
-def test_apply_if_finite_around_dp_chain_is_refused(name):
-  """apply_if_finite(dp.chain(tx)) meets the local gradients with a tree of
-  the params' structure, outside the chain: refused, naming where the
-  transform goes (dp.nonfinite does what it would)."""
-  dp = dp_of(name)
-  tx = optax.apply_if_finite(dp.chain(optax.adam(1e-2)), 4)
-  params = jax.device_put(PARAMS, NamedSharding(dp.mesh, P()))
-
-  def step(params, state, x, y):
-    _, grads = dp.value_and_grad(mlp_loss)(params, x, y)
-    return tx.update(grads, state, params)
-
-  x, y = jax.device_put(batches(False)[0], NamedSharding(dp.mesh, P("data")))
-  with pytest.raises(TypeError, match="LocalGrads met a tree of another"):
-    jax.jit(step).lower(params, tx.init(params), x, y)
-
-
 def _pmap_step(tx, before=lambda g: g):
   def step(params, state, x, y):
     grads = before(jax.grad(mlp_loss)(params, x, y))
