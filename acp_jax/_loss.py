@@ -20,11 +20,11 @@ from acp_jax import _specs
 def naming_assumed_splits(
     fun: Callable[..., Any], batch: tuple, specs: tuple, given: Any, axis: Any
 ) -> Callable[..., Any]:
-  """``fun``, whose failure on shapes, when some argument was split along
-  its leading axis for want of a ``batch_specs`` entry, is reported naming
-  those arguments and ``batch_specs``: an argument that is not a batch
-  (Linen ``batch_stats`` whose channels equal the batch size) splits
-  without an error of ours and fails inside the loss."""
+  """``fun``, whose ``TypeError`` or ``ValueError``, when some argument was
+  split along its leading axis for want of a ``batch_specs`` entry, carries
+  a note naming those arguments and ``batch_specs``: an argument that is
+  not a batch (Linen ``batch_stats`` whose channels equal the batch size)
+  splits without an error of ours and fails inside the loss."""
   given = (None,) * len(batch) if given is None else given
   assumed = [
       f"argument {i + 1} {[tuple(np.shape(x)) for x in jax.tree.leaves(arg)]}"
@@ -42,18 +42,18 @@ def naming_assumed_splits(
     try:
       return fun(params, *args)
     except (TypeError, ValueError) as e:
-      if "shape" not in str(e):
-        raise
-      raise ValueError(
-          "the loss failed on the shapes of its arguments as split over"
-          " the devices along axis 0, which value_and_grad assumed for"
-          f" {', '.join(assumed)} (shapes before the split). An argument"
-          " that is not a batch (e.g. Linen batch_stats, whose channels may"
-          " equal the batch size) goes whole to every device with"
-          " batch_specs=(..., P(), ...), one entry per argument after the"
-          f" params; a time-major one splits with P(None, {axis!r})."
-          f" The loss's error: {str(e).splitlines()[0]}"
-      ) from e
+      # A note, not a new error: only the loss knows whether its error is
+      # about these shapes.
+      e.add_note(
+          "acp_jax: value_and_grad split along axis 0 by assumption"
+          f" {', '.join(assumed)} (shapes before the split). If the loss"
+          " failed on their shapes: an argument that is not a batch (e.g."
+          " Linen batch_stats, whose channels may equal the batch size) goes"
+          " whole to every device with batch_specs=(..., P(), ...), one"
+          " entry per argument after the params; a time-major one splits"
+          f" with P(None, {axis!r})."
+      )
+      raise
 
   return named
 
