@@ -542,6 +542,9 @@ def main(args) -> None:
       records.read("quality", args.results_dir),
       records.read("quality_curves", args.results_dir),
   )
-  for task, task_rows in report_quality.by_task(rows).items():
-    print(f"The README's table of time to quality, {task}:")
-    print(report_quality.summary_table(task_rows))
+  for run in records.by_run(rows):
+    print(
+        f"The README's table of time to quality, {run[0]['task']}, the run"
+        f" of {run[0]['date']}:"
+    )
+    print(report_quality.summary_table(run))

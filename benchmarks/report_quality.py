@@ -217,21 +217,14 @@ def quality_section(
   return blocks
 
 
-def by_task(rows_: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-  """Quality records by task, in the order they ran."""
-  out: dict[str, list] = {}
-  for r in rows_:
-    out.setdefault(r["task"], []).append(r)
-  return out
-
-
 def summary_table(rows_: list[dict[str, Any]]) -> str:
-  """The README's table of a task's quality runs: each method's seconds to
-  the target per link and worker count (the median of its rounds) and how
-  many times sooner than S-SGD (the median of the rounds' ratios); in bold,
-  the method first to the target in every round, where one was."""
-  if len(by_task(rows_)) > 1:
-    raise ValueError("summary_table takes one task's records")
+  """The README's table of one quality run: each method's seconds to the
+  target per link and worker count (the median of its rounds) and how many
+  times sooner than S-SGD (the median of the rounds' ratios); in bold, the
+  method first to the target in every round, where one was. One run, so
+  that a table mixes neither machines nor targets."""
+  if len(records.by_run(rows_)) > 1:
+    raise ValueError("summary_table takes one run's records")
   where = lambda r: (r["workers"], r["bandwidth"])
   columns = list(dict.fromkeys(map(where, rows_)))
   first = {c: fastest_every_round(rows_, *c) for c in columns}

@@ -208,10 +208,10 @@ def test_the_readme_headline_is_the_committed_time_to_quality_runs():
       records.read("quality_curves", records.RESULTS_DIR),
   )
   readme = (records.RESULTS_DIR.parents[1] / "README.md").read_text()
-  runs = report_quality.by_task(rows)
+  runs = records.by_run(rows)
   assert runs
-  for task_rows in runs.values():
-    assert report_quality.summary_table(task_rows) in readme
+  for run in runs:
+    assert report_quality.summary_table(run) in readme
 
 
 def test_a_record_names_the_commit_it_was_measured_on(monkeypatch, tmp_path):

@@ -180,6 +180,16 @@ def test_the_report_pairs_rounds_and_names_only_a_method_first_in_every_one():
   )
 
 
+def test_the_readme_table_takes_one_run():
+  """Two runs (two machines, perhaps two targets) make two tables."""
+  from benchmarks import report_quality
+
+  first = _quality_row("ssgd", "10mbit", [100.0])
+  other = {**_quality_row("ssgd", "100mbit", [10.0]), "date": "another"}
+  with pytest.raises(ValueError, match="one run's records"):
+    report_quality.summary_table([first, other])
+
+
 def test_a_composed_only_variant_counts_by_its_composed_rounds():
   from benchmarks import report_quality
 
