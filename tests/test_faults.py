@@ -28,7 +28,10 @@ EXIT_INTERRUPTED = 75
 
 
 def saved_steps(workdir):
-  return sorted(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints")))
+  """The steps of the completed checkpoints (orbax renames a save's
+  temporary directory, ``N.orbax-checkpoint-tmp``, once it is complete)."""
+  names = os.listdir(os.path.join(workdir, "checkpoints"))
+  return sorted(int(s) for s in names if s.isdigit())
 
 
 def restored_params(workdir, config):
