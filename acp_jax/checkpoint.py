@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import pathlib
 import re
 from typing import Any
 
@@ -359,8 +360,10 @@ def _by_name(tree: Any) -> dict[str, tuple[Any, Any]]:
 def _saved_arrays(directory: str) -> dict[str, tuple[str, tuple[int, ...]]]:
   """``{name: (dtype, shape)}`` from the orbax metadata at ``directory``."""
   try:
-    metadata = ocp.StandardCheckpointer().metadata(os.path.abspath(directory))
-    tree = metadata.item_metadata.tree
+    # The handler's, not the checkpointer's: that one also reads a step's
+    # metadata file, which the directory of one item lacks, and warns.
+    handler = ocp.StandardCheckpointHandler()
+    tree = handler.metadata(pathlib.Path(os.path.abspath(directory))).tree
   except Exception as e:  # pylint: disable=broad-except
     raise DamagedError(
         directory, f"its metadata cannot be read: {describe_read_error(e)}"

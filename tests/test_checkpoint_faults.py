@@ -25,6 +25,7 @@ from tests.test_train import read_metrics
 from tests.test_train import small_config
 from acp_jax import checkpoint as acp_checkpoint
 from train import checkpoint
+from train import checks
 from train import data as data_lib
 from train import metrics as metrics_lib
 from train import train
@@ -238,11 +239,50 @@ def test_no_checkpoint_that_verifies_is_an_error_not_a_fresh_start(tmp_path):
   for step in (1, 2):
     _truncate(_data_file(tmp_path / str(step)))
   with pytest.raises(
-      RuntimeError, match=f"none of the 2 checkpoints in {tmp_path} verifies"
+      checks.Refused, match=f"none of the 2 checkpoints in {tmp_path} verifies"
   ):
     ckpt.restore_latest(_state())
   # Nothing is set aside when nothing could be resumed.
   assert sorted(os.listdir(tmp_path)) == ["1", "2"]
+
+
+@pytest.mark.slow
+def test_the_command_line_refuses_a_workdir_in_one_line(tmp_path):
+  """Another run's settings, then every checkpoint damaged: each refusal is
+  its one line after the damaged checkpoints' warnings, with no traceback,
+  nor those of the reads orbax abandons, and nothing set aside."""
+  checkpoints = tmp_path / "checkpoints"
+
+  def run(*overrides):
+    return helpers.run_module(
+        "train",
+        "--config=configs/default.py",
+        f"--workdir={tmp_path}",
+        "--num_cpu_devices=2",
+        "--config.model.width=8",
+        "--config.checkpoint_every_steps=1",
+        *overrides,
+        timeout=300,
+    )
+
+  done = run("--config.num_train_steps=2")
+  assert done.returncode == 0, done.stderr[-3000:]
+  refused = run("--config.num_train_steps=4", "--config.compressor.name=ssgd")
+  assert refused.returncode == 1
+  (line,) = refused.stderr.splitlines()
+  assert line.startswith(f"checkpoint {checkpoints / '2'} was saved with")
+  assert "compressor.name='acp_sgd', this run has 'ssgd'. Resume" in line
+  for step in ("1", "2"):
+    chunks = checkpoints / step / "state" / "ocdbt.process_0" / "d"
+    for name in os.listdir(chunks):
+      _truncate(chunks / name)
+  refused = run("--config.num_train_steps=4")
+  assert refused.returncode == 1
+  *warnings, line = refused.stderr.splitlines()
+  assert line.startswith(f"none of the 2 checkpoints in {checkpoints} verifies")
+  assert len(warnings) == 2, refused.stderr[-3000:]
+  assert all("is damaged: its arrays cannot be read" in w for w in warnings)
+  assert sorted(os.listdir(checkpoints)) == ["1", "2"]
 
 
 def test_empty_directory_starts_from_scratch(tmp_path):

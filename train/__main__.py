@@ -53,6 +53,7 @@ import jax
 from ml_collections import config_flags
 
 from train import checks
+from train import checkpoint
 from train import config as config_lib
 from train import loop
 from train import metrics as metrics_lib
@@ -160,7 +161,9 @@ def _check_flags() -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  logging.set_verbosity(logging.WARNING)  # orbax logs each file it writes
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs each file it writes
+  checkpoint.log_abandoned_reads()
   runtime.setup(
       num_cpu_devices=_NUM_CPU_DEVICES.value,
       coordinator_address=_COORDINATOR.value,
@@ -198,7 +201,7 @@ def main(argv):
     # JAX's exit hooks would wait on the failed collective and on the peer,
     # then abort: the run ends here, as a peer that never joins ends it.
     os._exit(runtime.EXIT_PEER_LOST)
-  except checks.ConfigError as e:
+  except (checks.ConfigError, checks.Refused) as e:
     raise SystemExit(str(e)) from None
   except loop.TooManySkipped as e:
     print(metrics_lib.format_summary(e.summary))

@@ -24,7 +24,9 @@ Checkpoints are never followed through a symbolic link.
 import json
 import os
 import shutil
+import sys
 import time
+import traceback
 from typing import Any
 
 from absl import logging
@@ -51,6 +53,47 @@ _RESERVED = ("run", "checksums", "layout", "format", "written_by")
 _SETTINGS = "settings"
 # Damaged checkpoints set aside and kept for inspection, the newest first.
 KEEP_DAMAGED = 3
+
+
+def log_abandoned_reads() -> None:
+  """Sends the errors of the reads a failed restore abandons to the debug
+  log (``--verbosity=1``), not the console.
+
+  When one array of a damaged checkpoint cannot be read, orbax's restore
+  raises at once and closes its event loop while TensorStore still reads
+  the others: each of those then fails to hand back its result ("Event loop
+  is closed"), and each unfinished read coroutine raises when it is
+  collected. Python prints every one as an unraisable exception, a hundred
+  tracebacks after the one line that says which checkpoint is damaged and
+  why. Other unraisable exceptions still go to the console."""
+  default = sys.unraisablehook
+
+  def hook(unraisable):
+    if not _abandoned_read(unraisable.exc_value, unraisable.exc_traceback):
+      default(unraisable)
+      return
+    if logging.level_debug():
+      logging.debug(
+          "an abandoned checkpoint read raised: %s",
+          "".join(
+              traceback.format_exception(
+                  unraisable.exc_type,
+                  unraisable.exc_value,
+                  unraisable.exc_traceback,
+              )
+          ),
+      )
+
+  sys.unraisablehook = hook
+
+
+def _abandoned_read(error: BaseException | None, tb: Any) -> bool:
+  if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+    return True  # the trainer runs no event loop of its own
+  return any(
+      f"{os.sep}orbax{os.sep}" in frame.filename
+      for frame in traceback.extract_tb(tb)
+  )
 
 
 class Checkpointer:
@@ -168,11 +211,11 @@ class Checkpointer:
       the directory holds no checkpoint.
 
     Raises:
-      ValueError: if a checkpoint was saved by another run (each differing
+      checks.Refused: if a checkpoint was saved by another run (each differing
         key of ``run`` named with both values) or of another state layout
         (each differing key of ``settings`` named, if any); nothing is read
         from it.
-      RuntimeError: if there are checkpoints but none of them verifies.
+      checks.Refused: if there are checkpoints but none of them verifies.
     """
     steps = sorted(self._manager.all_steps(), reverse=True)
     root = self._manager.directory
@@ -204,7 +247,7 @@ class Checkpointer:
           k: v for k, v in record.items() if k not in (*_RESERVED, _SETTINGS)
       }
     if damaged:
-      raise RuntimeError(
+      raise checks.Refused(
           f"none of the {len(damaged)} checkpoints in"
           f" {self._manager.directory}"
           " verifies: "
@@ -291,7 +334,7 @@ class Checkpointer:
           if by != written_by()
           else ""
       )
-      raise ValueError(
+      raise checks.Refused(
           f"checkpoint {path} was saved with "
           + "; ".join(differ)
           + f". Resume with the same settings, or use another workdir.{skew}"
@@ -300,7 +343,7 @@ class Checkpointer:
   def _explain_structure(
       self, path: epath.Path, saved: Any, error: ValueError
   ) -> None:
-    """Raises ``ValueError`` naming the settings that differ from those
+    """Raises ``checks.Refused`` naming the settings that differ from those
     ``saved`` with the checkpoint at ``path``, whose state has another
     structure (``error``), if its record holds them and any differ."""
     if not isinstance(saved, dict):
@@ -308,7 +351,7 @@ class Checkpointer:
     if differ := acp_checkpoint.differences(
         saved, self._settings, now_is="this run has"
     ):
-      raise ValueError(
+      raise checks.Refused(
           f"checkpoint {path} was saved with "
           + "; ".join(differ)
           + ", which gives the optimizer state another structure. Resume"
@@ -429,7 +472,7 @@ def _upgraded(path: epath.Path, record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_format(path: epath.Path, raw: Any) -> None:
-  """Raises ``ValueError`` if the record ``raw`` (as read, unverified) was
+  """Raises ``checks.Refused`` if the record ``raw`` (as read, unverified) was
   written in a checkpoint format this version cannot read: version skew,
   not damage."""
   if not isinstance(raw, dict) or raw.get("format", 1) in (FORMAT, *_UPGRADES):
@@ -438,7 +481,7 @@ def _check_format(path: epath.Path, raw: Any) -> None:
   by = raw.get("written_by") or (
       "an older version of acp_jax (before checkpoints named it)"
   )
-  raise ValueError(
+  raise checks.Refused(
       f"checkpoint {path} was written by {by} in checkpoint format {saved};"
       f" this is {written_by()}, which reads formats"
       f" {', '.join(map(str, sorted({*_UPGRADES, FORMAT})))}: version skew,"
@@ -472,11 +515,11 @@ def _agree(path: epath.Path, error: str | None) -> None:
 
 
 def check_resume(record: dict[str, Any], position: dict[str, int]) -> None:
-  """Raises ``ValueError`` unless a restored record's data position is the
+  """Raises ``checks.Refused`` unless a restored record's data position is the
   ``position`` this run computes for its step: the same data, in the same
   order."""
   if record["data"] != position:
-    raise ValueError(
+    raise checks.Refused(
         f"the checkpoint of step {record['step']} was saved at data position"
         f" {record['data']}, this run puts that step at {position}: the"
         " dataset changed; resume with the same data, or use another workdir"

@@ -14,6 +14,13 @@ class ConfigError(ValueError):
   trainer's command line prints its message alone, one line."""
 
 
+class Refused(ValueError):
+  """A workdir this run cannot resume as it is: another run's checkpoints
+  or log, another state layout or checkpoint format, a changed dataset, or
+  checkpoints none of which verifies. The trainer's command line prints its
+  message alone, one line; nothing in the workdir was changed."""
+
+
 def is_int(value) -> bool:
   """Whether ``value`` is an int (Python's or NumPy's) and not a bool."""
   return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -170,7 +170,7 @@ def _check_one_run(path, records, resume_step: int, run_id) -> None:
   others = _other_runs(records, run_id)
   if others:
     steps = [r["step"] for r in records if r.get("run") != run_id]
-    raise ValueError(
+    raise checks.Refused(
         f"{path} holds steps {min(steps)}-{max(steps)} of run"
         f" {', '.join(others)}, but the checkpoint of step {resume_step} was"
         f" saved by run {run_id}: the checkpoints in"
