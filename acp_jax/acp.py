@@ -9,6 +9,7 @@ from acp_jax import buckets
 from acp_jax import collectives
 from acp_jax import compressor
 from acp_jax import lowrank
+from acp_jax import lowrank_update
 from acp_jax import orthogonalize
 from acp_jax import phase as phase_lib
 from acp_jax import projection
@@ -75,7 +76,7 @@ def acp_sgd(
   compiles once per phase.
 
   With ``warmup_steps``, the first steps are S-SGD's (every leaf all-reduced
-  whole) and warm the factors on the mean gradient (``lowrank.dense_step``);
+  whole) and warm the factors on the mean gradient (``lowrank_update.dense_step``);
   the training loop switches the state out of the warm-up with
   ``Compressor.at_step`` (``DataParallel.at_step``), the first compressed
   step being a P-step.
@@ -127,7 +128,7 @@ def acp_sgd(
     names = (Phase.DENSE, *_CYCLE) if cfg.warmup_steps else _CYCLE
     return phase_lib.abstract_states(state, {p.value: p for p in names})
 
-  return lowrank.factory_compressor(
+  return lowrank_update.factory_compressor(
       cfg,
       axis_name,
       AcpSgdState,
@@ -145,7 +146,7 @@ def exchange(
     s: lowrank.Split,
     state: AcpSgdState,
     n: int,
-) -> tuple[lowrank.Round, AcpSgdState]:
+) -> tuple[lowrank_update.Round, AcpSgdState]:
   """A P-step or a Q-step (the state's phase says which) of ``s``'s
   matrices: their round of all-reduces, and the state after it.
 
@@ -158,7 +159,7 @@ def exchange(
     previous = lowrank.start_factors(cfg, s, state.q, state.count)
     bases = [orthogonalize.orthogonalize(f) for f in previous]
     factors = [
-        lowrank.as_sent(cfg, projection.project(m, b))
+        lowrank_update.as_sent(cfg, projection.project(m, b))
         for m, b in zip(s.matrices, bases)
     ]
     errors = [
@@ -172,7 +173,7 @@ def exchange(
         for f in lowrank.leaves_of(s, state.p)
     ]
     factors = [
-        lowrank.as_sent(cfg, projection.project_terms_transposed(m, b))
+        lowrank_update.as_sent(cfg, projection.project_terms_transposed(m, b))
         for m, b in zip(s.matrices, bases)
     ]
     errors = [
@@ -185,7 +186,7 @@ def exchange(
   packed = collectives.network_sends_each_operand()
   if packed:
     s = s._replace(buckets=buckets.for_packed_rounds(s.buckets))
-  reduced, dense = lowrank.psum_round(
+  reduced, dense = lowrank_update.psum_round(
       s,
       factors,
       s.dense,
@@ -209,5 +210,5 @@ def exchange(
       phase=phase_lib.next_marker(state.phase, after),
       count=state.count + 1,
   )
-  sent = lowrank.Round(s, side, bases, reduced, [x / n for x in dense])
+  sent = lowrank_update.Round(s, side, bases, reduced, [x / n for x in dense])
   return sent, new_state

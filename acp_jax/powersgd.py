@@ -8,6 +8,7 @@ import optax
 from acp_jax import buckets
 from acp_jax import compressor
 from acp_jax import lowrank
+from acp_jax import lowrank_update
 from acp_jax import orthogonalize
 from acp_jax import phase as phase_lib
 from acp_jax import projection
@@ -65,7 +66,7 @@ def power_sgd(
   all leaves share one bucket (``buckets.for_packed_rounds``).
 
   With ``warmup_steps``, the first steps are S-SGD's and warm the factors on
-  the mean gradient (``lowrank.dense_step``); the training loop switches the
+  the mean gradient (``lowrank_update.dense_step``); the training loop switches the
   state out of the warm-up with ``Compressor.at_step``
   (``DataParallel.at_step``).
 
@@ -111,7 +112,7 @@ def power_sgd(
         state, {Phase.DENSE.value: Phase.DENSE, phase_lib.STEP: Phase.P}
     )
 
-  return lowrank.factory_compressor(
+  return lowrank_update.factory_compressor(
       cfg,
       axis_name,
       PowerSgdState,
@@ -128,7 +129,7 @@ def exchange(
     s: lowrank.Split,
     state: PowerSgdState,
     n: int,
-) -> tuple[lowrank.Round, PowerSgdState]:
+) -> tuple[lowrank_update.Round, PowerSgdState]:
   """A compressing step of ``s``'s matrices: its two rounds of all-reduces,
   and the state after them. The basis is orth(P), P the sum of M orth(Q);
   the coordinates are Q^T = orth(P)^T M (r x m) averaged; the residual is
@@ -141,7 +142,7 @@ def exchange(
   # is orthogonalized next; an orthonormal basis of it keeps M Q at the
   # scale of M, as PyTorch's powerSGD_hook does.
   qs = [orthogonalize.orthogonalize(q) for q in previous]
-  ps, dense = lowrank.psum_round(
+  ps, dense = lowrank_update.psum_round(
       s,
       [projection.project(m, q) for m, q in zip(s.matrices, qs)],
       s.dense,
@@ -152,7 +153,7 @@ def exchange(
   ps = [orthogonalize.orthogonalize_rows(p) for p in ps]
   # Q needs the reduced P: a second all-reduce per bucket that can neither
   # fuse with the bucket's first nor start before it ends.
-  qts, _ = lowrank.psum_round(
+  qts, _ = lowrank_update.psum_round(
       s,
       [
           projection.project_terms_transposed(m, p)
@@ -176,5 +177,5 @@ def exchange(
       phase=state.phase,
       count=state.count + 1,
   )
-  sent = lowrank.Round(s, Phase.Q, ps, qts, [x / n for x in dense])
+  sent = lowrank_update.Round(s, Phase.Q, ps, qts, [x / n for x in dense])
   return sent, new_state
