@@ -157,3 +157,40 @@ def warn_if_sharded_elsewhere(
           stacklevel=4,
       )
       return
+
+
+def step_volumes(
+    dp: Any,
+    params: Any,
+    fun: Callable[..., Any] | None,
+    batch: tuple,
+    *,
+    has_aux: bool,
+    batch_norm: str,
+) -> dict[str, dict[str, compressor_lib.CommVolume]]:
+  """``dp.comm_bytes(params, fun, *batch)``: the exchange's bytes by axis
+  and phase, without the collectives of params ``fun`` never reads, and with
+  those of ``value_and_grad(fun)`` but the loss's mean on the compressor's
+  axis."""
+  if fun is None:
+    unused, extra = None, 0
+  else:
+    unused = unused_leaves(fun, params, batch, has_aux)
+    extra = loss_step_bytes(dp, fun, params, batch, has_aux, batch_norm)
+  nnx = _local_grads.flax_nnx()
+  if nnx is not None and isinstance(params, nnx.Module):
+    params = nnx.state(params, nnx.Param)
+  warn_if_sharded_elsewhere(dp.mesh, dp.device_axes, params)
+  if dp.local_axis is None and unused is None:
+    volumes = {
+        dp.axis_name: compressor_lib.comm_bytes(
+            dp.compressor, params, num_devices=dp.num_nodes
+        )
+    }
+  else:
+    volumes = hierarchical(dp, params, unused=unused)
+  volumes[dp.axis_name] = {
+      phase: v._replace(all_reduce=v.all_reduce + extra)
+      for phase, v in volumes[dp.axis_name].items()
+  }
+  return volumes

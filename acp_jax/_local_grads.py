@@ -176,18 +176,19 @@ def stacked(updates: Any) -> Any:
   fields = set(updates) if isinstance(updates, Mapping) else set()
   if fields == {"stacked", "guard"} and _is_guard(updates["guard"]):
     return updates["stacked"]
-  hint = (
-      " nnx.Optimizer's wrt filter left out their guard, an nnx.Param:"
-      " build it with wrt=nnx.Param."
-      if fields == {"stacked"}
-      else ""
-  )
+  if fields == {"stacked"}:
+    raise TypeError(
+        "nnx.Optimizer's wrt filter left out the guard of the local"
+        " gradients (an nnx.Param at path 'guard'): add it to your"
+        " filter, wrt=nnx.Any(<your filter>, nnx.PathContains('guard')),"
+        " which keeps the params it leaves out frozen."
+    )
   raise TypeError(
       "DataParallel.chain(tx) takes the local gradients of"
       f" DataParallel.value_and_grad (a LocalGrads), got"
       f" {type(updates).__name__}. Take the gradients from"
       " DataParallel.value_and_grad, not jax.grad or nnx.grad (whose"
-      " gradient of the global loss is already the dense mean)." + hint
+      " gradient of the global loss is already the dense mean)."
   )
 
 

@@ -38,7 +38,6 @@ arguments split over the devices) and ``_accounting`` (what ``comm_bytes``
 records).
 """
 
-from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -325,30 +324,9 @@ class DataParallel:
       step, which warns here.
     """
     _checks.choice("batch_norm", batch_norm, BATCH_NORMS)
-    if fun is None:
-      unused, extra = None, 0
-    else:
-      unused = _accounting.unused_leaves(fun, params, batch, has_aux)
-      extra = _accounting.loss_step_bytes(
-          self, fun, params, batch, has_aux, batch_norm
-      )
-    nnx = _local_grads.flax_nnx()
-    if nnx is not None and isinstance(params, nnx.Module):
-      params = nnx.state(params, nnx.Param)
-    self._warn_if_sharded_elsewhere(params)
-    if self.local_axis is None and unused is None:
-      volumes = {
-          self.axis_name: compressor_lib.comm_bytes(
-              self.compressor, params, num_devices=self.num_nodes
-          )
-      }
-    else:
-      volumes = _accounting.hierarchical(self, params, unused=unused)
-    volumes[self.axis_name] = {
-        phase: v._replace(all_reduce=v.all_reduce + extra)
-        for phase, v in volumes[self.axis_name].items()
-    }
-    return volumes
+    return _accounting.step_volumes(
+        self, params, fun, batch, has_aux=has_aux, batch_norm=batch_norm
+    )
 
   def _warn_if_sharded_elsewhere(self, params: Any) -> None:
     """Warns if a param is sharded over a mesh axis that is not a device
@@ -510,13 +488,6 @@ class DataParallel:
 
     def update_fn(updates, state, params=None, **extra_args):
       _checks.check_optimizer_after(state.inner, where)
-      if isinstance(updates, Mapping) and set(updates) == {"stacked"}:
-        raise TypeError(
-            "nnx.Optimizer's wrt filter left out the guard of the local"
-            " gradients (an nnx.Param at path 'guard'): add it to your"
-            " filter, wrt=nnx.Any(<your filter>, nnx.PathContains('guard')),"
-            " which keeps the params it leaves out frozen."
-        )
       updates = _local_grads.stacked(updates)
       if params is not None:
         _local_grads.check_stacked(updates, params, self.num_devices)
