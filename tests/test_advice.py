@@ -12,6 +12,7 @@ import acp_jax
 from acp_jax import registry
 from acp_jax.tools import advice as advice_lib
 from acp_jax.tools import costmodel
+from acp_jax.tools import measure as measure_lib
 from acp_jax.tools import simulated
 from tests.test_train import small_config
 from train import advice as train_advice
@@ -186,12 +187,12 @@ def test_the_shipped_calibration_is_the_records():
 
 
 def test_update_times_between_the_timed_ranks_are_interpolated():
-  assert advice_lib.timed_ranks(advice_lib.RANKS) == (1, 8, 32)
-  assert advice_lib.timed_ranks((4, 1)) == (1, 4)
+  assert measure_lib.timed_ranks(advice_lib.RANKS) == (1, 8, 32)
+  assert measure_lib.timed_ranks((4, 1)) == (1, 4)
   _, params, _ = _mlp()
   candidates = [advice_lib.Candidate("power_sgd", r) for r in (1, 2, 4, 8)]
   lines = []
-  times = advice_lib._update_times(candidates, params, 1, lines.append)
+  times = measure_lib._update_times(candidates, params, 1, lines.append)
   assert lines == [f"update of power_sgd_r{r}" for r in (1, 4, 8)]
   r1, r4 = times["power_sgd_r1"], times["power_sgd_r4"]
   assert times["power_sgd_r2"] == pytest.approx(r1 + (r4 - r1) / 3)
@@ -256,8 +257,8 @@ def test_the_sampling_noise_is_the_variance_of_the_mean():
   same = {"g": jnp.broadcast_to(jnp.asarray(center), (workers, size))}
   assert float(simulated.sampling_noise(same)) == 0.0
   assert float(simulated.sampling_noise({"g": stacked["g"][:1]})) == 0.0
-  assert advice_lib._ratio(0.0, 0.0) == 0.0
-  assert advice_lib._ratio(1.0, 0.0) == math.inf
+  assert measure_lib._ratio(0.0, 0.0) == 0.0
+  assert measure_lib._ratio(1.0, 0.0) == math.inf
 
 
 def test_a_measurement_over_other_steps_than_the_calibrations_warns():
