@@ -155,32 +155,8 @@ def exchange(
   coordinates F^T = orth(P)^T M (r x m, kept transposed, see
   ``projection.project_transposed``), the residual E' = M - orth(P) F^T.
   """
-  if phase_lib.phase_of(state.phase) is Phase.P:
-    previous = lowrank.start_factors(cfg, s, state.q, state.count)
-    bases = [orthogonalize.orthogonalize(f) for f in previous]
-    factors = [
-        lowrank_update.as_sent(cfg, projection.project(m, b))
-        for m, b in zip(s.matrices, bases)
-    ]
-    errors = [
-        projection.residual(m, f, projection.transposed_rows(b))
-        for m, f, b in zip(s.matrices, factors, bases)
-    ]
-    side, after = Phase.P, Phase.Q
-  else:
-    bases = [
-        orthogonalize.orthogonalize_rows(f)
-        for f in lowrank.leaves_of(s, state.p)
-    ]
-    factors = [
-        lowrank_update.as_sent(cfg, projection.project_terms_transposed(m, b))
-        for m, b in zip(s.matrices, bases)
-    ]
-    errors = [
-        projection.residual(m, b, ft)
-        for m, ft, b in zip(s.matrices, factors, bases)
-    ]
-    side, after = Phase.Q, Phase.P
+  side, bases, factors, errors = _project(cfg, s, state)
+  after = Phase.Q if side is Phase.P else Phase.P
   # The one round: each bucket's factors and dense leaves together;
   # packed, in one bucket, where each array would be a message of its own.
   packed = collectives.network_sends_each_operand()
@@ -212,3 +188,34 @@ def exchange(
   )
   sent = lowrank_update.Round(s, side, bases, reduced, [x / n for x in dense])
   return sent, new_state
+
+
+def _project(
+    cfg: lowrank.LowRank, s: lowrank.Split, state: AcpSgdState
+) -> tuple[Phase, list[jax.Array], list[jax.Array], list[jax.Array]]:
+  """The side this step sends (the state's phase), and for each matrix its
+  basis, the coordinates it sends (rounded as sent) and its residual."""
+  if phase_lib.phase_of(state.phase) is Phase.P:
+    previous = lowrank.start_factors(cfg, s, state.q, state.count)
+    bases = [orthogonalize.orthogonalize(f) for f in previous]
+    factors = [
+        lowrank_update.as_sent(cfg, projection.project(m, b))
+        for m, b in zip(s.matrices, bases)
+    ]
+    errors = [
+        projection.residual(m, f, projection.transposed_rows(b))
+        for m, f, b in zip(s.matrices, factors, bases)
+    ]
+    return Phase.P, bases, factors, errors
+  bases = [
+      orthogonalize.orthogonalize_rows(f) for f in lowrank.leaves_of(s, state.p)
+  ]
+  factors = [
+      lowrank_update.as_sent(cfg, projection.project_terms_transposed(m, b))
+      for m, b in zip(s.matrices, bases)
+  ]
+  errors = [
+      projection.residual(m, b, ft)
+      for m, ft, b in zip(s.matrices, factors, bases)
+  ]
+  return Phase.Q, bases, factors, errors

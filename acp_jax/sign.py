@@ -3,7 +3,7 @@
 import functools
 import math
 import operator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
@@ -153,49 +153,11 @@ def sign_sgd(
       )
     return SignSgdState(error=error_feedback.zeros_like(params))
 
-  def vote(updates, state):
-    _checks.check_tree_matches(updates, state.error, "sign_sgd")
-    leaves, treedef = jax.tree.flatten(updates)
-    gathered = collectives.bucketed_all_gather(
-        [[_pack_signs(g)] for g in leaves],
-        buckets.leaf_plan(leaves, args.bucket_bytes, args.leaf_order),
-        axis_name,
-    )
-    votes = [
-        jnp.sign(_sum_of_signs(bits, g)).astype(g.dtype)
-        for (bits,), g in zip(gathered, leaves)
-    ]
-    return jax.tree.unflatten(treedef, votes), state
-
-  def compress(ps):
-    packed = [_pack_signs_and_sum_magnitudes(p) for p in ps]
-    # Within ``collectives.row_shards`` a p is a block of rows of its leaf:
-    # the scale is the whole leaf's, and rows that only pad send nothing.
-    scales = [
-        collectives.leaf_mean(magnitude, p, i)
-        for i, (p, (_, magnitude)) in enumerate(zip(ps, packed))
-    ]
-    gathered = collectives.bucketed_all_gather(
-        [[bits, scale] for (bits, _), scale in zip(packed, scales)],
-        buckets.leaf_plan(ps, args.bucket_bytes, args.leaf_order),
-        axis_name,
-        row_sums=[(False, True)] * len(ps),  # a block's signs, the leaf's scale
-    )
-    sent, mean = [], []
-    for i, (p, scale, (all_bits, all_scales)) in enumerate(
-        zip(ps, scales, gathered)
-    ):
-      signed = jnp.where(p >= 0, scale, -scale).astype(p.dtype)
-      sent.append(collectives.real_rows(signed, i))
-      total = _sum_of_signs(all_bits, p, all_scales)
-      mean.append((total / all_bits.shape[0]).astype(p.dtype))
-    return sent, mean
-
   def update(updates, state):
     if majority_vote:
-      return vote(updates, state)
+      return _vote(args, updates, state)
     mean, error = error_feedback.apply(
-        updates, state.error, compress, "sign_sgd"
+        updates, state.error, functools.partial(_compress, args), "sign_sgd"
     )
     return mean, SignSgdState(error=error)
 
@@ -212,3 +174,52 @@ def sign_sgd(
     }
 
   return compressor.from_parts(args, SignSgdState, init, update, volume)
+
+
+def _vote(
+    args: _checks.Bucketed, updates: Any, state: SignSgdState
+) -> tuple[Any, SignSgdState]:
+  """Majority vote: the sign of the sum of the devices' signs, gathered
+  packed eight per byte, a bucket at a time."""
+  _checks.check_tree_matches(updates, state.error, "sign_sgd")
+  leaves, treedef = jax.tree.flatten(updates)
+  gathered = collectives.bucketed_all_gather(
+      [[_pack_signs(g)] for g in leaves],
+      buckets.leaf_plan(leaves, args.bucket_bytes, args.leaf_order),
+      args.axis_name,
+  )
+  votes = [
+      jnp.sign(_sum_of_signs(bits, g)).astype(g.dtype)
+      for (bits,), g in zip(gathered, leaves)
+  ]
+  return jax.tree.unflatten(treedef, votes), state
+
+
+def _compress(
+    args: _checks.Bucketed, ps: list[jax.Array]
+) -> tuple[list[jax.Array], list[jax.Array]]:
+  """Error feedback's exchange of the p = g + e of each leaf: each device's
+  signs scaled by its mean magnitude (what it sent, in its own rows) and the
+  mean over devices of what they sent."""
+  packed = [_pack_signs_and_sum_magnitudes(p) for p in ps]
+  # Within ``collectives.row_shards`` a p is a block of rows of its leaf:
+  # the scale is the whole leaf's, and rows that only pad send nothing.
+  scales = [
+      collectives.leaf_mean(magnitude, p, i)
+      for i, (p, (_, magnitude)) in enumerate(zip(ps, packed))
+  ]
+  gathered = collectives.bucketed_all_gather(
+      [[bits, scale] for (bits, _), scale in zip(packed, scales)],
+      buckets.leaf_plan(ps, args.bucket_bytes, args.leaf_order),
+      args.axis_name,
+      row_sums=[(False, True)] * len(ps),  # a block's signs, the leaf's scale
+  )
+  sent, mean = [], []
+  for i, (p, scale, (all_bits, all_scales)) in enumerate(
+      zip(ps, scales, gathered)
+  ):
+    signed = jnp.where(p >= 0, scale, -scale).astype(p.dtype)
+    sent.append(collectives.real_rows(signed, i))
+    total = _sum_of_signs(all_bits, p, all_scales)
+    mean.append((total / all_bits.shape[0]).astype(p.dtype))
+  return sent, mean

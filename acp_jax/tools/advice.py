@@ -544,15 +544,7 @@ def advise(
   global_batch = first[0].shape[0]
   sent = volumes(candidates, params, workers)
   if measurements is None:
-    if (warmup, len(batches)) != (WARMUP, STEPS):
-      warnings.warn(
-          f"the threshold was calibrated on errors over {STEPS - WARMUP}"
-          f" steps after {WARMUP} dense ones, these are over"
-          f" {len(batches) - warmup} after {warmup}: the errors grow as"
-          " compressed steps add up, so the threshold does not apply as"
-          f" calibrated (give {STEPS} batches and warmup={WARMUP})",
-          stacklevel=2,
-      )
+    _warn_unless_as_calibrated(warmup, len(batches))
     ranked = lambda timed: [
         r.candidate
         for r in _ranked(
@@ -580,3 +572,17 @@ def advise(
       calibration=calibration,
       overlap=overlap,
   )
+
+
+def _warn_unless_as_calibrated(warmup: int, steps: int) -> None:
+  """Warns unless the errors are measured over the steps the threshold's
+  were: ``STEPS`` batches, the first ``WARMUP`` dense."""
+  if (warmup, steps) != (WARMUP, STEPS):
+    warnings.warn(
+        f"the threshold was calibrated on errors over {STEPS - WARMUP}"
+        f" steps after {WARMUP} dense ones, these are over"
+        f" {steps - warmup} after {warmup}: the errors grow as"
+        " compressed steps add up, so the threshold does not apply as"
+        f" calibrated (give {STEPS} batches and warmup={WARMUP})",
+        stacklevel=3,
+    )
