@@ -348,3 +348,47 @@ def test_ci_tests_the_floors_the_package_declares():
   newer = re.compile(r"^(from|import) (flax|train|benchmarks)\b", re.M)
   for path in _ci_list("CORE_TESTS"):
     assert not newer.search((ROOT / path).read_text()), path
+
+
+# The most lines of a library module, and the one module allowed more: the
+# one class DataParallel, whose docstrings (half its lines) are the public
+# reference of its methods.
+MODULE_LINES = 600
+LONGER_MODULES = {"data_parallel.py": 720}
+# The most lines of code of a library function (docstring, comments and
+# blank lines aside), nested functions included.
+FUNCTION_LINES = 60
+
+
+def _code_lines(node: ast.AST, lines: list[str]) -> int:
+  body = node.body
+  docstring = set()
+  if (
+      body
+      and isinstance(body[0], ast.Expr)
+      and isinstance(body[0].value, ast.Constant)
+      and isinstance(body[0].value.value, str)
+  ):
+    docstring = set(range(body[0].lineno, body[0].end_lineno + 1))
+  return sum(
+      1
+      for number in range(node.lineno, node.end_lineno + 1)
+      if number not in docstring
+      and lines[number - 1].strip()
+      and not lines[number - 1].strip().startswith("#")
+  )
+
+
+def test_library_modules_and_functions_stay_short():
+  too_long = []
+  for path in sorted((ROOT / "acp_jax").rglob("*.py")):
+    text = path.read_text()
+    lines = text.splitlines()
+    limit = LONGER_MODULES.get(path.name, MODULE_LINES)
+    if len(lines) > limit:
+      too_long.append(f"{path.relative_to(ROOT)}: {len(lines)} lines")
+    for node in ast.walk(ast.parse(text)):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if (n := _code_lines(node, lines)) > FUNCTION_LINES:
+          too_long.append(f"{path.relative_to(ROOT)}:{node.name}: {n} lines")
+  assert not too_long, too_long
