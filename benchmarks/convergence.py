@@ -184,6 +184,12 @@ def data_flag(task: str) -> str:
   return "mnist_path" if config_name(task) == "mnist" else "char_lm_path"
 
 
+def warmup_steps(variant: str, quick: bool) -> int:
+  """The dense steps ``variant`` takes first (fewer in a quick run)."""
+  warmup = VARIANTS[variant].warmup
+  return QUICK_WARMUP_STEPS if quick and warmup else warmup
+
+
 def config(
     task: str,
     variant: str,
@@ -215,7 +221,7 @@ def config(
   if v.rank_factor is not None:
     args = cfg.compressor[v.compressor]
     args.rank = v.rank_factor * cfg.compressor.power_sgd.rank
-    args.warmup_steps = QUICK_WARMUP_STEPS if quick and v.warmup else v.warmup
+    args.warmup_steps = warmup_steps(variant, quick)
     args.warmup_factors = v.warm_factors
     args.comm_dtype = v.comm_dtype
   cfg.data.path = data_path

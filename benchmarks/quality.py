@@ -120,6 +120,7 @@ def record(
     rounds: list[dict[str, Any]],
     target: float,
     simulated: time_to_quality.Curves | None,
+    warmup: int = 0,
 ) -> dict[str, Any]:
   """A variant's record from its rounds (process 0's results): training
   seconds to the target, steps and bytes, each round's and their median and
@@ -130,8 +131,10 @@ def record(
   included; ``steady_seconds`` leaves out what the first evaluation
   interval took beyond its steps at the round's median step (compilation,
   mostly). With ``simulated`` curves of the variant, the time composed from
-  their steps to the target and the median step, and whether it agrees
-  with the direct ``steady_seconds``.
+  their steps to the target and each round's step time, and whether it
+  agrees with the direct ``steady_seconds``: for a variant with ``warmup``
+  dense steps, each phase's step time from the round's curve
+  (``time_to_quality.phase_step_seconds``), as its mean step mixes them.
   """
   reached = [r["summary"]["target_step"] is not None for r in rounds]
   step_seconds = [
@@ -158,19 +161,28 @@ def record(
       **records.repeated("step_s", step_seconds),
   }
   if simulated:
-    steps = time_to_quality.steps_to_target(simulated, target)
-    composed = time_to_quality.compose(steps, step_seconds)
-    out.update(
-        records.repeated(
-            "composed_seconds", [steps.median * s for s in step_seconds]
-        )
-    )
-    out["composed_seconds"] = composed.median
+    steps = time_to_quality.steps_to_target(simulated, target).median
+    if warmup:
+      each = [
+          time_to_quality.composed(steps, compressed, warmup, dense)
+          for dense, compressed in (
+              time_to_quality.phase_step_seconds(
+                  [(p["step"], p["train_seconds"]) for p in r["curve"]],
+                  warmup,
+              )
+              for r in rounds
+          )
+      ]
+    else:
+      each = [time_to_quality.composed(steps, s) for s in step_seconds]
+    out.update(records.repeated("composed_seconds", each))
+    out["composed_seconds"] = statistics.median(each)
+    out["composed_warmup"] = warmup  # the dense steps it priced as such
     out["composed_agrees"] = time_to_quality.agrees(
-        composed.median, out["steady_seconds"]
+        out["composed_seconds"], out["steady_seconds"]
     )
   return {
-      k: None if isinstance(v, float) and math.isinf(v) else v
+      k: None if isinstance(v, float) and not math.isfinite(v) else v
       for k, v in out.items()
   }
 
@@ -214,7 +226,12 @@ def measure(args) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]
             "variant": variant,
             "seed": args.seed,
             "composed_only": variant in args.compose,
-            **record(done, targets[p], curves[p].get(variant)),
+            **record(
+                done,
+                targets[p],
+                curves[p].get(variant),
+                convergence.warmup_steps(variant, args.quick),
+            ),
         })
         points.extend(curve_points(runs[-1], done))
   return runs, points, failures

@@ -131,12 +131,13 @@ def rows(run: list[dict[str, Any]]) -> list[dict[str, Any]]:
         "mb": None if r.get("composed_only") else r["bytes_sent"] / 1e6,
         "seconds": _span(_seconds(r), ".0f"),
         "sooner": _span(ratios, ".2f") if ratios else "",
-        # The rule times every step alike: not a dense warm-up's S-SGD
-        # steps before the compressed ones.
+        # Records made before the rule priced a dense warm-up's steps
+        # apart timed every step alike: their composition is left out.
         **(
             {}
-            if convergence.VARIANTS[r["variant"]].warmup
-            or r.get("composed_only")
+            if r.get("composed_only")
+            or r.get("composed_warmup", 0)
+            != convergence.VARIANTS[r["variant"]].warmup
             else {
                 "composed": r.get("composed_seconds"),
                 "composed_agrees": r.get("composed_agrees"),

@@ -1,7 +1,8 @@
 """Time to quality: how soon each method reaches S-SGD's held-out loss.
 
 A method's time to a target is its steps to the target times its step time
-on a link. Steps come from convergence curves (several seeds, simulated
+on a link; with a dense warm-up, its first steps at S-SGD's step time as it
+ran them (``composed``). Steps come from convergence curves (several seeds, simulated
 devices); a step time from the cluster (the median of interleaved runs on a
 shaped link). Where a point also runs end to end (the trainer's
 ``target_eval_loss``, across the link), the composed figure must lie within
@@ -92,15 +93,34 @@ def steps_to_target(seeds: Curves, target: float) -> Span:
   return Span.of(steps_to(curve, target) for curve in seeds.values())
 
 
-def compose(steps: Span, step_seconds: Sequence[float]) -> Span:
-  """Seconds to a target: steps to it (over seeds) times the step time
-  (over rounds): the product of medians, and the products of the ends."""
-  seconds = Span.of(step_seconds)
-  return Span(
-      steps.median * seconds.median,
-      steps.low * seconds.low,
-      steps.high * seconds.high,
-  )
+def composed(
+    steps: float, step_seconds: float, warmup: int = 0, dense: float = 0.0
+) -> float:
+  """Seconds of ``steps`` steps at ``step_seconds`` each, but the first
+  ``warmup``, a dense warm-up's, at ``dense`` each."""
+  first = min(steps, warmup)
+  return first * dense + (steps - first) * step_seconds
+
+
+def phase_step_seconds(
+    curve: Sequence[tuple[int, float]], warmup: int
+) -> tuple[float, float]:
+  """A run's seconds per step in its dense warm-up and after it, from its
+  ``(step, training seconds)`` at each evaluation: the median over the
+  intervals between evaluations that lie within its first ``warmup``
+  steps, and over those after them. The interval up to the first
+  evaluation (the first program's compilation) and one across the switch
+  (the compressing program's) are left out; ``math.nan`` where no interval
+  is left."""
+  points = sorted(curve)
+  dense, compressed = [], []
+  for (s0, t0), (s1, t1) in zip(points, points[1:]):
+    if s1 <= warmup:
+      dense.append((t1 - t0) / (s1 - s0))
+    elif s0 >= warmup:
+      compressed.append((t1 - t0) / (s1 - s0))
+  median = lambda xs: statistics.median(xs) if xs else math.nan
+  return median(dense), median(compressed)
 
 
 def agrees(composed: float, direct: float) -> bool:

@@ -58,6 +58,23 @@ def test_a_record_composes_simulated_steps_with_the_step_time():
   assert r["composed_agrees"]  # 5.0 against 5.0
 
 
+def test_a_warmed_record_composes_each_phase_at_its_own_step_time():
+  """4 dense steps, then compressed ones: its mean step time mixes the two,
+  so the rule reads each phase's from the round's curve."""
+  simulated = {0: {4: 3.0, 8: 2.6, 12: 2.4}}  # 12 steps to 2.5
+  curve = [(2, 5.0), (4, 7.0), (6, 8.0), (8, 8.5), (10, 9.0), (12, 9.5)]
+  rounds = [
+      {**_round(12, 9.5, per_second=128.0), "curve": [
+          {"step": s, "eval_loss": 3.0, "train_seconds": t} for s, t in curve
+      ]}
+      for _ in range(2)
+  ]
+  r = quality.record(rounds, 2.5, simulated, warmup=4)
+  # 4 steps at 1 s, 8 at 0.25 s; not 12 at its mean step (0.25 s), 3 s.
+  assert r["composed_seconds"] == 6.0 and r["composed_warmup"] == 4
+  assert records.runs(r, "composed_seconds") == [6.0, 6.0]
+
+
 def test_a_named_target_comes_from_the_curves_at_as_many_devices(tmp_path):
   def final(variant, seed, devices):
     return {"task": "char_lm", "variant": variant, "seed": seed,
@@ -233,3 +250,14 @@ def test_the_sooner_target_is_met_only_where_every_round_clears_it():
   assert row[2] is True
   run[2] = _quality_row("acp_sgd_2r_warm", "10mbit", [15.0, 41.0, 20.0])
   assert targets.check({"quality": run})[0][2] is False
+
+
+def test_the_report_shows_a_warmed_composition_only_where_its_warm_up_was_priced():
+  from benchmarks import report_quality
+
+  composed = {"composed_seconds": 50.0, "composed_agrees": True}
+  old = {**_quality_row("power_sgd_warm", "10mbit", [55.0]), **composed}
+  new = {**old, "composed_warmup": 60}
+  plain = {**_quality_row("power_sgd", "10mbit", [55.0]), **composed}
+  shown = [r.get("composed") for r in report_quality.rows([old, new, plain])]
+  assert shown == [None, 50.0, 50.0]

@@ -35,12 +35,25 @@ def test_targets_need_a_step_every_seed_evaluated():
     ttq.targets({0: {100: 1.0}, 1: {200: 1.0}})
 
 
-def test_composition_multiplies_steps_by_step_time_median_and_ends():
-  steps = ttq.Span.of([300, 400, 500])
-  composed = ttq.compose(steps, [0.9, 1.0, 1.2])
-  assert composed == ttq.Span(400.0, 270.0, 600.0)
-  never = ttq.compose(ttq.Span.of([300, math.inf, math.inf]), [1.0])
-  assert never.median == math.inf and not never.reached
+def test_composition_prices_a_dense_warm_up_apart():
+  assert ttq.composed(400, 1.0) == 400.0
+  # 60 dense steps at 2 s, then 340 at 0.5 s.
+  assert ttq.composed(400, 0.5, warmup=60, dense=2.0) == 290.0
+  # A target reached within the warm-up: every step dense.
+  assert ttq.composed(50, 0.5, warmup=60, dense=2.0) == 100.0
+  assert ttq.composed(math.inf, 0.5, warmup=60, dense=2.0) == math.inf
+
+
+def test_phase_step_times_leave_out_compilation_and_the_switch():
+  # Evaluations every 25 steps, 60 dense: 25 -> 50 is dense (2 s a step),
+  # 50 -> 75 spans the switch, 75 -> 100 and 100 -> 125 are compressed.
+  curve = [(25, 70.0), (50, 120.0), (75, 150.0), (100, 162.5), (125, 175.0)]
+  assert ttq.phase_step_seconds(curve, 60) == (2.0, 0.5)
+  dense, compressed = ttq.phase_step_seconds(curve[:2], 60)
+  assert dense == 2.0 and math.isnan(compressed)
+  # Without a warm-up every interval but the first is compressed.
+  dense, compressed = ttq.phase_step_seconds(curve, 0)
+  assert math.isnan(dense) and compressed == (1.2 + 0.5) / 2
 
 
 def test_a_composed_time_agrees_only_within_the_threshold_either_way():
