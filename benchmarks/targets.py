@@ -448,38 +448,50 @@ def _advice(records: Records) -> list[Row]:
 
 # (record file, check): the report's targets, in the order it lists them.
 def _quality(records: Records) -> list[Row]:
-  """Per task, worker count and link with a goal: the compressed method
-  sooner to S-SGD's quality than S-SGD by the highest median of the
-  rounds' ratios, and whether every round clears the goal."""
+  """Per run, task, worker count and link with a goal: the compressed
+  method sooner to S-SGD's quality than S-SGD of the same run by the
+  highest median of the rounds' ratios, and whether every round clears the
+  goal. A point that more than one run measured is named with its run's
+  date."""
   rows = report_quality.with_startup(
       records["quality"], records.get("quality_curves") or []
   )
-  out = []
   where = lambda r: (r["task"], r["workers"], r["bandwidth"])
-  points = dict.fromkeys(map(where, rows))
-  for task, workers, bandwidth in points:
-    goal = QUALITY_SOONER.get(bandwidth)
-    here = [r for r in rows if where(r) == (task, workers, bandwidth)]
-    ssgd = next((r for r in here if r["variant"] == "ssgd"), None)
-    if goal is None or ssgd is None:
-      continue
-    ratios = {
-        r["variant"]: report_quality.sooner(r, ssgd)
-        for r in here
-        if r is not ssgd
-    }
-    if not ratios:
-      continue
-    best = max(ratios, key=lambda v: statistics.median(ratios[v]))
-    each = ratios[best]
-    out.append((
-        f"{task}, {workers} workers, {plots.link_label(bandwidth)}: the"
-        f" compressed method first to S-SGD's quality >= {goal} x sooner"
-        " than S-SGD, every round",
-        f"{report_quality.label(task, best)}: {statistics.median(each):.2f}x"
-        f" ({min(each):.2f}-{max(each):.2f})",
-        min(each) >= goal,
-    ))
+  runs = records_lib.by_run(rows)
+  measured = {}
+  for run in runs:
+    for point in dict.fromkeys(map(where, run)):
+      measured[point] = measured.get(point, 0) + 1
+  out = []
+  for run in runs:
+    for task, workers, bandwidth in dict.fromkeys(map(where, run)):
+      goal = QUALITY_SOONER.get(bandwidth)
+      here = [r for r in run if where(r) == (task, workers, bandwidth)]
+      ssgd = next((r for r in here if r["variant"] == "ssgd"), None)
+      if goal is None or ssgd is None:
+        continue
+      ratios = {
+          r["variant"]: report_quality.sooner(r, ssgd)
+          for r in here
+          if r is not ssgd
+      }
+      if not ratios:
+        continue
+      best = max(ratios, key=lambda v: statistics.median(ratios[v]))
+      each = ratios[best]
+      when = (
+          f" (the run of {here[0]['date']})"
+          if measured[task, workers, bandwidth] > 1
+          else ""
+      )
+      out.append((
+          f"{task}, {workers} workers, {plots.link_label(bandwidth)}{when}:"
+          f" the compressed method first to S-SGD's quality >= {goal} x"
+          " sooner than S-SGD, every round",
+          f"{report_quality.label(task, best)}:"
+          f" {statistics.median(each):.2f}x ({min(each):.2f}-{max(each):.2f})",
+          min(each) >= goal,
+      ))
   return out
 
 

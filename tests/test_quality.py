@@ -252,6 +252,37 @@ def test_the_sooner_target_is_met_only_where_every_round_clears_it():
   assert targets.check({"quality": run})[0][2] is False
 
 
+def test_the_sooner_target_pairs_each_method_with_its_own_runs_s_sgd():
+  """Two runs of one point: each method's rounds against the S-SGD of its
+  own run, each run a row of its own, named by its date."""
+  from benchmarks import targets
+
+  first = [
+      _quality_row("ssgd", "10mbit", [100.0]),
+      _quality_row("power_sgd_warm", "10mbit", [50.0]),
+  ]
+  later = [
+      {**r, "date": "2026-12-06 23:00 UTC"}
+      for r in (
+          _quality_row("ssgd", "10mbit", [200.0]),
+          _quality_row("power_sgd", "10mbit", [25.0]),
+      )
+  ]
+  rows = targets.check({"quality": first + later})
+  assert [(r[0].split(":")[0], r[1], r[2]) for r in rows] == [
+      (
+          "char_lm, 2 workers, 10 Mb/s (the run of 2026-12-06 03",
+          "Power-SGD (r=4), 60 dense steps: 2.00x (2.00-2.00)",
+          False,
+      ),
+      (
+          "char_lm, 2 workers, 10 Mb/s (the run of 2026-12-06 23",
+          "Power-SGD (r=4): 8.00x (8.00-8.00)",
+          True,
+      ),
+  ]
+
+
 def test_the_report_shows_a_warmed_composition_only_where_its_warm_up_was_priced():
   from benchmarks import report_quality
 
