@@ -123,7 +123,7 @@ def get_config():
 """
 
 
-def _launch(workdir, *extra, steps=400):
+def _launch(workdir, *extra, steps=400, new_session=False):
   config = os.path.join(os.path.dirname(workdir), "constant_rate.py")
   with open(config, "w") as f:
     f.write(_CONSTANT_RATE)
@@ -147,6 +147,7 @@ def _launch(workdir, *extra, steps=400):
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       text=True,
+      start_new_session=new_session,  # a process group, as a terminal's
   )
 
 
@@ -187,6 +188,22 @@ def test_a_signal_saves_and_the_rerun_resumes_bitwise(signum, tmp_path):
   reference = str(tmp_path / "reference")
   helpers.finish([_launch(reference, steps=end)], 300)
   assert losses(workdir) == losses(reference)
+
+
+@pytest.mark.slow
+def test_ctrl_c_with_data_workers_ends_with_the_trainers_line_alone(tmp_path):
+  """Ctrl-C signals the terminal's whole process group, the data workers
+  too: each printed its KeyboardInterrupt. The trainer saves, ends them and
+  says so. (Python's resource tracker still reports the shared memory of
+  the batches they had read ahead, which it then frees.)"""
+  workdir = str(tmp_path / "run")
+  proc = _launch(workdir, "--config.data_workers=2", new_session=True)
+  _wait_for_step(workdir, 3, [proc])
+  os.killpg(proc.pid, signal.SIGINT)
+  ((_, err),) = helpers.finish([proc], 120)
+  assert proc.returncode == EXIT_INTERRUPTED, err[-3000:]
+  assert "KeyboardInterrupt" not in err, err[-3000:]
+  assert "stopped by SIGINT at step" in err.strip().splitlines()[0], err
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])

@@ -9,6 +9,7 @@ starts the range at its step.
 """
 
 import contextlib
+import signal
 from typing import Callable, Iterator
 
 from absl import flags
@@ -16,6 +17,16 @@ import grain
 import numpy as np
 
 from train import checks
+
+
+def _leave_signals_to_the_trainer(worker: int, workers: int) -> None:
+  """Run in each worker process first: Ctrl-C and a closed terminal reach
+  the whole process group, and the trainer, which saves a checkpoint and
+  then ends the workers, is the one to act on them (a worker would print
+  its own ``KeyboardInterrupt`` and leave its shared memory behind)."""
+  del worker, workers
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
 def check(workers: int, prefetch: int) -> None:
@@ -72,7 +83,8 @@ def batches(
         ).mp_prefetch(
             grain.MultiprocessingOptions(
                 num_workers=workers, per_worker_buffer_size=prefetch
-            )
+            ),
+            worker_init_fn=_leave_signals_to_the_trainer,
         )
     )
   try:
