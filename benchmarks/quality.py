@@ -129,21 +129,35 @@ def record(
 
   ``train_seconds`` is what a user waits, the first steps' compilation
   included; ``steady_seconds`` leaves out what the first evaluation
-  interval took beyond its steps at the round's median step (compilation,
-  mostly). With ``simulated`` curves of the variant, the time composed from
-  their steps to the target and each round's step time, and whether it
-  agrees with the direct ``steady_seconds``: for a variant with ``warmup``
-  dense steps, each phase's step time from the round's curve
-  (``time_to_quality.phase_step_seconds``), as its mean step mixes them.
+  interval took beyond its steps at the round's step time (compilation,
+  mostly). For a variant with ``warmup`` dense steps, whose mean step mixes
+  the two phases, each phase's step time comes from the round's curve
+  (``time_to_quality.phase_step_seconds``). With ``simulated`` curves of
+  the variant, the time composed from their steps to the target and each
+  round's step times, and whether it agrees with the direct
+  ``steady_seconds``.
   """
   reached = [r["summary"]["target_step"] is not None for r in rounds]
   step_seconds = [
       r["global_batch"] / r["summary"]["examples_per_sec"] for r in rounds
   ]
+  # Each round's (dense, compressed) step seconds.
+  phases = [
+      time_to_quality.phase_step_seconds(
+          [(p["step"], p["train_seconds"]) for p in r["curve"]], warmup
+      )
+      if warmup
+      else (0.0, step_s)
+      for r, step_s in zip(rounds, step_seconds)
+  ]
   seconds, steady = [], []
-  for r, ok, step_s in zip(rounds, reached, step_seconds):
+  for r, ok, (dense, step_s) in zip(rounds, reached, phases):
     first = r["curve"][0]
-    startup = max(first["train_seconds"] - first["step"] * step_s, 0.0)
+    startup = max(
+        first["train_seconds"]
+        - time_to_quality.composed(first["step"], step_s, warmup, dense),
+        0.0,
+    )
     total = r["summary"]["train_seconds"] if ok else math.inf
     seconds.append(total)
     steady.append(total - startup)
@@ -162,19 +176,10 @@ def record(
   }
   if simulated:
     steps = time_to_quality.steps_to_target(simulated, target).median
-    if warmup:
-      each = [
-          time_to_quality.composed(steps, compressed, warmup, dense)
-          for dense, compressed in (
-              time_to_quality.phase_step_seconds(
-                  [(p["step"], p["train_seconds"]) for p in r["curve"]],
-                  warmup,
-              )
-              for r in rounds
-          )
-      ]
-    else:
-      each = [time_to_quality.composed(steps, s) for s in step_seconds]
+    each = [
+        time_to_quality.composed(steps, step_s, warmup, dense)
+        for dense, step_s in phases
+    ]
     out.update(records.repeated("composed_seconds", each))
     out["composed_seconds"] = statistics.median(each)
     out["composed_warmup"] = warmup  # the dense steps it priced as such

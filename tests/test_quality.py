@@ -73,6 +73,9 @@ def test_a_warmed_record_composes_each_phase_at_its_own_step_time():
   # 4 steps at 1 s, 8 at 0.25 s; not 12 at its mean step (0.25 s), 3 s.
   assert r["composed_seconds"] == 6.0 and r["composed_warmup"] == 4
   assert records.runs(r, "composed_seconds") == [6.0, 6.0]
+  # The start-up: its first 2 steps took 5 s, 2 of them at a dense step's
+  # 1 s (at the mean step, 4.5 s, and the steady time 5 s, would disagree).
+  assert r["steady_seconds"] == 6.5 and r["composed_agrees"]
 
 
 def test_a_named_target_comes_from_the_curves_at_as_many_devices(tmp_path):
