@@ -354,6 +354,7 @@ def errors_tree(cfg: LowRank, s: Split, errors: list[jax.Array]) -> Any:
 def leaves(
     s: Split, low_rank: list[Any], dense: list[Any], *, reshape: bool
 ) -> list[Any]:
+  """``merge``'s leaves, in the tree's order, before they are a tree."""
   low_rank, dense = iter(low_rank), iter(dense)
   out = []
   for shape, spec in zip(s.shapes, s.specs):
