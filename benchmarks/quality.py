@@ -141,10 +141,14 @@ def record(
   step_seconds = [
       r["global_batch"] / r["summary"]["examples_per_sec"] for r in rounds
   ]
-  # Each round's (dense, compressed) step seconds.
+  # Each round's (dense, compressed) step seconds; a phase with no interval
+  # between evaluations of its own (a target reached early) at the mean.
   phases = [
-      time_to_quality.phase_step_seconds(
-          [(p["step"], p["train_seconds"]) for p in r["curve"]], warmup
+      tuple(
+          step_s if math.isnan(x) else x
+          for x in time_to_quality.phase_step_seconds(
+              [(p["step"], p["train_seconds"]) for p in r["curve"]], warmup
+          )
       )
       if warmup
       else (0.0, step_s)

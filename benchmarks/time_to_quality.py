@@ -99,7 +99,8 @@ def composed(
   """Seconds of ``steps`` steps at ``step_seconds`` each, but the first
   ``warmup``, a dense warm-up's, at ``dense`` each."""
   first = min(steps, warmup)
-  return first * dense + (steps - first) * step_seconds
+  rest = (steps - first) * step_seconds if steps > first else 0.0
+  return first * dense + rest
 
 
 def phase_step_seconds(

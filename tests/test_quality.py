@@ -76,6 +76,13 @@ def test_a_warmed_record_composes_each_phase_at_its_own_step_time():
   # The start-up: its first 2 steps took 5 s, 2 of them at a dense step's
   # 1 s (at the mean step, 4.5 s, and the steady time 5 s, would disagree).
   assert r["steady_seconds"] == 6.5 and r["composed_agrees"]
+  # Reached within the warm-up, with one evaluation: no phase has an
+  # interval of its own, and the start-up is taken at the mean step.
+  early = {**_round(4, 7.0), "curve": [
+      {"step": 4, "eval_loss": 2.4, "train_seconds": 6.0}
+  ]}
+  r = quality.record([early], 2.5, None, warmup=8)
+  assert r["steady_seconds"] == 3.0
 
 
 def test_a_named_target_comes_from_the_curves_at_as_many_devices(tmp_path):

@@ -41,6 +41,8 @@ def test_composition_prices_a_dense_warm_up_apart():
   assert ttq.composed(400, 0.5, warmup=60, dense=2.0) == 290.0
   # A target reached within the warm-up: every step dense.
   assert ttq.composed(50, 0.5, warmup=60, dense=2.0) == 100.0
+  # ... whatever the compressed step's time, unknown there.
+  assert ttq.composed(50, math.nan, warmup=60, dense=2.0) == 100.0
   assert ttq.composed(math.inf, 0.5, warmup=60, dense=2.0) == math.inf
 
 
