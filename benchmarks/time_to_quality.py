@@ -3,8 +3,8 @@
 A method's time to a target is its steps to the target times its step time
 on a link; with a dense warm-up, its first steps at S-SGD's step time as it
 ran them (``composed``). Steps come from convergence curves (several seeds,
-simulated devices); a step time from the cluster (the median of interleaved runs on a
-shaped link). Where a point also runs end to end (the trainer's
+simulated devices); a step time from the cluster (the median of interleaved
+runs on a shaped link). Where a point also runs end to end (the trainer's
 ``target_eval_loss``, across the link), the composed figure must lie within
 ``COMPOSED_VS_DIRECT`` of it: ``agrees`` is that check.
 
