@@ -13,6 +13,7 @@ timing, the readers of compiled HLO) live in ``acp_jax.tools``, which
 import importlib
 from typing import Any
 
+from acp_jax._checks import PlacementWarning
 from acp_jax.acp import acp_sgd
 from acp_jax.acp import AcpSgdState
 from acp_jax.buckets import backward_order
@@ -51,6 +52,7 @@ __all__ = (
     "LowRankOptions",
     "MemoryPerDevice",
     "Phase",
+    "PlacementWarning",
     "PowerSgdState",
     "ShardedDataParallel",
     "SignSgdState",

@@ -297,10 +297,7 @@ def check_state(state: Any, expected: type, caller: str) -> None:
 
 def _varying_axes(x) -> frozenset | None:
   """Mapped axes over which ``x`` may differ, if JAX tracks them here."""
-  aval = jax.typeof(x)
-  if hasattr(aval, "manual_axis_type"):
-    return aval.manual_axis_type.varying
-  return getattr(aval, "vma", None)
+  return getattr(jax.typeof(x), "vma", None)
 
 
 def varying_outputs(
@@ -368,25 +365,43 @@ def placed() -> Iterator[None]:
     _PLACED.reset(token)
 
 
+class PlacementWarning(UserWarning):
+  """A compressor's update ran where nothing shows its place in a chain."""
+
+
 def check_placement(grads: Any, axis_name: str, caller: str) -> None:
-  """Where ``DEBUG_PLACEMENT`` is set: raises if the update runs outside a
-  placing composition, and, where JAX does not track varying axes, raises
-  when the step runs if the gradients are the same on every device."""
-  if os.environ.get(DEBUG_PLACEMENT) != "1":
-    return
-  if not _PLACED.get():
-    raise ValueError(
-        f"{caller}'s update ran outside acp_jax.chain and DataParallel"
-        f" ({DEBUG_PLACEMENT}=1): in an optax.chain after another"
-        " transform, that transform would see each device's own gradient,"
-        " not the mean (Adam's moments, a clipping norm computed per"
-        f" device). Compose with acp_jax.chain({caller}(...),"
-        " optax.adam(...)), which puts the compressor first, or with"
-        " DataParallel.chain."
-    )
-  leaves = jax.tree.leaves(grads)
+  """Checks that the update runs in a placing composition: where
+  ``DEBUG_PLACEMENT`` is set, raises if not, and where JAX does not track
+  varying axes (``jax.pmap``, ``jax.vmap``, ``check_vma=False``) warns
+  otherwise; with the flag, where JAX does not track them, also raises when
+  the step runs if the gradients are the same on every device."""
+  debug = os.environ.get(DEBUG_PLACEMENT) == "1"
   tracked = axis_name in (_varying_axes(lax.axis_index(axis_name)) or ())
-  if tracked or not leaves or lax.axis_size(axis_name) == 1:
+  if not _PLACED.get():
+    if debug:
+      raise ValueError(
+          f"{caller}'s update ran outside acp_jax.chain and DataParallel"
+          f" ({DEBUG_PLACEMENT}=1): in an optax.chain after another"
+          " transform, that transform would see each device's own gradient,"
+          " not the mean (Adam's moments, a clipping norm computed per"
+          f" device). Compose with acp_jax.chain({caller}(...),"
+          " optax.adam(...)), which puts the compressor first, or with"
+          " DataParallel.chain."
+      )
+    if not tracked:
+      warnings.warn(
+          f"{caller}'s update ran outside acp_jax.chain and DataParallel"
+          " where JAX tracks no varying axes (jax.pmap, jax.vmap,"
+          " shard_map with check_vma=False), so nothing shows that it comes"
+          " first: after another transform in an optax.chain (optax.adam),"
+          " it would average that transform's per-device output, not the"
+          f" gradients. Compose with acp_jax.chain({caller}(...), ...),"
+          " which puts it first and says nothing, or set"
+          f" {DEBUG_PLACEMENT}=1 to refuse such updates.",
+          PlacementWarning,
+      )
+  leaves = jax.tree.leaves(grads)
+  if not debug or tracked or not leaves or lax.axis_size(axis_name) == 1:
     return
   spread = sum(
       jnp.sum(lax.pmax(g, axis_name) - lax.pmin(g, axis_name)) for g in leaves

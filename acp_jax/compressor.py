@@ -408,7 +408,10 @@ def chain(
   clipping, weight decay and Adam's moments go in ``transforms``. The state
   is ``optax.chain``'s, a tuple whose first element is the compressor's
   (``compressor.at_step(state[0], step)``). ``DataParallel.chain`` places
-  the compressor so by itself.
+  the compressor so by itself. Where JAX tracks no varying axes
+  (``jax.pmap``, ``jax.vmap``, ``shard_map`` with ``check_vma=False``), a
+  compressor's update that neither runs warns once with a
+  ``PlacementWarning``: nothing there shows that it comes first.
 
   Example::
 

@@ -126,7 +126,7 @@ def sign_sgd(
 
   Example::
 
-    tx = optax.chain(acp_jax.sign_sgd(), optax.sgd(0.1))
+    tx = acp_jax.chain(acp_jax.sign_sgd(), optax.sgd(0.1))
 
   .. warning::
     Put it first in the chain: it must see each device's own gradients.

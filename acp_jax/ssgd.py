@@ -42,7 +42,7 @@ def ssgd(
 
   Example::
 
-    tx = optax.chain(acp_jax.ssgd(comm_dtype=jnp.bfloat16), optax.sgd(0.1))
+    tx = acp_jax.chain(acp_jax.ssgd(comm_dtype=jnp.bfloat16), optax.sgd(0.1))
   """
   args = _checks.bucketed_args(
       "ssgd", axis_name, bucket_bytes, leaf_order, comm_dtype=comm_dtype

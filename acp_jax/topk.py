@@ -101,7 +101,7 @@ def topk_sgd(
 
   Example::
 
-    tx = optax.chain(acp_jax.topk_sgd(0.01), optax.sgd(0.1))
+    tx = acp_jax.chain(acp_jax.topk_sgd(0.01), optax.sgd(0.1))
 
   .. warning::
     Put it first in the chain: it must see each device's own gradients.

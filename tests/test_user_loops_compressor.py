@@ -150,13 +150,21 @@ def _pmap_train(tx, steps, before=lambda g: g):
 def test_a_compressor_after_another_transform_is_refused_under_pmap(
     name, monkeypatch
 ):
-  """optax.chain(optax.adam(1e-2), compressor) ran Adam per device:
-  acp_jax.chain refuses another transform first, and with the placement
-  debug flag a compressor that acp_jax.chain does not run is refused."""
+  """optax.chain(optax.adam(1e-2), compressor) ran Adam per device, with
+  nothing said: acp_jax.chain refuses another transform first; a compressor
+  that acp_jax.chain does not run warns under pmap, and with the placement
+  debug flag it is refused."""
   with pytest.raises(TypeError, match="acp_jax.chain takes a compressor"):
     acp_jax.chain(optax.adam(1e-2), COMPRESSORS[name]())
   with pytest.raises(ValueError, match="transform 1 is a compressor too"):
     acp_jax.chain(COMPRESSORS[name](), COMPRESSORS[name]())
+  with pytest.warns(
+      acp_jax.PlacementWarning, match=r"outside acp_jax.chain.*jax.pmap"
+  ):
+    _pmap_train(optax.chain(optax.adam(1e-2), COMPRESSORS[name]()), 1)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", acp_jax.PlacementWarning)
+    _pmap_train(acp_jax.chain(COMPRESSORS[name](), optax.adam(1e-2)), 1)
   monkeypatch.setenv("ACP_JAX_DEBUG_PLACEMENT", "1")
   with pytest.raises(ValueError, match="outside acp_jax.chain.*first"):
     _pmap_train(optax.chain(optax.adam(1e-2), COMPRESSORS[name]()), 1)

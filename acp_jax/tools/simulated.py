@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from acp_jax import _checks
 from acp_jax import compressor as compressor_lib
 
 
@@ -96,9 +97,15 @@ class Devices:
       axis_name: str,
       num_devices: int,
   ):
+    def placed_update(grads, state):
+      # The update stands alone here, so nothing follows it that could see
+      # each device's own gradient.
+      with _checks.placed():
+        return update(grads, state)
+
     self._update = jax.jit(
         jax.vmap(
-            update,
+            placed_update,
             in_axes=(0, axes),
             out_axes=(None, axes),
             axis_name=axis_name,
