@@ -32,10 +32,10 @@ chunks are gathered back over the local axis (``collectives.split_over``).
 A node's link then carries the compressed bytes once, not once per device.
 
 This module is the one class ``DataParallel``, about half of it docstrings;
-the pieces it is made of live apart: ``_local_grads`` (the ``LocalGrads``
-type and the per-device gradient program), ``_specs`` (how the batch
-arguments split over the devices) and ``_accounting`` (what ``comm_bytes``
-records).
+the pieces it is made of live apart: ``_layout`` (where each array lives on
+the mesh), ``_local_grads`` (the ``LocalGrads`` type and the per-device
+gradient program), ``_specs`` (how the batch arguments split over the
+devices) and ``_accounting`` (what ``comm_bytes`` records).
 """
 
 from typing import Any, Callable, NamedTuple
@@ -43,11 +43,11 @@ from typing import Any, Callable, NamedTuple
 import jax
 from jax import lax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import optax
 
 from acp_jax import _accounting
+from acp_jax import _layout
 from acp_jax import _loss
 from acp_jax import _checks
 from acp_jax import _local_grads
@@ -89,7 +89,7 @@ def _values(tree: Any) -> Any:
   return tree if nnx is None else nnx.as_pure(tree)
 
 
-class DataParallel:
+class DataParallel(_layout.Layout):
   """A compressor applied across the data axis of a mesh.
 
   Args:
@@ -147,136 +147,9 @@ class DataParallel:
       local_axis: str | None = None,
       nonfinite: str = "keep",
   ):
-    if not isinstance(compressor, compressor_lib.Compressor):
-      raise TypeError(
-          "DataParallel needs a compressor made by an acp_jax factory (e.g."
-          f" acp_jax.acp_sgd(4)), got {type(compressor).__name__}"
-      )
-    if compressor.axis_name not in mesh.axis_names:
-      raise ValueError(
-          f"the compressor's axis_name={compressor.axis_name!r} is not an"
-          f" axis of the mesh, whose axes are {mesh.axis_names}"
-      )
-    if local_axis is not None and local_axis not in mesh.axis_names:
-      raise ValueError(
-          f"local_axis={local_axis!r} is not an axis of the mesh, whose axes"
-          f" are {mesh.axis_names}"
-      )
-    if local_axis == compressor.axis_name:
-      raise ValueError(
-          f"local_axis={local_axis!r} is the compressor's own axis: the"
-          " dense mean runs within a node and the compressor across nodes,"
-          " over two different axes of the mesh"
-      )
+    super().__init__(compressor, mesh, local_axis)
     _checks.choice("nonfinite", nonfinite, NONFINITE_POLICIES)
     self.nonfinite = nonfinite
-    self.compressor = compressor
-    self.mesh = mesh
-    self.axis_name = compressor.axis_name
-    self.local_axis = local_axis
-    # The axes a batch is split over, the compressor's (slow) one first.
-    self.device_axes = (self.axis_name,) + (
-        () if local_axis is None else (local_axis,)
-    )
-    # Compressed exchange participants: one per node when hierarchical.
-    self.num_nodes = mesh.shape[self.axis_name]
-    self.num_devices = self.num_nodes * (
-        1 if local_axis is None else mesh.shape[local_axis]
-    )
-
-  @property
-  def device_spec(self) -> P:
-    """The spec of arrays stacked one slice per device: the layout of the
-    local gradients, of split batches, and of per-device ``aux``."""
-    if self.local_axis is None:
-      return P(self.axis_name)
-    return P(self.device_axes)
-
-  # -- layout ---------------------------------------------------------------
-
-  def comm_specs(self, comm_state: Any) -> Any:
-    """A ``PartitionSpec`` prefix tree of the compressor's state: its
-    per-device fields sharded over the compressor's axis (replicated over
-    ``local_axis``, where the residuals of a node's devices agree)."""
-    local = self.compressor.local_fields
-    return type(comm_state)(
-        *(P(self.axis_name) if f in local else P() for f in comm_state._fields)
-    )
-
-  def _sharding(self, spec: P) -> NamedSharding:
-    return NamedSharding(self.mesh, spec)
-
-  def _map_local(self, f: Callable, comm_state: Any) -> Any:
-    """``f`` on every array of the state's per-device fields."""
-    local = self.compressor.local_fields
-    return type(comm_state)(
-        *(
-            jax.tree.map(f, value) if name in local else value
-            for name, value in zip(comm_state._fields, comm_state)
-        )
-    )
-
-  def init_comm(self, params: Any) -> Any:
-    """The compressor's state for ``params`` (or their shapes), on the mesh.
-
-    A compressor's initial state depends on the params' shapes only, so it
-    is made on the devices directly, in its layout.
-    """
-    return self._comm_init(params)()
-
-  def _comm_init(self, params: Any) -> Callable[[], Any]:
-    """``init_comm(params)``'s program, jitted with its out shardings."""
-    shapes = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
-    )
-    specs = self.comm_specs(jax.eval_shape(self.compressor.init, shapes))
-    n = self.num_nodes
-
-    def make():
-      return self._map_local(
-          lambda x: jnp.broadcast_to(x, (n,) + x.shape),
-          self.compressor.init(shapes),
-      )
-
-    shardings = jax.tree.map(self._sharding, specs, is_leaf=_specs.is_spec)
-    return jax.jit(make, out_shardings=shardings)
-
-  def param_shardings(self, params: Any) -> Any:
-    """Where the params live: replicated, a ``NamedSharding`` per leaf."""
-    return jax.tree.map(lambda _: self._sharding(P()), params)
-
-  def _inner_init(
-      self, tx: optax.GradientTransformation, params: Any
-  ) -> Callable[[Any], Any]:
-    """``tx.init``, jitted to lay its state out replicated."""
-    del params
-    return jax.jit(tx.init, out_shardings=self._sharding(P()))
-
-  def abstract_comm(self, params: Any) -> Any:
-    """Shapes and shardings of ``init_comm(params)``, allocating nothing."""
-    return jax.eval_shape(self._comm_init(params))
-
-  def compress_shardings(self, params: Any) -> tuple[Any, Any]:
-    """The shardings of ``compress``'s results for ``params``: the mean's,
-    replicated, and the state's; for ``jax.jit(dp.compress,
-    donate_argnums=(1,), out_shardings=dp.compress_shardings(params))``."""
-    comm = self.abstract_comm(params)
-    return self._sharding(P()), jax.tree.map(lambda x: x.sharding, comm)
-
-  def abstract_local_grads(self, params: Any) -> Any:
-    """Shapes and shardings of the stacked local gradients of ``params``."""
-    sharding = self._sharding(self.device_spec)
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(
-            (self.num_devices,) + tuple(x.shape), x.dtype, sharding=sharding
-        ),
-        params,
-    )
-
-  def phase_states(self, comm_state: Any) -> dict[str, Any]:
-    """The compressor's state before each phase's step (abstract where the
-    phase is recorded), by the phase names of ``acp_jax.comm_bytes``."""
-    return self.compressor.phases(comm_state)
 
   def comm_bytes(
       self,
@@ -327,11 +200,6 @@ class DataParallel:
     return _accounting.step_volumes(
         self, params, fun, batch, has_aux=has_aux, batch_norm=batch_norm
     )
-
-  def _warn_if_sharded_elsewhere(self, params: Any) -> None:
-    """Warns if a param is sharded over a mesh axis that is not a device
-    axis: its all-gathers are traffic that ``comm_bytes`` does not count."""
-    _accounting.warn_if_sharded_elsewhere(self.mesh, self.device_axes, params)
 
   def at_step(self, opt_state: Any, step: int) -> Any:
     """``opt_state`` set to run step ``step`` (counted from 0): for a
@@ -421,20 +289,8 @@ class DataParallel:
         # A node's devices then hand the compressor the same gradient, so
         # their residuals stay identical: one copy per node.
         grads = lax.pmean(grads, self.local_axis)
-      old = self._map_local(lambda x: x[0], blocks)
-      with (
-          collectives.split_over(self.local_axis),
-          collectives.receiving() as received,
-          _checks.placed(),
-      ):
-        mean, state = self.compressor.update(grads, old)
-      # A non-finite gradient on any device makes what it sends non-finite
-      # (its dense values, its factors, its top-k values, its sign scales),
-      # and so what every device receives: the same verdict on every
-      # replica, with not a byte more sent, from buffers much smaller than
-      # the mean for a compressor.
-      finite = _all_finite(
-          [x for x in received if jnp.issubdtype(x.dtype, jnp.inexact)]
+      mean, state, _, finite = self._device_update(
+          grads, blocks, collectives.split_over(self.local_axis)
       )
       state = self._map_local(lambda x: x[None], state)
       if self.nonfinite != "propagate":
@@ -453,6 +309,24 @@ class DataParallel:
         out_specs=(P(), specs, P()),
         check_vma=False,
     )(local_grads, comm_state)
+
+  def _device_update(
+      self, grads: Any, blocks: Any, split: Any
+  ) -> tuple[Any, Any, Any, jax.Array]:
+    """The compressor's update on one device under ``shard_map``: of its
+    ``grads``, from its ``[1, ...]`` blocks of the state, its collectives
+    split as the context manager ``split`` says. Returns the mean, the new
+    state and the old one (unstacked), and whether every float received is
+    finite: a non-finite gradient on any device makes what it sends
+    non-finite (its dense values, its factors, its top-k values, its sign
+    scales), and so what every device receives: the same verdict on every
+    replica, with not a byte more sent, from buffers much smaller than the
+    mean for a compressor."""
+    old = self._map_local(lambda x: x[0], blocks)
+    with split, collectives.receiving() as received, _checks.placed():
+      mean, state = self.compressor.update(grads, old)
+    floats = [x for x in received if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return mean, state, old, _all_finite(floats)
 
   def chain(
       self, tx: optax.GradientTransformation

@@ -171,12 +171,6 @@ def made_by(cfg: LowRank, axis_name: str) -> dict[str, Any]:
   }
 
 
-def from_made_by(name: str, args: dict[str, Any]) -> LowRank:
-  """The settings that ``made_by = (name, args)`` records."""
-  fields = [f for f in LowRank._fields if f != "caller"]
-  return LowRank(caller=name, **{f: args[f] for f in fields})
-
-
 def matrix_spec(
     shape: tuple[int, ...], rank: int, min_compression_rate: float
 ) -> projection.MatrixSpec | None:

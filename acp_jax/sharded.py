@@ -68,7 +68,6 @@ from jax.sharding import PartitionSpec as P
 import optax
 
 from acp_jax import _accounting
-from acp_jax import _checks
 from acp_jax import _specs
 from acp_jax import collectives
 from acp_jax import compressor as compressor_lib
@@ -242,15 +241,8 @@ class ShardedDataParallel(data_parallel.DataParallel):
     def body(grads, old):
       grads = jax.tree.map(lambda x: x[0], grads)
       blocks = jax.tree.map(block_of_sum, grads, whole)
-      old = self._map_local(lambda x: x[0], old)
-      with (
-          collectives.row_shards(local, parts, rows=real_rows),
-          collectives.receiving() as received,
-          _checks.placed(),
-      ):
-        mean, state = self.compressor.update(blocks, old)
-      finite = data_parallel._all_finite(
-          [x for x in received if jnp.issubdtype(x.dtype, jnp.inexact)]
+      mean, state, old, finite = self._device_update(
+          blocks, old, collectives.row_shards(local, parts, rows=real_rows)
       )
       # A device's blocks reach only its peers of the same index on the
       # other nodes: the node's devices agree on the verdict, where it is
