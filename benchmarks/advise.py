@@ -40,6 +40,7 @@ import jax
 
 from acp_jax import registry
 from acp_jax.tools import advice as advice_lib
+from acp_jax.tools import calibration as calibration_lib
 from acp_jax.tools import costmodel
 from benchmarks import cli
 from benchmarks import convergence
@@ -275,7 +276,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument(
       "--max_gap",
       type=float,
-      default=advice_lib.MAX_GAP,
+      default=calibration_lib.MAX_GAP,
       help="the held-out loss gap to S-SGD the threshold promises (0.1: 10%%)",
   )
   parser.add_argument(
@@ -312,9 +313,8 @@ def _progress(start: float):
 
 def main(args) -> None:
   if args.calibrate:
-    path = (
-        pathlib.Path(advice_lib.__file__).parent / advice_lib.CALIBRATION_FILE
-    )
+    path = pathlib.Path(calibration_lib.__file__).parent
+    path /= calibration_lib.CALIBRATION_FILE
     if not args.char_lm_path:
       raise SystemExit(
           "advise --calibrate: give --char_lm_path (tiny-shakespeare's"

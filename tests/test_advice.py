@@ -11,6 +11,7 @@ import pytest
 import acp_jax
 from acp_jax import registry
 from acp_jax.tools import advice as advice_lib
+from acp_jax.tools import calibration as calibration_lib
 from acp_jax.tools import costmodel
 from acp_jax.tools import measure as measure_lib
 from acp_jax.tools import simulated
@@ -145,10 +146,10 @@ def test_a_slow_link_picks_the_fewest_bytes_within_the_threshold():
 
 def test_the_threshold_is_the_records_highest_error_within_the_gap():
   points = [
-      advice_lib.CalibrationPoint("a", 0.1, 0.99, 0.02),
-      advice_lib.CalibrationPoint("b", 0.5, 0.98, 0.06),
-      advice_lib.CalibrationPoint("c", 0.8, 0.97, 0.04),
-      advice_lib.CalibrationPoint("d", 2.0, 0.90, 0.20),
+      calibration_lib.CalibrationPoint("a", 0.1, 0.99, 0.02),
+      calibration_lib.CalibrationPoint("b", 0.5, 0.98, 0.06),
+      calibration_lib.CalibrationPoint("c", 0.8, 0.97, 0.04),
+      calibration_lib.CalibrationPoint("d", 2.0, 0.90, 0.20),
   ]
   at = lambda gap: advice_lib.Calibration.from_points(
       points, gap, ""
@@ -157,7 +158,7 @@ def test_the_threshold_is_the_records_highest_error_within_the_gap():
   assert at(0.05) == 0.1  # b at 6 % stops the walk up
   assert at(0.01) == 0.0  # none within: S-SGD alone
   recorded = advice_lib.Calibration.recorded()
-  assert recorded.points and recorded.max_gap == advice_lib.MAX_GAP
+  assert recorded.points and recorded.max_gap == calibration_lib.MAX_GAP
 
 
 def test_the_shipped_calibration_is_the_records():
@@ -165,7 +166,7 @@ def test_the_shipped_calibration_is_the_records():
   from benchmarks import records
 
   shipped = os.path.join(
-      os.path.dirname(advice_lib.__file__), advice_lib.CALIBRATION_FILE
+      os.path.dirname(advice_lib.__file__), calibration_lib.CALIBRATION_FILE
   )
   with open(shipped) as f:
     calibration = json.load(f)
@@ -439,3 +440,41 @@ def test_the_report_checks_the_advice_at_a_measured_point():
   )
   assert low["advised"] == "none within the threshold"
   assert low["best"] == "acp_sgd_r4" and "ratio" not in low
+
+
+def test_candidates_predicted_within_the_tie_pick_the_least_error():
+  """Power-SGD at rank r and ACP-SGD at 2r send the same bytes: their
+  predicted steps differ by their updates' timing noise, which picked
+  either. Within TIE of the fastest within the threshold, the least
+  error is picked, and measured before the advice stops."""
+  link = advice_lib.Link(bandwidth=1e4, latency=0.0)
+  candidates = (
+      advice_lib.Candidate("ssgd"),
+      advice_lib.Candidate("power_sgd", 1),
+      advice_lib.Candidate("acp_sgd", 2),
+  )
+  update = {"ssgd": 1e-4, "power_sgd_r1": 2.0e-3, "acp_sgd_r2": 1.9e-3}
+  errors = {"ssgd": 0.0, "power_sgd_r1": 0.3 * THRESHOLD,
+            "acp_sgd_r2": 0.6 * THRESHOLD}
+  measured = advice_lib.Measurements(0.01, update, errors)
+  advice = _advise(link, measurements=measured, candidates=candidates)
+  fastest, second = advice.rows[:2]
+  assert fastest.candidate.name == "acp_sgd_r2"
+  assert second.step_s <= fastest.step_s * (1 + advice_lib.TIE)
+  assert advice.pick is second
+  assert "of least error" in advice.table()
+  # Beyond the tie, the fastest within the threshold.
+  slower = {**update, "power_sgd_r1": 0.5}
+  advice = _advise(
+      link,
+      measurements=advice_lib.Measurements(0.01, slower, errors),
+      candidates=candidates,
+  )
+  assert advice.pick.candidate.name == "acp_sgd_r2"
+  assert "the fastest within the threshold" in advice.table()
+  # The tied candidate's error is needed: without it, no advice.
+  partial = advice_lib.Measurements(
+      0.01, update, {n: e for n, e in errors.items() if n != "power_sgd_r1"}
+  )
+  with pytest.raises(ValueError, match="power_sgd_r1 is predicted faster"):
+    _advise(link, measurements=partial, candidates=candidates)

@@ -17,11 +17,14 @@ For a model, a few batches, a number of workers and a link, ``advise``:
    sampling noise that the true mean itself carries (``error_to_noise``),
    with the cosine beside it;
 5. recommends the fastest candidate whose ``error_to_noise`` is at or below
-   a threshold, and stops measuring there: a slower candidate cannot be
-   the pick (``measure_all`` measures them all). The threshold comes from
-   the convergence records (``Calibration``): the highest recorded error at
-   and below which every recorded variant ended within ``max_gap`` of
-   S-SGD's held-out loss.
+   a threshold or, of those predicted within ``TIE`` (2 %) of it, the one
+   of least error: a tie at the timings' resolution, which the lower error
+   breaks, as it reaches a given loss in fewer steps. It stops measuring
+   once the pick is sure: a slower candidate cannot be the pick
+   (``measure_all`` measures them all). The threshold comes from the
+   convergence records (``Calibration``): the highest recorded error at and
+   below which every recorded variant ended within ``max_gap`` of S-SGD's
+   held-out loss.
 
 Given ``Measurements``, the advice is arithmetic on the accounting, the same
 for the same inputs.
@@ -63,8 +66,6 @@ linearly in rank (``measure.timed_ranks``), which saves most of the compiles.
 
 from collections.abc import Callable, Mapping, Sequence
 import dataclasses
-import importlib.resources
-import json
 import math
 import statistics
 from typing import Any
@@ -75,7 +76,10 @@ import jax
 from acp_jax import _checks
 from acp_jax import compressor as compressor_lib
 from acp_jax import registry
+from acp_jax.tools import calibration
 from acp_jax.tools import costmodel
+from acp_jax.tools.calibration import Calibration
+from acp_jax.tools.calibration import MAX_GAP
 from acp_jax.tools.measure import Measurements
 from acp_jax.tools.measure import measure
 from acp_jax.tools.measure import STEPS
@@ -86,11 +90,12 @@ RANKS = (1, 2, 4, 8, 16, 32)
 # Backends whose all-reduce sends bfloat16 as it is (XLA:CPU widens it to
 # float32, so bfloat16 factors save nothing there).
 BFLOAT16_BACKENDS = ("gpu", "tpu")
-# The held-out loss gap to S-SGD (as a fraction) that the threshold promises
-# by default.
-MAX_GAP = 0.10
-# The records the threshold is calibrated on (see ``Calibration``).
-CALIBRATION_FILE = "advice_calibration.json"
+# Candidates predicted within this fraction of the fastest one within the
+# threshold tie with it: the timings cannot tell them apart (two that send
+# the same bytes differ by their updates' noise, a fraction of a percent).
+# Of those within the threshold, the pick is the one of least error, which
+# reaches a given loss in fewer steps.
+TIE = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,18 +165,6 @@ def default_candidates(
   return tuple(candidates)
 
 
-def _positive_number(name: str, value: Any) -> float:
-  """``value`` as a float; raises unless it is a number > 0 (inf too)."""
-  if (
-      isinstance(value, bool)
-      or not isinstance(value, (int, float))
-      or math.isnan(value)
-      or value <= 0
-  ):
-    raise ValueError(f"{name} must be a positive number, got {value!r}")
-  return float(value)
-
-
 @dataclasses.dataclass(frozen=True)
 class Link:
   """Each worker's link: ``bandwidth`` in bytes per second (``math.inf``
@@ -182,7 +175,7 @@ class Link:
   latency: float = 0.0
 
   def __post_init__(self):
-    _positive_number("bandwidth", self.bandwidth)
+    calibration.positive_number("bandwidth", self.bandwidth)
     if (
         isinstance(self.latency, bool)
         or not isinstance(self.latency, (int, float))
@@ -194,93 +187,6 @@ class Link:
 
   def costs(self) -> costmodel.Link:
     return costmodel.Link(alpha=self.latency, beta=1 / self.bandwidth)
-
-
-@dataclasses.dataclass(frozen=True)
-class CalibrationPoint:
-  """A recorded variant: its measured error (``error_to_noise``) and
-  cosine, and its held-out loss gap to S-SGD (a fraction: 0.05 is 5 % above
-  S-SGD's loss)."""
-
-  variant: str
-  error_to_noise: float
-  cosine: float
-  gap: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Calibration:
-  """The threshold on the error, and the records it comes from.
-
-  ``error_to_noise`` is the highest recorded error at and below which every
-  recorded variant ended within ``max_gap`` of S-SGD's held-out loss (0.0,
-  S-SGD alone, if none did).
-  """
-
-  error_to_noise: float
-  max_gap: float
-  points: tuple[CalibrationPoint, ...]
-  source: str
-
-  @classmethod
-  def from_points(
-      cls, points: Sequence[CalibrationPoint], max_gap: float, source: str
-  ) -> "Calibration":
-    _positive_number("max_gap", max_gap)
-    ordered = sorted(points, key=lambda p: p.error_to_noise)
-    threshold = 0.0
-    for point in ordered:
-      if point.gap > max_gap:
-        break
-      threshold = point.error_to_noise
-    return cls(threshold, max_gap, tuple(ordered), source)
-
-  def admits(self, error_to_noise: float) -> bool:
-    """Whether a candidate of this measured error is within the
-    threshold."""
-    return error_to_noise <= self.error_to_noise
-
-  @classmethod
-  def recorded(cls, max_gap: float = MAX_GAP) -> "Calibration":
-    """From the convergence records shipped with the package
-    (``CALIBRATION_FILE``, written from them by ``python -m benchmarks
-    advise --calibrate``)."""
-    text = (
-        importlib.resources.files("acp_jax.tools")
-        .joinpath(CALIBRATION_FILE)
-        .read_text()
-    )
-    data = json.loads(text)
-    points = [
-        CalibrationPoint(
-            p["variant"], p["error_to_noise"], p["cosine"], p["gap"]
-        )
-        for p in data["points"]
-    ]
-    return cls.from_points(points, max_gap, data["source"])
-
-  def describe(self) -> str:
-    """The threshold and why, in a sentence or two."""
-    within = [p for p in self.points if self.admits(p.error_to_noise)]
-    above = [p for p in self.points if not self.admits(p.error_to_noise)]
-    text = (
-        f"threshold: error/noise <= {self.error_to_noise:.3f}, at and below"
-        " which every recorded variant ended within"
-        f" {100 * self.max_gap:.1f} % of S-SGD's held-out loss ("
-        + ", ".join(
-            f"{p.variant} {p.error_to_noise:.3f} (cosine {p.cosine:.3f}):"
-            f" {100 * p.gap:+.1f} %"
-            for p in within
-        )
-        + ")"
-    )
-    if above:
-      p = above[0]
-      text += (
-          f"; the next above it, {p.variant} at {p.error_to_noise:.3f}"
-          f" (cosine {p.cosine:.3f}), ended {100 * p.gap:+.1f} %"
-      )
-    return text + f". Records: {self.source}."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,6 +240,18 @@ def table(record: Sequence[Mapping[str, Any]]) -> str:
     mark = "* " if row["picked"] else "  "
     lines.append(mark + "".join(f"{f(row):>{w}s}" for _, w, f in _COLUMNS))
   first, pick = record[0], next(r for r in record if r["picked"])
+  fastest = next(
+      r
+      for r in record
+      if r["error_to_noise"] is not None
+      and r["error_to_noise"] <= r["threshold"]
+  )
+  why = (
+      "the fastest within the threshold"
+      if pick is fastest
+      else "of least error of those within the threshold predicted within"
+      f" {TIE:.0%} of the fastest of them, {fastest['name']}"
+  )
   bandwidth = first["bandwidth"] or math.inf
   lines += [
       f"{first['workers']} workers, link {bandwidth:.4g} B/s and"
@@ -341,7 +259,7 @@ def table(record: Sequence[Mapping[str, Any]]) -> str:
       f" {first['forward_backward_s']:.4f} s on one worker's"
       f" {first['global_batch'] // first['workers']} examples",
       first["calibration"],
-      f"recommended: {pick['name']}, the fastest within the threshold",
+      f"recommended: {pick['name']}, {why}",
   ]
   if any(r["error_to_noise"] is None for r in record):
     lines.append("-: not measured, as slower than the pick")
@@ -459,24 +377,52 @@ def recommend(
   rows = _ranked(
       measurements, volumes, candidates, workers, link, global_batch, overlap
   )
-  for row in rows:
-    if row.error_to_noise is None:
-      raise ValueError(
-          f"{row.candidate.name} is predicted faster than every candidate"
-          " within the threshold, but its error was not measured: give"
-          " measurements.error_to_noise for it"
-      )
-    if calibration.admits(row.error_to_noise):
-      break
-  else:
+  pick, unmeasured = _choice(rows, measurements.error_to_noise, calibration)
+  if unmeasured is not None:
+    raise ValueError(
+        f"{unmeasured.candidate.name} is predicted faster than every"
+        f" candidate within the threshold, or within {TIE:.0%} of the"
+        " fastest of them, but its error was not measured: give"
+        " measurements.error_to_noise for it"
+    )
+  if pick is None:
     raise ValueError(
         "no candidate is within the threshold error/noise"
         f" {calibration.error_to_noise:.3f}; include ssgd among the"
         " candidates"
     )
   return Advice(
-      tuple(rows), row, calibration, workers, link, global_batch, measurements
+      tuple(rows), pick, calibration, workers, link, global_batch, measurements
   )
+
+
+def _choice(
+    rows: Sequence[Row], errors: Mapping[str, float], calibration: Calibration
+) -> tuple[Row | None, Row | None]:
+  """The pick among ``rows`` (fastest first), given the ``errors`` measured
+  so far by name: of the candidates within the threshold and predicted
+  within ``TIE`` of the fastest of them, the one of least error (the
+  fastest on a tie). Returns ``(pick, None)``; ``(None, row)`` where the
+  choice needs the error of ``row``, not measured; ``(None, None)`` where
+  no candidate is within the threshold."""
+  fastest = None
+  for row in rows:
+    if fastest is not None and row.step_s > fastest.step_s * (1 + TIE):
+      break
+    error = errors.get(row.candidate.name)
+    if error is None:
+      return None, row
+    if fastest is None and calibration.admits(error):
+      fastest = row
+  if fastest is None:
+    return None, None
+  tied = [
+      r
+      for r in rows[rows.index(fastest) :]
+      if r.step_s <= fastest.step_s * (1 + TIE)
+      and calibration.admits(errors[r.candidate.name])
+  ]
+  return min(tied, key=lambda r: errors[r.candidate.name]), None
 
 
 def advise(
@@ -529,7 +475,7 @@ def advise(
         link=advice_lib.Link(bandwidth=125e6, latency=50e-6),
     )
     print(advice.table())
-    tx = optax.chain(advice.compressor(warmup_steps=60), optax.adamw(1e-3))
+    tx = acp_jax.chain(advice.compressor(warmup_steps=60), optax.adamw(1e-3))
   """
   _checks.integer("workers", workers, 1)
   if not isinstance(link, Link):
@@ -545,12 +491,17 @@ def advise(
   sent = volumes(candidates, params, workers)
   if measurements is None:
     _warn_unless_as_calibrated(warmup, len(batches))
-    ranked = lambda timed: [
-        r.candidate
-        for r in _ranked(
-            timed, sent, candidates, workers, link, global_batch, overlap
-        )
-    ]
+    ranking = []
+
+    def ranked(timed):
+      ranking[:] = _ranked(
+          timed, sent, candidates, workers, link, global_batch, overlap
+      )
+      return [r.candidate for r in ranking]
+
+    def enough(errors):
+      return _choice(ranking, errors, calibration)[0] is not None
+
     measurements = measure(
         loss_fn,
         params,
@@ -560,7 +511,7 @@ def advise(
         warmup=warmup,
         progress=progress,
         order=None if measure_all else ranked,
-        enough=None if measure_all else calibration.admits,
+        enough=None if measure_all else enough,
     )
   return recommend(
       measurements,

@@ -226,8 +226,8 @@ def _times(grad, params, batches, candidates, workers, repeats, say):
 
 def _errors(grad, params, batches, candidates, workers, warmup, enough, say):
   """Each candidate's ``error_to_noise`` and cosine, by name, measured in
-  the order of ``candidates``, stopping after the first whose error
-  ``enough`` (if given) accepts."""
+  the order of ``candidates``, stopping once ``enough`` (if given) accepts
+  the errors measured so far."""
   steps = _steps(grad, params, batches, workers)
   errors, cosines = {}, {}
   for i, c in enumerate(candidates):
@@ -238,7 +238,7 @@ def _errors(grad, params, batches, candidates, workers, warmup, enough, say):
         if c.method == "ssgd"
         else _errors_over_steps(c, params, steps, workers, warmup)
     )
-    if enough is not None and enough(errors[c.name]):
+    if enough is not None and enough(errors):
       break
   return errors, cosines
 
@@ -254,7 +254,7 @@ def measure(
     repeats: int = 3,
     progress: Callable[[str], None] | None = None,
     order: Callable[[Measurements], Sequence[Any]] | None = None,
-    enough: Callable[[float], bool] | None = None,
+    enough: Callable[[Mapping[str, float]], bool] | None = None,
 ) -> Measurements:
   """Measures on this device what ``recommend`` needs: the times, then the
   errors.
@@ -276,7 +276,8 @@ def measure(
     progress: called with a line before each measurement.
     order: from the times, the candidates whose errors are measured, in
       that order; default ``candidates``.
-    enough: stop measuring errors after the first that it accepts.
+    enough: stop measuring errors once it accepts those measured so far
+      (by candidate name).
   """
   _checks.integer("workers", workers, 1)
   _check_warmup(warmup, batches)
