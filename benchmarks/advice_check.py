@@ -1,13 +1,20 @@
-"""The advice checked against the shaped-link sweep: at each measured point,
-what ``acp_jax.advise`` picks among the methods measured there, beside the
-measured best (the report's section and its target both read it)."""
+"""The advice checked against the shaped-link measurements: at each point of
+the cluster sweep (examples/s) and of the time-to-quality runs (seconds to
+S-SGD's quality), what ``acp_jax.advise`` picks among the methods measured
+there, beside the measured best (the report's sections and its targets
+read it)."""
 
 import functools
+import math
+import statistics
 from typing import Any
 
 from acp_jax import registry
 from acp_jax.tools import advice as advice_lib
+from benchmarks import convergence
 from benchmarks import launch
+from benchmarks import records
+from benchmarks import report_quality
 from benchmarks import workloads
 from train import experiment as experiment_lib
 
@@ -114,3 +121,95 @@ def cluster_params(model: str):
   return experiment_lib.build(
       workloads.cluster_config(model, "ssgd", 1)
   ).abstract_params
+
+
+def _candidate(task: str, variant: str) -> str:
+  """The advice's name of a convergence variant's compressor."""
+  v = convergence.VARIANTS[variant]
+  return advice_lib.Candidate(
+      v.compressor, convergence.rank(task, variant), v.comm_dtype
+  ).name
+
+
+def quality_points(rows, curves, links, advice) -> list[dict[str, Any]]:
+  """At each point of the time-to-quality runs (a run's task, workers and
+  link; its methods of one dense warm-up and S-SGD), the advice's pick
+  among the methods measured there, and its seconds to the target over the
+  fastest method's, round by round.
+
+  The pick is the fastest predicted of them within the threshold, from the
+  ``advice`` record (``--measure_all``) of the point's task and workers
+  for its link, as the calibrated ``links`` record fits it, made on the
+  run's machine: ranked by the advice, fastest first. Points with no such
+  record are left out."""
+  by_advice = {}
+  for r in advice:
+    if r["bandwidth"]:
+      key = r["machine"], r["model"], r["workers"], round(r["bandwidth"])
+      by_advice.setdefault(key, []).append(r)
+  fits = {(r["bandwidth"], r["workers"]): r for r in links}
+  out = []
+  for run in records.by_run(report_quality.with_startup(rows, curves)):
+    points = {}
+    for r in run:
+      warmups = [convergence.VARIANTS[r["variant"]].warmup]
+      if r["variant"] == "ssgd":
+        warmups = {convergence.VARIANTS[x["variant"]].warmup for x in run}
+      for w in warmups:
+        key = r["task"], r["workers"], r["bandwidth"], w
+        points.setdefault(key, []).append(r)
+    for (task, workers, bandwidth, warmup), here in points.items():
+      fit = fits.get((bandwidth, workers))
+      ranked = fit and by_advice.get((
+          here[0]["machine"],
+          task,
+          workers,
+          round(1 / fit["beta_s_per_byte"]),
+      ))
+      if not ranked or len(here) < 2:
+        continue
+      out.append(_quality_point(task, workers, bandwidth, warmup, here, ranked))
+  return out
+
+
+def _quality_point(task, workers, bandwidth, warmup, here, ranked):
+  """``quality_points``' row of one point: its ``here`` records and the
+  advice's ``ranked`` rows for its link."""
+  names = {_candidate(task, r["variant"]): r for r in here}
+  seconds = {n: report_quality.round_seconds(r) for n, r in names.items()}
+  rounds = min(len(s) for s in seconds.values())
+  median = {n: statistics.median(s) for n, s in seconds.items()}
+  fastest = min(median, key=median.get)
+  row = {
+      "task": task,
+      "workers": workers,
+      "bandwidth": bandwidth,
+      "warmup": warmup,
+      "fastest": fastest,
+      "fastest_s": median[fastest],
+      "date": here[0]["date"],
+  }
+  pick = next(
+      (
+          r["name"]
+          for r in ranked
+          if r["name"] in names and r["error_to_noise"] is not None
+          and r["error_to_noise"] <= r["threshold"]
+      ),
+      None,
+  )
+  if pick is None:
+    return {**row, "advised": "none within the threshold"}
+  each = [
+      seconds[pick][i] / min(s[i] for s in seconds.values())
+      for i in range(rounds)
+  ]
+  return {
+      **row,
+      "advised": pick,
+      "advised_s": median[pick],
+      "ratio": median[pick] / median[fastest],
+      "ratio_max": max(each),
+      "ratio_min": min(each),
+      "reached": all(math.isfinite(seconds[pick][i]) for i in range(rounds)),
+  }

@@ -5,18 +5,20 @@
       --bandwidth 125e6 --latency 5e-5 [--json [FOLDER]]
 
 The model is a training config of ``configs/`` (``--config``, with
-``--set key=value`` overrides) or a workload of ``benchmarks.workloads``
-(``--model``, the cluster's among them). The link is given
-(``--bandwidth`` in bytes per second, ``--latency`` in seconds) or measured
-(``--measure_link``): every process of the cluster runs this command with
-``--coordinator_address``, ``--num_processes`` and ``--process_id``, the
-all-reduce microbenchmark of ``benchmarks.worker`` times the link between
-them, and process 0 gives the advice for as many workers as processes.
+``--set key=value`` overrides), a convergence task (``--task``: the model,
+data and batch of the time-to-quality sweep) or a workload of
+``benchmarks.workloads`` (``--model``, the cluster's among them). The link
+is given (``--bandwidth`` in bytes per second, ``--latency`` in seconds) or
+measured (``--measure_link``): every process of the cluster runs this
+command with ``--coordinator_address``, ``--num_processes`` and
+``--process_id``, the all-reduce microbenchmark of ``benchmarks.worker``
+times the link between them, and process 0 gives the advice for as many
+workers as processes.
 
 The advice measures the errors of the candidates predicted fastest until
 one is within the threshold; ``--measure_all`` measures every candidate's
-(the report's record does, to check the advice at each point of the
-cluster sweep).
+(the report's records do, to check the advice at each point of the
+cluster sweep and of the time-to-quality runs).
 
 ``--calibrate --char_lm_path PATH`` writes the threshold's records into
 the package (``acp_jax/tools/advice_calibration.json``): for each char-LM
@@ -191,8 +193,12 @@ def _link(args) -> tuple[advice_lib.Link, int]:
 
 
 def _inputs(args, workers: int):
-  """The loss, params and batches of ``--config`` or ``--model``."""
-  if args.config:
+  """The loss, params and batches of ``--config``, ``--task`` or
+  ``--model``."""
+  if args.task:
+    path = getattr(args, convergence.data_flag(args.task))
+    config = convergence.config(args.task, "ssgd", path, quick=False)
+  elif args.config:
     config = workloads.load_config(args.config, tuple(args.set))
   elif args.model in workloads.CLUSTER_MODELS:
     config = workloads.cluster_config(args.model, "ssgd", args.steps)
@@ -228,6 +234,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="a workload of benchmarks/workloads.py (e.g. bert_base_2l)",
   )
   model.add_argument("--config", help="a module of configs/, e.g. mnist")
+  model.add_argument(
+      "--task",
+      choices=tuple(convergence.TASKS),
+      help="a convergence task (the time-to-quality sweep's model, data and"
+      " batch), its data from --char_lm_path or --mnist_path",
+  )
   parser.add_argument(
       "--set",
       type=_override,
@@ -299,8 +311,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   )
   parser.add_argument(
       "--char_lm_path",
-      help="with --calibrate: tiny-shakespeare's input.txt",
+      help="tiny-shakespeare's input.txt (--calibrate, a char_lm --task)",
   )
+  parser.add_argument("--mnist_path", help="MNIST's folder (an mnist --task)")
 
 
 def _progress(start: float):
@@ -328,8 +341,8 @@ def main(args) -> None:
     print(f"wrote {path}")
     print(advice_lib.Calibration.recorded(args.max_gap).describe())
     return
-  if (args.model is None) == (args.config is None):
-    raise SystemExit("advise: give --model or --config")
+  if [args.model, args.config, args.task].count(None) != 2:
+    raise SystemExit("advise: give --model, --config or --task")
   if args.workers is None and not args.measure_link:
     raise SystemExit("advise: give --workers (or --measure_link)")
   start = time.perf_counter()
@@ -365,7 +378,7 @@ def main(args) -> None:
     wall = time.perf_counter() - start
     print(advice.table())
     print(f"advice took {wall:.1f} s since the start")
-    model = args.model or args.config
+    model = args.model or args.config or args.task
     rows += [{**r, "model": model, "wall_s": wall} for r in advice.to_record()]
   if args.json is not None:
     path = records.write(

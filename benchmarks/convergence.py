@@ -184,6 +184,15 @@ def data_flag(task: str) -> str:
   return "mnist_path" if config_name(task) == "mnist" else "char_lm_path"
 
 
+def rank(task: str, variant: str) -> int | None:
+  """The rank ``variant`` trains ``task`` at (None: no rank)."""
+  factor = VARIANTS[variant].rank_factor
+  if factor is None:
+    return None
+  cfg = workloads.load_config(*TASKS[task])
+  return factor * cfg.compressor.power_sgd.rank
+
+
 def warmup_steps(variant: str, quick: bool) -> int:
   """The dense steps ``variant`` takes first (fewer in a quick run)."""
   warmup = VARIANTS[variant].warmup
@@ -220,7 +229,7 @@ def config(
   cfg.compressor.name = v.compressor
   if v.rank_factor is not None:
     args = cfg.compressor[v.compressor]
-    args.rank = v.rank_factor * cfg.compressor.power_sgd.rank
+    args.rank = rank(task, variant)
     args.warmup_steps = warmup_steps(variant, quick)
     args.warmup_factors = v.warm_factors
     args.comm_dtype = v.comm_dtype

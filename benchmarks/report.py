@@ -468,6 +468,12 @@ def _sections(found, out: pathlib.Path) -> list[str]:
       ),
       "advice": lambda rows: report_cluster.advice_section(
           found["cluster"], found["cluster_links"], rows
+      )
+      + report_cluster.quality_advice_section(
+          found["quality"],
+          found["quality_curves"],
+          found["cluster_links"],
+          rows,
       ),
       "projection": lambda rows: report_cluster.projection_section(rows, out),
       "cluster_hierarchical": report_cluster.hierarchical_section,

@@ -17,6 +17,7 @@ from acp_jax.tools import advice as advice_lib
 from acp_jax.tools import costmodel
 from benchmarks import advice_check
 from benchmarks import cluster
+from benchmarks import convergence
 from benchmarks import plots
 from benchmarks import project
 from benchmarks import records
@@ -467,26 +468,34 @@ _ADVICE_COLUMNS = {
 }
 
 
-def advice_section(rows, calibration, advice) -> list[str]:
-  """At each measured point of the shaped-link sweep
-  (``advice_check.points``), the advice against the measured best."""
-  table, missing = advice_check.points(rows, calibration, advice)
+def measured_errors(advice) -> str:
+  """The errors the ``advice`` records measured, per model and workers."""
   measured = {}
   for r in advice:
     if r["error_to_noise"]:
       measured.setdefault((r["model"], r["workers"]), []).append(
           f"{r['name']} {r['error_to_noise']:.3f} (cosine {r['cosine']:.3f})"
       )
-  errors = "; ".join(
+  return "; ".join(
       f"{model} on {workers} workers: " + ", ".join(names)
       for (model, workers), names in measured.items()
   )
+
+
+def advice_section(rows, calibration, advice) -> list[str]:
+  """At each measured point of the shaped-link sweep
+  (``advice_check.points``), the advice against the measured best, from
+  the ``advice`` records of the sweep's models."""
+  advice = [r for r in advice if r["model"] not in convergence.TASKS]
+  if not advice:
+    return []
+  table, missing = advice_check.points(rows, calibration, advice)
   calibration_line = advice_lib.Calibration.recorded().describe()
   return [
       fill(
           "advice",
           provenance=template.provenance(advice),
-          errors=errors,
+          errors=measured_errors(advice),
           calibration=calibration_line,
           table=records.table(table, _ADVICE_COLUMNS) if table else "",
           missing=(
@@ -608,3 +617,39 @@ def overlap_step_section(rows, cluster_rows) -> list[str]:
         )
     )
   return blocks
+
+
+_QUALITY_ADVICE_COLUMNS = {
+    "task": "task",
+    "workers": "workers",
+    "bandwidth": "link",
+    "warmup": "dense steps",
+    "fastest": "fastest",
+    "fastest_s": "its seconds",
+    "advised": "advised",
+    "advised_s": "its seconds",
+    "ratio": "advised / fastest",
+    "ratio_max": "worst round",
+}
+
+
+def quality_advice_section(rows, curves, links, advice) -> list[str]:
+  """At each point of the time-to-quality runs
+  (``advice_check.quality_points``), the advice against the fastest method,
+  from the ``advice`` records of the runs' tasks."""
+  advice = [r for r in advice if r["model"] in convergence.TASKS]
+  table = advice_check.quality_points(rows, curves, links, advice)
+  if not table:
+    return []
+  dates = {r["date"] for r in table}
+  return [
+      fill(
+          "advice_quality",
+          provenance=template.provenance(
+              advice + [r for r in rows if r["date"] in dates]
+          ),
+          errors=measured_errors(advice),
+          table=records.table(table, _QUALITY_ADVICE_COLUMNS),
+          goal=thresholds.ADVICE_TIME_TO_QUALITY,
+      )
+  ]

@@ -17,7 +17,6 @@ from benchmarks import plots
 from benchmarks import records
 from benchmarks import template
 from benchmarks import thresholds
-from benchmarks import workloads
 from benchmarks.template import fill
 
 _COLUMNS = {
@@ -40,8 +39,7 @@ def label(task: str, variant: str) -> str:
   v = convergence.VARIANTS[variant]
   name = plots.LABELS[v.compressor]
   if v.rank_factor:
-    cfg = workloads.load_config(*convergence.TASKS[task])
-    name += f" (r={cfg.compressor[v.compressor].rank * v.rank_factor})"
+    name += f" (r={convergence.rank(task, variant)})"
   if v.comm_dtype:
     name += f", {v.comm_dtype}"
   if v.warmup:
@@ -49,7 +47,7 @@ def label(task: str, variant: str) -> str:
   return name
 
 
-def _seconds(r: dict[str, Any]) -> list[float]:
+def round_seconds(r: dict[str, Any]) -> list[float]:
   """Each round's seconds to the target: trained to it, or, for a variant
   that was only composed, its start-up (``startup_seconds``, where the
   report found it) and its steps to it times the round's step time."""
@@ -96,7 +94,7 @@ def sooner(r: dict[str, Any], ssgd: dict[str, Any]) -> list[float]:
   ``r`` did not reach it, math.inf where S-SGD did not)."""
   return [
       b / a if math.isfinite(a) else 0.0
-      for a, b in zip(_seconds(r), _seconds(ssgd))
+      for a, b in zip(round_seconds(r), round_seconds(ssgd))
   ]
 
 
@@ -129,7 +127,7 @@ def rows(run: list[dict[str, Any]]) -> list[dict[str, Any]]:
         "reached": r["reached"],
         "steps": r["steps"],
         "mb": None if r.get("composed_only") else r["bytes_sent"] / 1e6,
-        "seconds": _span(_seconds(r), ".0f"),
+        "seconds": _span(round_seconds(r), ".0f"),
         "sooner": _span(ratios, ".2f") if ratios else "",
         # Records made before the rule priced a dense warm-up's steps
         # apart timed every step alike: their composition is left out.
@@ -155,9 +153,10 @@ def fastest_every_round(
   here = [
       r for r in run if (r["workers"], r["bandwidth"]) == (workers, bandwidth)
   ]
-  rounds = min(len(_seconds(r)) for r in here)
+  rounds = min(len(round_seconds(r)) for r in here)
   firsts = {
-      min(here, key=lambda r: _seconds(r)[i])["variant"] for i in range(rounds)
+      min(here, key=lambda r: round_seconds(r)[i])["variant"]
+      for i in range(rounds)
   }
   return firsts.pop() if len(firsts) == 1 else None
 
@@ -244,7 +243,7 @@ def summary_table(rows_: list[dict[str, Any]]) -> str:
       if r is None:
         line.append("")
         continue
-      seconds = statistics.median(_seconds(r))
+      seconds = statistics.median(round_seconds(r))
       text = f"{seconds:.0f} s" if math.isfinite(seconds) else "not reached"
       if r.get("composed_only"):
         text += " (composed)"
@@ -253,3 +252,4 @@ def summary_table(rows_: list[dict[str, Any]]) -> str:
       line.append(f"**{text}**" if variant == first[c] else text)
     lines.append(line)
   return "\n".join("| " + " | ".join(line) + " |" for line in lines)
+

@@ -8,6 +8,7 @@ The numbers the targets check against are ``thresholds.py``'s.
 """
 
 from collections.abc import Callable
+import math
 import statistics
 from typing import Any, NamedTuple
 
@@ -20,6 +21,7 @@ from benchmarks import report_quality
 from benchmarks.thresholds import (
     ACP_BYTES_VS_POWER_SGD,
     ACP_UPSTREAM_OVERLAP,
+    ADVICE_TIME_TO_QUALITY,
     ADVICE_VS_BEST,
     ACP_VS_POWER_SGD,
     CHAR_LM_LOSS_VS_SSGD_PCT,
@@ -446,6 +448,29 @@ def _advice(records: Records) -> list[Row]:
   )]
 
 
+def _advice_quality(records: Records) -> list[Row]:
+  if not records.get("quality") or not records.get("cluster_links"):
+    return []
+  checked = advice_check.quality_points(
+      records["quality"],
+      records.get("quality_curves") or [],
+      records["cluster_links"],
+      records["advice"],
+  )
+  if not checked:
+    return []
+  goal = ADVICE_TIME_TO_QUALITY
+  worst = [r["ratio_max"] for r in checked if "ratio_max" in r]
+  return [(
+      "At every point of the time-to-quality runs, the advised method"
+      f" reaches S-SGD's quality within {goal}x the fastest method's"
+      " seconds, every round",
+      f"{len(worst)} of {len(checked)} points advised; worst round"
+      f" {max(worst, default=math.inf):.2f}x",
+      len(worst) == len(checked) and max(worst) <= goal,
+  )]
+
+
 # (record file, check): the report's targets, in the order it lists them.
 def _quality(records: Records) -> list[Row]:
   """Per run, task, worker count and link with a goal: the compressed
@@ -503,6 +528,7 @@ TARGETS: tuple[tuple[str, Callable[[Records], list[Row]]], ...] = (
     ("cluster", _cluster),
     ("quality", _quality),
     ("advice", _advice),
+    ("advice", _advice_quality),
     ("projection", _projection),
     ("cluster_hierarchical", _sharded),
 )

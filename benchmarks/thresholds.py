@@ -55,3 +55,6 @@ COMPOSED_VS_DIRECT = 0.15
 # The compressed method first to S-SGD's held-out loss across the shaped
 # link, how many times sooner than S-SGD, at least, in every round, by link.
 QUALITY_SOONER = {"10mbit": 3.0, "100mbit": 3.0}
+# At each point of the time-to-quality runs, the advised method's seconds to
+# S-SGD's quality over the fastest method's, at most, in every round.
+ADVICE_TIME_TO_QUALITY = 1.15

@@ -302,3 +302,58 @@ def test_the_report_shows_a_warmed_composition_only_where_its_warm_up_was_priced
   plain = {**_quality_row("power_sgd", "10mbit", [55.0]), **composed}
   shown = [r.get("composed") for r in report_quality.rows([old, new, plain])]
   assert shown == [None, 50.0, 50.0]
+
+
+def _advice_row(name, step_s, error_to_noise):
+  return {
+      "model": "char_lm",
+      "workers": 2,
+      "bandwidth": 1e6,
+      "name": name,
+      "step_s": step_s,
+      "error_to_noise": error_to_noise,
+      "threshold": 0.5,
+      "machine": "test",
+  }
+
+
+def test_the_advice_is_judged_on_each_points_time_to_quality():
+  """At each point, the advice's pick among the methods measured there (the
+  fastest predicted within its threshold, for the point's link) against
+  the fastest to the target, round by round; a method it ranks but that
+  the point did not run is passed over."""
+  from benchmarks import advice_check
+  from benchmarks import targets
+
+  run = [
+      _quality_row("ssgd", "10mbit", [100.0, 100.0, 100.0]),
+      _quality_row("power_sgd", "10mbit", [22.0, 30.0, 28.0]),
+      _quality_row("acp_sgd", "10mbit", [20.0, 25.0, 25.0]),
+      _quality_row("acp_sgd_2r", "10mbit", [24.0, 26.0, 40.0]),
+  ]
+  links = [{"bandwidth": "10mbit", "workers": 2, "beta_s_per_byte": 1e-6}]
+  # Ranked fastest first: Sign-SGD (not run here), ACP-SGD r4 (beyond the
+  # threshold), then ACP-SGD r8.
+  advice = [
+      _advice_row("sign_sgd", 0.1, 0.1),
+      _advice_row("acp_sgd_r4", 0.2, 0.9),
+      _advice_row("acp_sgd_r8", 0.3, 0.4),
+      _advice_row("power_sgd_r4", 0.31, 0.2),
+      _advice_row("ssgd", 2.0, 0.0),
+  ]
+  (point,) = advice_check.quality_points(run, [], links, advice)
+  assert point["fastest"] == "acp_sgd_r4" and point["advised"] == "acp_sgd_r8"
+  # Medians 26 against 25; rounds 24/20, 26/25 and 40/25.
+  assert point["ratio"] == pytest.approx(26 / 25)
+  assert point["ratio_max"] == pytest.approx(1.6)
+  rows = targets.check({"quality": run, "cluster_links": links,
+                        "advice": advice})
+  (row,) = [r for r in rows if "advised method reaches" in r[0]]
+  assert row[1] == "1 of 1 points advised; worst round 1.60x"
+  assert row[2] is False
+  # No advice record for the point's link, or made on another machine: no
+  # point.
+  other = [{**r, "bandwidth": 2e6} for r in advice]
+  assert advice_check.quality_points(run, [], links, other) == []
+  other = [{**r, "machine": "another"} for r in advice]
+  assert advice_check.quality_points(run, [], links, other) == []
