@@ -137,7 +137,7 @@ def quality_points(rows, curves, links, advice) -> list[dict[str, Any]]:
   among the methods measured there, and its seconds to the target over the
   fastest method's, round by round.
 
-  The pick is the fastest predicted of them within the threshold, from the
+  The pick is the advice's among them (``advice_lib.choose``), from the
   ``advice`` record (``--measure_all``) of the point's task and workers
   for its link, as the calibrated ``links`` record fits it, made on the
   run's machine: ranked by the advice, fastest first. Points with no such
@@ -189,17 +189,23 @@ def _quality_point(task, workers, bandwidth, warmup, here, ranked):
       "fastest_s": median[fastest],
       "date": here[0]["date"],
   }
-  pick = next(
-      (
-          r["name"]
-          for r in ranked
-          if r["name"] in names and r["error_to_noise"] is not None
-          and r["error_to_noise"] <= r["threshold"]
+  rows = [advice_lib.Row.from_dict(r) for r in ranked if r["name"] in names]
+  errors = {
+      r.candidate.name: r.error_to_noise
+      for r in rows
+      if r.error_to_noise is not None
+  }
+  first = ranked[0]
+  pick, _ = advice_lib.choose(
+      rows,
+      errors,
+      advice_lib.Calibration(
+          first["threshold"], first["max_gap"], (), first["calibration"]
       ),
-      None,
   )
   if pick is None:
     return {**row, "advised": "none within the threshold"}
+  pick = pick.candidate.name
   each = [
       seconds[pick][i] / min(s[i] for s in seconds.values())
       for i in range(rounds)

@@ -304,15 +304,21 @@ def test_the_report_shows_a_warmed_composition_only_where_its_warm_up_was_priced
   assert shown == [None, 50.0, 50.0]
 
 
-def _advice_row(name, step_s, error_to_noise):
+def _advice_row(method, rank, step_s, error_to_noise):
+  from acp_jax.tools import advice as advice_lib
+
+  row = advice_lib.Row(
+      advice_lib.Candidate(method, rank), step_s, 1.0, 1.0, 0.0,
+      error_to_noise, 1.0
+  )
   return {
+      **row.as_dict(),
       "model": "char_lm",
       "workers": 2,
       "bandwidth": 1e6,
-      "name": name,
-      "step_s": step_s,
-      "error_to_noise": error_to_noise,
       "threshold": 0.5,
+      "max_gap": 0.1,
+      "calibration": "test",
       "machine": "test",
   }
 
@@ -335,11 +341,11 @@ def test_the_advice_is_judged_on_each_points_time_to_quality():
   # Ranked fastest first: Sign-SGD (not run here), ACP-SGD r4 (beyond the
   # threshold), then ACP-SGD r8.
   advice = [
-      _advice_row("sign_sgd", 0.1, 0.1),
-      _advice_row("acp_sgd_r4", 0.2, 0.9),
-      _advice_row("acp_sgd_r8", 0.3, 0.4),
-      _advice_row("power_sgd_r4", 0.31, 0.2),
-      _advice_row("ssgd", 2.0, 0.0),
+      _advice_row("sign_sgd", None, 0.1, 0.1),
+      _advice_row("acp_sgd", 4, 0.2, 0.9),
+      _advice_row("acp_sgd", 8, 0.3, 0.4),
+      _advice_row("power_sgd", 4, 0.4, 0.2),
+      _advice_row("ssgd", None, 2.0, 0.0),
   ]
   (point,) = advice_check.quality_points(run, [], links, advice)
   assert point["fastest"] == "acp_sgd_r4" and point["advised"] == "acp_sgd_r8"
@@ -351,6 +357,12 @@ def test_the_advice_is_judged_on_each_points_time_to_quality():
   (row,) = [r for r in rows if "advised method reaches" in r[0]]
   assert row[1] == "1 of 1 points advised; worst round 1.60x"
   assert row[2] is False
+  # Power-SGD predicted within the advice's tie (2 %) of ACP-SGD r8: the
+  # lower error is picked, as the advice picks it.
+  advice[3] = _advice_row("power_sgd", 4, 0.305, 0.2)
+  (point,) = advice_check.quality_points(run, [], links, advice)
+  assert point["advised"] == "power_sgd_r4"
+  assert point["ratio_max"] == pytest.approx(30 / 25)
   # No advice record for the point's link, or made on another machine: no
   # point.
   other = [{**r, "bandwidth": 2e6} for r in advice]

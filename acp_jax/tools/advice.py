@@ -205,6 +205,14 @@ class Row:
   error_to_noise: float | None
   cosine: float | None
 
+  @classmethod
+  def from_dict(cls, row: Mapping[str, Any]) -> "Row":
+    """The row that ``as_dict`` (a record's row) was made from."""
+    fields = [f.name for f in dataclasses.fields(Candidate)]
+    names = [f.name for f in dataclasses.fields(cls)][1:]
+    candidate = Candidate(**{f: row[f] for f in fields})
+    return cls(candidate, *(row[n] for n in names))
+
   def as_dict(self) -> dict[str, Any]:
     return {
         "name": self.candidate.name,
@@ -377,7 +385,7 @@ def recommend(
   rows = _ranked(
       measurements, volumes, candidates, workers, link, global_batch, overlap
   )
-  pick, unmeasured = _choice(rows, measurements.error_to_noise, calibration)
+  pick, unmeasured = choose(rows, measurements.error_to_noise, calibration)
   if unmeasured is not None:
     raise ValueError(
         f"{unmeasured.candidate.name} is predicted faster than every"
@@ -396,11 +404,11 @@ def recommend(
   )
 
 
-def _choice(
+def choose(
     rows: Sequence[Row], errors: Mapping[str, float], calibration: Calibration
 ) -> tuple[Row | None, Row | None]:
-  """The pick among ``rows`` (fastest first), given the ``errors`` measured
-  so far by name: of the candidates within the threshold and predicted
+  """The advice's pick among ``rows`` (fastest first), given the
+  ``errors`` measured so far by name: of the candidates within the threshold and predicted
   within ``TIE`` of the fastest of them, the one of least error (the
   fastest on a tie). Returns ``(pick, None)``; ``(None, row)`` where the
   choice needs the error of ``row``, not measured; ``(None, None)`` where
@@ -500,7 +508,7 @@ def advise(
       return [r.candidate for r in ranking]
 
     def enough(errors):
-      return _choice(ranking, errors, calibration)[0] is not None
+      return choose(ranking, errors, calibration)[0] is not None
 
     measurements = measure(
         loss_fn,
