@@ -11,7 +11,11 @@ the public names; the trainer's checkpointer uses them too.
 import hashlib
 import json
 import logging
+import os
 import re
+import sys
+import traceback
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -301,4 +305,52 @@ def check_compressor(directory: str, saved: Any, compressor: Any) -> None:
       f"the checkpoint at {directory} was saved with another compressor: "
       + "; ".join(differences(saved, now))
       + ". Restore it into the compressor it was saved with."
+  )
+
+
+def log_abandoned_reads(
+    log: Callable[[str], None] | None = None,
+) -> None:
+  """Sends the errors of the reads that a failed restore abandons to a debug
+  log, not the console; call it once, at start-up.
+
+  When one array of a damaged checkpoint cannot be read, orbax's restore
+  raises at once and closes its event loop while TensorStore still reads
+  the others: each of those then fails to hand back its result ("Event loop
+  is closed"), and each unfinished read coroutine raises when it is
+  collected, its error holding TensorStore's whole spec. Python prints
+  every one as an unraisable exception, within a second of the one
+  ``DamagedError`` line that says which checkpoint is damaged and why: a
+  hundred tracebacks for a model of a hundred arrays. This replaces
+  ``sys.unraisablehook`` (which the library leaves alone unless asked) with
+  one that hands those to ``log`` (default: the ``acp_jax.checkpoint``
+  logger at debug level) and every other unraisable exception to the hook
+  before it."""
+  before = sys.unraisablehook
+  log = log or (lambda text: _LOG.debug("%s", text))
+
+  def hook(unraisable):
+    if not _abandoned_read(unraisable.exc_value, unraisable.exc_traceback):
+      before(unraisable)
+      return
+    log(
+        "an abandoned checkpoint read raised: "
+        + "".join(
+            traceback.format_exception(
+                unraisable.exc_type,
+                unraisable.exc_value,
+                unraisable.exc_traceback,
+            )
+        )
+    )
+
+  sys.unraisablehook = hook
+
+
+def _abandoned_read(error: BaseException | None, tb: Any) -> bool:
+  if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+    return True  # asyncio's, from an orbax read handing back its result
+  return any(
+      f"{os.sep}orbax{os.sep}" in frame.filename
+      for frame in traceback.extract_tb(tb)
   )

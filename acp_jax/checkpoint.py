@@ -45,6 +45,7 @@ from acp_jax._checkpoint_record import current_record
 from acp_jax._checkpoint_record import DamagedError
 from acp_jax._checkpoint_record import describe_read_error
 from acp_jax._checkpoint_record import differences
+from acp_jax._checkpoint_record import log_abandoned_reads
 from acp_jax._checkpoint_record import sealed
 from acp_jax._checkpoint_record import unsealed
 from acp_jax._checkpoint_record import verify
@@ -58,6 +59,7 @@ __all__ = [
     "describe_read_error",
     "differences",
     "layout",
+    "log_abandoned_reads",
     "read",
     "restore",
     "save",

@@ -630,6 +630,37 @@ def test_public_restore_refuses_flipped_bytes_naming_path_and_array(tmp_path):
   assert "comm.error" in message  # the array, by orbax's name or its path
 
 
+def test_abandoned_reads_go_to_the_log_and_other_unraisables_do_not():
+  """A damaged restore's abandoned reads printed up to hundreds of
+  tracebacks after its one line: log_abandoned_reads hands them to a log
+  (the trainer's debug log), and any other unraisable exception to the
+  hook before it."""
+
+  class Raises:
+    def __init__(self, error):
+      self.error = error
+
+    def __del__(self):
+      raise self.error
+
+  logged, passed = [], []
+  before = sys.unraisablehook
+  sys.unraisablehook = lambda u: passed.append(u.exc_value)
+  try:
+    acp_checkpoint.log_abandoned_reads(logged.append)
+    Raises(RuntimeError("Event loop is closed"))
+    Raises(ValueError("not a read"))
+  finally:
+    sys.unraisablehook = before
+  # (Reads abandoned by the tests before may arrive meanwhile, logged too.)
+  mine = [t for t in logged if "raise self.error" in t]
+  assert len(mine) == 1 and "Event loop is closed" in mine[0]
+  assert all(
+      t.startswith("an abandoned checkpoint read raised: ") for t in logged
+  )
+  assert [str(e) for e in passed] == ["not a read"]
+
+
 @pytest.mark.parametrize("damage", ["truncated", "deleted"])
 def test_public_restore_of_a_broken_file_is_one_line_naming_the_array(
     damage, tmp_path

@@ -24,9 +24,7 @@ Checkpoints are never followed through a symbolic link.
 import json
 import os
 import shutil
-import sys
 import time
-import traceback
 from typing import Any
 
 from absl import logging
@@ -56,44 +54,15 @@ KEEP_DAMAGED = 3
 
 
 def log_abandoned_reads() -> None:
-  """Sends the errors of the reads a failed restore abandons to the debug
-  log (``--verbosity=1``), not the console.
+  """``acp_jax.checkpoint.log_abandoned_reads`` into the debug log
+  (``--verbosity=1``): a damaged checkpoint's one line on the console, the
+  tracebacks of the reads it abandoned in the log."""
 
-  When one array of a damaged checkpoint cannot be read, orbax's restore
-  raises at once and closes its event loop while TensorStore still reads
-  the others: each of those then fails to hand back its result ("Event loop
-  is closed"), and each unfinished read coroutine raises when it is
-  collected. Python prints every one as an unraisable exception, a hundred
-  tracebacks after the one line that says which checkpoint is damaged and
-  why. Other unraisable exceptions still go to the console."""
-  default = sys.unraisablehook
-
-  def hook(unraisable):
-    if not _abandoned_read(unraisable.exc_value, unraisable.exc_traceback):
-      default(unraisable)
-      return
+  def log(text: str) -> None:
     if logging.level_debug():
-      logging.debug(
-          "an abandoned checkpoint read raised: %s",
-          "".join(
-              traceback.format_exception(
-                  unraisable.exc_type,
-                  unraisable.exc_value,
-                  unraisable.exc_traceback,
-              )
-          ),
-      )
+      logging.debug("%s", text)
 
-  sys.unraisablehook = hook
-
-
-def _abandoned_read(error: BaseException | None, tb: Any) -> bool:
-  if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
-    return True  # the trainer runs no event loop of its own
-  return any(
-      f"{os.sep}orbax{os.sep}" in frame.filename
-      for frame in traceback.extract_tb(tb)
-  )
+  acp_checkpoint.log_abandoned_reads(log)
 
 
 class Checkpointer:
