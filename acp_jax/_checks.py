@@ -296,8 +296,16 @@ def check_state(state: Any, expected: type, caller: str) -> None:
 
 
 def _varying_axes(x) -> frozenset | None:
-  """Mapped axes over which ``x`` may differ, if JAX tracks them here."""
-  return getattr(jax.typeof(x), "vma", None)
+  """Mapped axes over which ``x`` may differ, if JAX tracks them here.
+
+  JAX has no public call for them: its type says, as ``vma`` in jax 0.6
+  and as ``manual_axis_type.varying`` in 0.10. Should both go, the placement
+  checks under ``shard_map`` fail their tests
+  (``tests/test_errors.py::test_gradients_already_reduced_by_grad``)."""
+  aval = jax.typeof(x)
+  if hasattr(aval, "manual_axis_type"):
+    return aval.manual_axis_type.varying
+  return getattr(aval, "vma", None)
 
 
 def varying_outputs(
