@@ -365,7 +365,7 @@ _PLACED: contextvars.ContextVar[bool] = contextvars.ContextVar(
 @contextlib.contextmanager
 def placed() -> Iterator[None]:
   """Marks the compressor updates run within it as placed first, where
-  everything after them sees the mean (``DEBUG_PLACEMENT``)."""
+  everything after them sees the mean (``check_placement``)."""
   token = _PLACED.set(True)
   try:
     yield

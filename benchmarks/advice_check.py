@@ -5,7 +5,6 @@ there, beside the measured best (the report's sections and its targets
 read it)."""
 
 import functools
-import math
 import statistics
 from typing import Any
 
@@ -168,7 +167,9 @@ def quality_points(rows, curves, links, advice) -> list[dict[str, Any]]:
       ))
       if not ranked or len(here) < 2:
         continue
-      out.append(_quality_point(task, workers, bandwidth, warmup, here, ranked))
+      out.append(
+          _quality_point(task, workers, bandwidth, warmup, here, ranked)
+      )
   return out
 
 
@@ -216,6 +217,4 @@ def _quality_point(task, workers, bandwidth, warmup, here, ranked):
       "advised_s": median[pick],
       "ratio": median[pick] / median[fastest],
       "ratio_max": max(each),
-      "ratio_min": min(each),
-      "reached": all(math.isfinite(seconds[pick][i]) for i in range(rounds)),
   }

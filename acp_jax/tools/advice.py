@@ -408,11 +408,11 @@ def choose(
     rows: Sequence[Row], errors: Mapping[str, float], calibration: Calibration
 ) -> tuple[Row | None, Row | None]:
   """The advice's pick among ``rows`` (fastest first), given the
-  ``errors`` measured so far by name: of the candidates within the threshold and predicted
-  within ``TIE`` of the fastest of them, the one of least error (the
-  fastest on a tie). Returns ``(pick, None)``; ``(None, row)`` where the
-  choice needs the error of ``row``, not measured; ``(None, None)`` where
-  no candidate is within the threshold."""
+  ``errors`` measured so far by name: of the candidates within the
+  threshold and predicted within ``TIE`` of the fastest of them, the one
+  of least error (the fastest on a tie). Returns ``(pick, None)``;
+  ``(None, row)`` where the choice needs the error of ``row``, not
+  measured; ``(None, None)`` where no candidate is within the threshold."""
   fastest = None
   for row in rows:
     if fastest is not None and row.step_s > fastest.step_s * (1 + TIE):
