@@ -179,7 +179,14 @@ def record(
       **records.repeated("step_s", step_seconds),
   }
   if simulated:
-    steps = time_to_quality.steps_to_target(simulated, target).median
+    # Each simulated seed's steps to the target, so that a composed figure
+    # traces to its record.
+    seeds = {
+        f"composed_steps_seed{seed}": time_to_quality.steps_to(curve, target)
+        for seed, curve in sorted(simulated.items())
+    }
+    out.update(seeds)
+    steps = out["composed_steps"] = statistics.median(seeds.values())
     each = [
         time_to_quality.composed(steps, step_s, warmup, dense)
         for dense, step_s in phases

@@ -247,7 +247,7 @@ def summary_table(rows_: list[dict[str, Any]]) -> str:
       text = f"{seconds:.0f} s" if math.isfinite(seconds) else "not reached"
       if r.get("composed_only"):
         text += " (composed)"
-      if variant != "ssgd" and c in ssgd:
+      if variant != "ssgd" and c in ssgd and math.isfinite(seconds):
         text += f", {statistics.median(sooner(r, ssgd[c])):.2f}×"
       line.append(f"**{text}**" if variant == first[c] else text)
     lines.append(line)

@@ -88,11 +88,6 @@ def steps_to(curve: dict[int, float], target: float) -> float:
              default=math.inf)
 
 
-def steps_to_target(seeds: Curves, target: float) -> Span:
-  """Steps to ``target`` over seeds."""
-  return Span.of(steps_to(curve, target) for curve in seeds.values())
-
-
 def composed(
     steps: float, step_seconds: float, warmup: int = 0, dense: float = 0.0
 ) -> float:

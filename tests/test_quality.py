@@ -44,6 +44,7 @@ def test_a_record_that_never_reached_its_target_is_written(tmp_path):
   never = {0: {4: 3.0, 8: 2.9}}
   r = quality.record([_round(None, 20.0), _round(8, 12.0)], 2.5, never)
   assert r["composed_seconds"] is None and r["train_seconds_run1"] is None
+  assert r["composed_steps_seed0"] is None
   records.write("quality", [r], tmp_path)
   assert records.read("quality", tmp_path) == [r]
 
@@ -52,6 +53,8 @@ def test_a_record_composes_simulated_steps_with_the_step_time():
   simulated = {0: {4: 3.0, 8: 2.4}, 1: {4: 2.9, 8: 2.6, 12: 2.4}}
   r = quality.record([_round(8, 12.0), _round(8, 12.0)], 2.5, simulated)
   # Steps to 2.5: 8 and 12, median 10, at 0.5 s a step.
+  assert (r["composed_steps_seed0"], r["composed_steps_seed1"]) == (8, 12)
+  assert r["composed_steps"] == 10
   assert r["composed_seconds"] == 5.0
   assert r["steady_seconds"] == 4.0 and not r["composed_agrees"]  # 25 %
   r = quality.record([_round(8, 13.0), _round(8, 13.0)], 2.5, simulated)
@@ -205,6 +208,10 @@ def test_the_report_pairs_rounds_and_names_only_a_method_first_in_every_one():
   assert table[4] == (
       "| ACP-SGD (r=8), 60 dense steps | **20 s, 4.50×** | 11 s, 0.91× |"
   )
+  # A method that reached the target in no round has no ratio.
+  run[4] = _quality_row("power_sgd_warm", "1gbit", [math.inf] * 3)
+  assert "| not reached |" in report_quality.summary_table(run)
+  assert "0.00×" not in report_quality.summary_table(run)
 
 
 def test_the_readme_table_takes_one_run():
