@@ -469,13 +469,13 @@ _ADVICE_COLUMNS = {
 
 
 def measured_errors(advice) -> str:
-  """The errors the ``advice`` records measured, per model and workers."""
+  """The errors the ``advice`` records measured, per model and workers;
+  each once, though records at several links measured it again."""
   measured = {}
   for r in advice:
     if r["error_to_noise"]:
-      measured.setdefault((r["model"], r["workers"]), []).append(
-          f"{r['name']} {r['error_to_noise']:.3f} (cosine {r['cosine']:.3f})"
-      )
+      text = f"{r['name']} {r['error_to_noise']:.3f} (cosine {r['cosine']:.3f})"
+      measured.setdefault((r["model"], r["workers"]), {})[text] = None
   return "; ".join(
       f"{model} on {workers} workers: " + ", ".join(names)
       for (model, workers), names in measured.items()

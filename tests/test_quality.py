@@ -376,3 +376,23 @@ def test_the_advice_is_judged_on_each_points_time_to_quality():
   assert advice_check.quality_points(run, [], links, other) == []
   other = [{**r, "machine": "another"} for r in advice]
   assert advice_check.quality_points(run, [], links, other) == []
+
+
+def test_the_errors_listing_names_each_measured_error_once():
+  """Advice records at several links measure the same errors again."""
+  from benchmarks import report_cluster
+
+  record = lambda name, error, link: {
+      "model": "mnist", "workers": 2, "name": name, "bandwidth": link,
+      "error_to_noise": error, "cosine": 0.9,
+  }
+  advice = [
+      record("ssgd", 0.0, 1e6),
+      record("power_sgd_r4", 0.165, 1e6),
+      record("power_sgd_r4", 0.165, 1e7),
+      record("power_sgd_r4", 0.2, 1e8),  # measured otherwise: shown too
+  ]
+  assert report_cluster.measured_errors(advice) == (
+      "mnist on 2 workers: power_sgd_r4 0.165 (cosine 0.900),"
+      " power_sgd_r4 0.200 (cosine 0.900)"
+  )
