@@ -28,6 +28,7 @@ _COLUMNS = {
     "mb": "MB sent",
     "seconds": "seconds (range)",
     "sooner": "S-SGD / it (range)",
+    "of_medians": "of medians",
     "composed": "composed s",
     "composed_agrees": "agrees",
 }
@@ -98,6 +99,16 @@ def sooner(r: dict[str, Any], ssgd: dict[str, Any]) -> list[float]:
   ]
 
 
+def of_medians(r: dict[str, Any], ssgd: dict[str, Any]) -> float:
+  """S-SGD's median seconds to the target over ``r``'s (0 where ``r``'s
+  median round did not reach it), to print beside the median of the
+  rounds' ratios (``sooner``)."""
+  mine = statistics.median(round_seconds(r))
+  if not math.isfinite(mine):
+    return 0.0
+  return statistics.median(round_seconds(ssgd)) / mine
+
+
 def _span(values: list[float], digits: str) -> str:
   if not values or not any(math.isfinite(v) and v > 0 for v in values):
     return "not reached"
@@ -129,6 +140,7 @@ def rows(run: list[dict[str, Any]]) -> list[dict[str, Any]]:
         "mb": None if r.get("composed_only") else r["bytes_sent"] / 1e6,
         "seconds": _span(round_seconds(r), ".0f"),
         "sooner": _span(ratios, ".2f") if ratios else "",
+        "of_medians": f"{of_medians(r, base):.2f}" if ratios else "",
         # Records made before the rule priced a dense warm-up's steps
         # apart timed every step alike: their composition is left out.
         **(

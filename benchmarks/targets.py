@@ -504,6 +504,14 @@ def _quality(records: Records) -> list[Row]:
         continue
       best = max(ratios, key=lambda v: statistics.median(ratios[v]))
       each = ratios[best]
+      found = Ratio(
+          statistics.median(each),
+          min(each),
+          max(each),
+          report_quality.of_medians(
+              next(r for r in here if r["variant"] == best), ssgd
+          ),
+      )
       when = (
           f" (the run of {here[0]['date']})"
           if measured[task, workers, bandwidth] > 1
@@ -513,9 +521,8 @@ def _quality(records: Records) -> list[Row]:
           f"{task}, {workers} workers, {plots.link_label(bandwidth)}{when}:"
           f" the compressed method first to S-SGD's quality >= {goal} x"
           " sooner than S-SGD, every round",
-          f"{report_quality.label(task, best)}:"
-          f" {statistics.median(each):.2f}x ({min(each):.2f}-{max(each):.2f})",
-          min(each) >= goal,
+          f"{report_quality.label(task, best)}: {found}",
+          found.clears(goal),
       ))
   return out
 

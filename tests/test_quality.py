@@ -193,6 +193,10 @@ def test_the_report_pairs_rounds_and_names_only_a_method_first_in_every_one():
   # Round by round, a capped round counting as never.
   assert report_quality.sooner(run[1], run[0]) == [5.0, 2.0, 3.0]
   assert report_quality.sooner(run[2], run[0]) == [4.0, 3.0, 0.0]
+  # Beside the median of the rounds' ratios (3.0), the ratio of the
+  # medians, 100 s over 30 s.
+  shown = report_quality.rows(run)[1]
+  assert (shown["sooner"], shown["of_medians"]) == ("3.00 (2.00–5.00)", "3.33")
   # Power-SGD was first in rounds 1 and 3 only; S-SGD at 1 Gb/s in rounds
   # 1 and 2 only.
   assert report_quality.fastest_every_round(run, 2, "10mbit") is None
@@ -263,7 +267,11 @@ def test_the_sooner_target_is_met_only_where_every_round_clears_it():
   ]
   (row,) = targets.check({"quality": run})
   # ACP-SGD's rounds: 100/15, 120/40, 90/20; the lowest is 3.
-  assert row[1] == "ACP-SGD (r=8), 60 dense steps: 4.50x (3.00-6.67)"
+  # The median of the rounds' ratios, their range, and the ratio of the
+  # medians beside them.
+  assert row[1] == (
+      "ACP-SGD (r=8), 60 dense steps: 4.50x (3.00-6.67); of medians 5.00x"
+  )
   assert row[2] is True
   run[2] = _quality_row("acp_sgd_2r_warm", "10mbit", [15.0, 41.0, 20.0])
   assert targets.check({"quality": run})[0][2] is False
@@ -289,12 +297,12 @@ def test_the_sooner_target_pairs_each_method_with_its_own_runs_s_sgd():
   assert [(r[0].split(":")[0], r[1], r[2]) for r in rows] == [
       (
           "char_lm, 2 workers, 10 Mb/s (the run of 2026-12-06 03",
-          "Power-SGD (r=4), 60 dense steps: 2.00x (2.00-2.00)",
+          "Power-SGD (r=4), 60 dense steps: 2.00x; of medians 2.00x",
           False,
       ),
       (
           "char_lm, 2 workers, 10 Mb/s (the run of 2026-12-06 23",
-          "Power-SGD (r=4): 8.00x (8.00-8.00)",
+          "Power-SGD (r=4): 8.00x; of medians 8.00x",
           True,
       ),
   ]
