@@ -133,8 +133,8 @@ def record(
   mostly). For a variant with ``warmup`` dense steps, whose mean step mixes
   the two phases, each phase's step time comes from the round's curve
   (``time_to_quality.phase_step_seconds``). With ``simulated`` curves of
-  the variant, the time composed from their steps to the target and each
-  round's step times, and whether it agrees with the direct
+  the variant, each seed's steps to the target, the time composed from
+  their median and each round's step times, and whether it agrees with the direct
   ``steady_seconds``.
   """
   reached = [r["summary"]["target_step"] is not None for r in rounds]

@@ -41,11 +41,6 @@ class Span(NamedTuple):
       raise ValueError("a span of no values")
     return cls(statistics.median(values), min(values), max(values))
 
-  @property
-  def reached(self) -> bool:
-    """Whether every seed reached the target."""
-    return math.isfinite(self.high)
-
 
 def curves(records: Sequence[dict[str, Any]], task: str) -> dict[str, Curves]:
   """The held-out loss curves of ``task``'s convergence records
