@@ -137,15 +137,18 @@ def quality_points(rows, curves, links, advice) -> list[dict[str, Any]]:
   fastest method's, round by round.
 
   The pick is the advice's among them (``advice_lib.choose``), from the
-  ``advice`` record (``--measure_all``) of the point's task and workers
-  for its link, as the calibrated ``links`` record fits it, made on the
-  run's machine: ranked by the advice, fastest first. Points with no such
-  record are left out."""
+  latest ``advice`` record (``--measure_all``) of the point's task and
+  workers for its link, as the calibrated ``links`` record fits it, made
+  on the run's machine: ranked by the advice, fastest first (by the time
+  to S-SGD's loss where its short runs measured the steps). Points with no
+  such record are left out."""
   by_advice = {}
-  for r in advice:
-    if r["bandwidth"]:
+  for record in records.by_run([r for r in advice if r["bandwidth"]]):
+    here = {}
+    for r in record:
       key = r["machine"], r["model"], r["workers"], round(r["bandwidth"])
-      by_advice.setdefault(key, []).append(r)
+      here.setdefault(key, []).append(r)
+    by_advice.update(here)  # a later record of a point replaces an earlier
   fits = {(r["bandwidth"], r["workers"]): r for r in links}
   out = []
   for run in records.by_run(report_quality.with_startup(rows, curves)):
@@ -188,6 +191,7 @@ def _quality_point(task, workers, bandwidth, warmup, here, ranked):
       "warmup": warmup,
       "fastest": fastest,
       "fastest_s": median[fastest],
+      "run_steps": ranked[0].get("run_steps") or 0,
       "date": here[0]["date"],
   }
   rows = [advice_lib.Row.from_dict(r) for r in ranked if r["name"] in names]

@@ -18,7 +18,11 @@ workers as processes.
 The advice measures the errors of the candidates predicted fastest until
 one is within the threshold; ``--measure_all`` measures every candidate's
 (the report's records do, to check the advice at each point of the
-cluster sweep and of the time-to-quality runs).
+cluster sweep and of the time-to-quality runs). ``--run_steps N`` also
+trains S-SGD and each candidate within the threshold N steps with the
+model's optimizer, on the simulated workers, and ranks by the time to
+S-SGD's loss: each step's time times the steps the candidate takes per
+S-SGD step (``acp_jax.tools.advice.measure_steps``).
 
 ``--calibrate --char_lm_path PATH`` writes the threshold's records into
 the package (``acp_jax/tools/advice_calibration.json``): for each char-LM
@@ -51,6 +55,7 @@ from benchmarks import records
 from benchmarks import worker
 from benchmarks import workloads
 from train import advice as train_advice
+from train import optimizers
 from train import runtime
 
 HELP = "which compressor and rank for a model, workers and a link"
@@ -171,15 +176,25 @@ def calibrate(results_dir, char_lm_path: str, progress=None) -> dict:
   }
 
 
-def _link(args) -> tuple[advice_lib.Link, int]:
-  """The link and the number of workers: as given, or measured between this
-  command's processes."""
-  if not args.measure_link:
-    if args.bandwidth is None:
-      raise SystemExit(
-          "advise: give --bandwidth (and --latency), or --measure_link"
-      )
-    return advice_lib.Link(args.bandwidth, args.latency), args.workers
+def _given_links(args) -> list[advice_lib.Link]:
+  """The links of ``--bandwidth`` and ``--latency``."""
+  if args.bandwidth is None:
+    raise SystemExit(
+        "advise: give --bandwidth (and --latency), or --measure_link"
+    )
+  latency = args.latency
+  if len(latency) == 1:
+    latency = latency * len(args.bandwidth)
+  if len(latency) != len(args.bandwidth):
+    raise SystemExit(
+        f"advise: --latency gives {len(latency)} values for"
+        f" {len(args.bandwidth)} bandwidths; give one, or one each"
+    )
+  return [advice_lib.Link(b, a) for b, a in zip(args.bandwidth, latency)]
+
+
+def _measured_link() -> tuple[list[advice_lib.Link], int]:
+  """The link between this command's processes, and their number."""
   timed = worker.psum(
       argparse.Namespace(
           sizes=",".join(map(str, _PSUM_SIZES)), repeats=5, busy_mb=0.0
@@ -189,12 +204,13 @@ def _link(args) -> tuple[advice_lib.Link, int]:
   fitted = costmodel.fit_all_reduce(
       _PSUM_SIZES, [timed[str(s)] for s in _PSUM_SIZES], p
   )
-  return advice_lib.Link(1 / fitted.beta, fitted.alpha), p
+  return [advice_lib.Link(1 / fitted.beta, fitted.alpha)], p
 
 
 def _inputs(args, workers: int):
   """The loss, params and batches of ``--config``, ``--task`` or
-  ``--model``."""
+  ``--model`` (``--steps`` of them, or ``--run_steps`` where more), and
+  its base optimizer (the one that follows the compressor)."""
   if args.task:
     path = getattr(args, convergence.data_flag(args.task))
     config = convergence.config(args.task, "ssgd", path, quick=False)
@@ -204,7 +220,9 @@ def _inputs(args, workers: int):
     config = workloads.cluster_config(args.model, "ssgd", args.steps)
   else:
     config = workloads.config(args.model, "ssgd")
-  return train_advice.inputs(config, workers, args.steps)
+  optimizer = optimizers.optimizer(config, optimizers.schedule(config))
+  steps = max(args.steps, args.run_steps)
+  return *train_advice.inputs(config, workers, steps), optimizer
 
 
 def _override(text: str) -> tuple[str, Any]:
@@ -217,10 +235,16 @@ def _override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def _bandwidth(text: str) -> float:
+def _bandwidths(text: str) -> list[float]:
   try:
-    value = float(text)
-    return advice_lib.Link(value).bandwidth
+    return [advice_lib.Link(float(t)).bandwidth for t in text.split(",")]
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _latencies(text: str) -> list[float]:
+  try:
+    return [advice_lib.Link(1.0, float(t)).latency for t in text.split(",")]
   except ValueError as e:
     raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -254,11 +278,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   )
   parser.add_argument(
       "--bandwidth",
-      type=_bandwidth,
-      help="bytes per second of each worker's link (1 Gb/s: 1.25e8; inf)",
+      type=_bandwidths,
+      help="bytes per second of each worker's link (1 Gb/s: 1.25e8; inf);"
+      " comma-separated, an advice for each, on the same measurements",
   )
   parser.add_argument(
-      "--latency", type=float, default=0.0, help="seconds per message"
+      "--latency",
+      type=_latencies,
+      default=[0.0],
+      help="seconds per message: one, or one per --bandwidth",
   )
   parser.add_argument(
       "--measure_link",
@@ -273,6 +301,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       default=advice_lib.STEPS,
       help="batches the errors are taken on (the first"
       f" {advice_lib.WARMUP} warm the factors up)",
+  )
+  parser.add_argument(
+      "--run_steps",
+      type=cli.int_at_least(0),
+      default=0,
+      help="train each candidate within the threshold, and S-SGD, this"
+      " many steps with the model's optimizer, and rank by the time to"
+      " S-SGD's loss (0: by the step's time; at least"
+      f" {advice_lib.RUN_STEPS_MIN})",
   )
   parser.add_argument(
       "--ranks",
@@ -345,6 +382,7 @@ def main(args) -> None:
     raise SystemExit("advise: give --model, --config or --task")
   if args.workers is None and not args.measure_link:
     raise SystemExit("advise: give --workers (or --measure_link)")
+  given = None if args.measure_link else _given_links(args)
   start = time.perf_counter()
   if args.measure_link:
     runtime.setup(
@@ -356,30 +394,40 @@ def main(args) -> None:
     )
   # One device: the workers are simulated by vmap (acp_jax.tools.simulated).
   meta = cli.start(args, None if args.measure_link else 1)
-  link, measured_workers = _link(args)
+  links, measured_workers = (
+      (given, None) if given else _measured_link()
+  )
   if jax.process_index():
-    print(f"link measured: {link}; process 0 gives the advice")
+    print(f"link measured: {links[0]}; process 0 gives the advice")
     return
   rows = []
   for workers in args.workers or [measured_workers]:
-    loss_fn, params, batches = _inputs(args, workers)
-    advice = advice_lib.advise(
-        loss_fn,
-        params,
-        batches,
-        workers=workers,
-        link=link,
-        candidates=advice_lib.default_candidates(ranks=args.ranks),
-        max_gap=args.max_gap,
-        overlap=args.overlap,
-        measure_all=args.measure_all,
-        progress=_progress(start),
-    )
-    wall = time.perf_counter() - start
-    print(advice.table())
-    print(f"advice took {wall:.1f} s since the start")
-    model = args.model or args.config or args.task
-    rows += [{**r, "model": model, "wall_s": wall} for r in advice.to_record()]
+    loss_fn, params, batches, optimizer = _inputs(args, workers)
+    measured = None  # the first link's measurements serve every link
+    for link in links:
+      advice = advice_lib.advise(
+          loss_fn,
+          params,
+          batches[: args.steps],
+          workers=workers,
+          link=link,
+          candidates=advice_lib.default_candidates(ranks=args.ranks),
+          max_gap=args.max_gap,
+          overlap=args.overlap,
+          measurements=measured,
+          measure_all=args.measure_all,
+          optimizer=optimizer if args.run_steps else None,
+          run_batches=batches[: args.run_steps],
+          progress=_progress(start),
+      )
+      measured = advice.measurements
+      wall = time.perf_counter() - start
+      print(advice.table())
+      print(f"advice took {wall:.1f} s since the start")
+      model = args.model or args.config or args.task
+      rows += [
+          {**r, "model": model, "wall_s": wall} for r in advice.to_record()
+      ]
   if args.json is not None:
     path = records.write(
         "advice", [{**r, **meta} for r in rows], args.json or args.results_dir

@@ -626,6 +626,7 @@ _QUALITY_ADVICE_COLUMNS = {
     "warmup": "dense steps",
     "fastest": "fastest",
     "fastest_s": "its seconds",
+    "run_steps": "short run",
     "advised": "advised",
     "advised_s": "its seconds",
     "ratio": "advised / fastest",

@@ -1,11 +1,14 @@
 """The advice: which compressor, at which rank, for a model on a link."""
 
+import dataclasses
 import json
 import math
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import acp_jax
@@ -343,6 +346,16 @@ def test_the_cli_names_a_bad_argument(argv, message, capsys):
   assert message in capsys.readouterr().err
 
 
+def test_the_cli_pairs_each_bandwidth_with_a_latency():
+  from benchmarks import __main__ as cli_main
+
+  argv = ["advise", "--task", "mnist", "--workers", "2"]
+  with pytest.raises(SystemExit, match="3 values for 2 bandwidths"):
+    cli_main.main([*argv, "--bandwidth", "1e6,1e7", "--latency", "0,0,1"])
+  with pytest.raises(SystemExit, match="give --bandwidth"):
+    cli_main.main(argv)
+
+
 def test_calibrate_needs_the_text_it_measures_on():
   from benchmarks import __main__ as cli_main
 
@@ -478,3 +491,109 @@ def test_candidates_predicted_within_the_tie_pick_the_least_error():
   )
   with pytest.raises(ValueError, match="power_sgd_r1 is predicted faster"):
     _advise(link, measurements=partial, candidates=candidates)
+
+
+def _stretched(factor, steps=40):
+  """A loss curve that descends ``factor`` times slower than
+  ``_stretched(1)``: its loss at step ``s`` is the latter's at ``s /
+  factor``."""
+  return [3.0 - 0.5 * math.log1p((s + 1) / factor) for s in range(steps)]
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.25, 2.0])
+def test_steps_behind_reads_a_slower_descent_as_its_steps_ratio(factor):
+  got = measure_lib.steps_behind(_stretched(factor), _stretched(1.0))
+  assert got == pytest.approx(factor, rel=0.05)
+
+
+def test_steps_behind_limit_cases():
+  reference = _stretched(1.0)
+  # Ahead of the reference: no fewer steps than it.
+  assert measure_lib.steps_behind(_stretched(0.5), reference) == 1.0
+  # A reference that stops descending cannot be caught up on.
+  flat = [2.0] * 40
+  assert measure_lib.steps_behind([2.1] * 40, flat) == math.inf
+  # Far behind: many steps per the reference's.
+  assert measure_lib.steps_behind([3.5] * 40, reference) > 10
+  # The batches' own spread, shared by both runs, cancels from the gap;
+  # what is left is the reference's rate, fitted over the half's steps.
+  noise = np.random.default_rng(0).normal(0, 0.05, 200)
+  noisy = lambda curve: list(np.asarray(curve) + noise)
+  assert measure_lib.steps_behind(
+      noisy(_stretched(2.0, 200)), noisy(_stretched(1.0, 200))
+  ) == pytest.approx(2.0, rel=0.1)
+  with pytest.raises(ValueError, match="same steps, at least 4, got 3 and 4"):
+    measure_lib.steps_behind([1.0] * 3, [1.0] * 4)
+
+
+def test_a_short_run_of_ssgd_is_plain_training_on_the_mean_gradient():
+  loss_fn, params, batches = _mlp()
+  optimizer = optax.sgd(0.1, momentum=0.9)
+  got = measure_lib.training_losses(
+      loss_fn, params, batches, advice_lib.Candidate("ssgd"), optimizer, 2
+  )
+  # The plain loop: the mean of the two workers' losses and gradients.
+  state = optimizer.init(params)
+  want = []
+  for batch in batches:
+    halves = [
+        jax.tree.map(lambda x: x[i * 4 : (i + 1) * 4], batch) for i in (0, 1)
+    ]
+    losses, grads = zip(
+        *(jax.value_and_grad(loss_fn)(params, h) for h in halves)
+    )
+    want.append(float(np.mean(losses)))
+    mean = jax.tree.map(lambda *g: sum(g) / 2, *grads)
+    updates, state = optimizer.update(mean, state, params)
+    params = optax.apply_updates(params, updates)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_measured_steps_rank_by_the_time_to_the_loss():
+  link = advice_lib.Link(bandwidth=1e3, latency=1e-3)
+  by_step = _advise(link)
+  # The pick of the fastest step, made to need a hundred times S-SGD's
+  # steps, loses to the next within the threshold.
+  steps = {r.candidate.name: 1.0 for r in by_step.rows}
+  steps[by_step.pick.candidate.name] = 100.0
+  advice = _advise(link, dataclasses.replace(MEASURED, steps=steps))
+  assert [r.seconds for r in advice.rows] == sorted(
+      r.step_s * steps[r.candidate.name] for r in advice.rows
+  )
+  assert advice.pick != by_step.pick
+  assert advice.pick == next(
+      r for r in advice.rows if r.error_to_noise <= THRESHOLD
+  )
+  assert advice.pick.steps == 1.0
+
+
+def test_a_short_run_needs_its_optimizer_and_batches():
+  loss_fn, params, batches = _mlp()
+  link = advice_lib.Link(bandwidth=1e6)
+  with pytest.raises(ValueError, match="optimizer and run_batches come"):
+    _advise(link, optimizer=optax.sgd(0.1))
+  with pytest.raises(ValueError, match="at least 8 batches, got 3"):
+    _advise(link, optimizer=optax.sgd(0.1), run_batches=batches)
+
+
+def test_the_advice_with_short_runs_measures_and_records_their_steps():
+  loss_fn, params, batches = _mlp()
+  run = batches * 3  # 9 steps
+  candidates = CANDIDATES[:3]
+  advice = acp_jax.advise(
+      loss_fn,
+      params,
+      run[: advice_lib.STEPS],
+      workers=2,
+      link=advice_lib.Link(bandwidth=1e4),
+      candidates=candidates,
+      optimizer=optax.sgd(0.1),
+      run_batches=run,
+  )
+  by_name = {r.candidate.name: r for r in advice.rows}
+  assert by_name["ssgd"].steps == 1.0
+  assert all(r.steps >= 1.0 for r in advice.rows)
+  record = advice.to_record()
+  assert {r["run_steps"] for r in record} == {9}
+  assert advice_lib.Row.from_dict(record[0]) == advice.rows[0]
+  assert "9-step run" in advice.table()

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from acp_jax import _checks
 from acp_jax import compressor as compressor_lib
@@ -47,6 +48,9 @@ class Measurements:
       (``simulated.sampling_noise``).
     cosine: each candidate's mean per-step cosine between its compressed
       mean gradient and the true mean (S-SGD's is 1).
+    steps: each candidate's steps per S-SGD step to the same training loss
+      (``steps_behind``; S-SGD's is 1), from a short run of each; empty
+      where no run was made.
 
   A candidate left out of ``error_to_noise`` was not measured: it is not
   picked, and one predicted faster than the pick is an error.
@@ -56,6 +60,7 @@ class Measurements:
   update: Mapping[str, float]
   error_to_noise: Mapping[str, float] = dataclasses.field(default_factory=dict)
   cosine: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  steps: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 def _split(batch: Any, workers: int) -> Any:
@@ -123,6 +128,36 @@ def _ratio(error: float, noise: float) -> float:
   return 0.0 if error == 0 else math.inf
 
 
+class _Simulated:
+  """``candidate``'s compressor on ``workers`` devices simulated by
+  ``jax.vmap`` (``simulated.Devices``); a low-rank one takes the first
+  ``warmup`` steps dense, warming its factors (its ``warmup_steps``)."""
+
+  def __init__(self, candidate: Any, params: Any, workers: int, warmup: int):
+    warm = warmup and candidate.method in registry.low_rank()
+    self._tx = candidate.make(**({"warmup_steps": warmup} if warm else {}))
+    state = jax.jit(self._tx.init)(params)
+    self._devices = simulated.Devices(
+        self._tx.update,
+        state,
+        simulated.device_axes(self._tx, state),
+        self._tx.axis_name,
+        workers,
+    )
+    self._device = jax.local_devices()[0]
+
+  def mean(self, step: int, grads: Any) -> Any:
+    """The compressed mean of ``grads`` (stacked on a leading worker axis)
+    at ``step``; the state moves on."""
+    # The phase markers that at_step sets are not yet on the device, the
+    # update's outputs are: put there alike, the program that compresses
+    # is compiled once rather than again on the step after the switch.
+    self._devices.state = jax.device_put(
+        self._tx.at_step(self._devices.state, step), self._device
+    )
+    return self._devices(grads)
+
+
 def _errors_over_steps(
     candidate: Any,
     params: Any,
@@ -132,29 +167,90 @@ def _errors_over_steps(
 ) -> tuple[float, float]:
   """``candidate``'s mean ``error_to_noise`` and cosine with the true means
   over the steps after ``warmup``, on ``workers`` simulated devices; a
-  low-rank candidate takes those first steps dense, warming its factors
-  (its ``warmup_steps``)."""
-  warm = warmup and candidate.method in registry.low_rank()
-  tx = candidate.make(**({"warmup_steps": warmup} if warm else {}))
-  state = jax.jit(tx.init)(params)
-  devices = simulated.Devices(
-      tx.update, state, simulated.device_axes(tx, state), tx.axis_name, workers
-  )
-  # The phase markers that at_step sets are not yet on the device, the
-  # update's outputs are: put there alike, the program that compresses is
-  # compiled once rather than again on the step after the switch.
-  device = jax.local_devices()[0]
+  low-rank candidate takes those first steps dense, warming its factors."""
+  compressed = _Simulated(candidate, params, workers, warmup)
   errors, cosines = [], []
   for step, (g, m, noise) in enumerate(
       zip(steps.grads, steps.means, steps.noise)
   ):
-    devices.state = jax.device_put(tx.at_step(devices.state, step), device)
-    estimate = devices(g)
+    estimate = compressed.mean(step, g)
     if step >= warmup:
       error, cosine = _distance(estimate, m)
       errors.append(_ratio(float(error), noise))
       cosines.append(float(cosine))
   return statistics.fmean(errors), statistics.fmean(cosines)
+
+
+def training_losses(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    params: Any,
+    batches: Sequence[Any],
+    candidate: Any,
+    optimizer: optax.GradientTransformation,
+    workers: int,
+) -> list[float]:
+  """``candidate``'s training loss at each step of a short run: from
+  ``params``, one step a batch of ``batches`` (each split over ``workers``
+  simulated devices), each step's compressed mean of the workers'
+  gradients into ``optimizer``. A step's loss is the mean of the workers'
+  losses at the params it starts from."""
+  compressed = _Simulated(candidate, params, workers, 0)
+  value_and_grad = _worker_value_and_grad(loss_fn)
+
+  @jax.jit
+  def apply(params, mean, state):
+    updates, state = optimizer.update(mean, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = optimizer.init(params)
+  losses = []
+  for step, batch in enumerate(batches):
+    loss, grads = value_and_grad(params, _split(batch, workers))
+    params, state = apply(params, compressed.mean(step, grads), state)
+    losses.append(loss.mean())
+  return [float(x) for x in losses]
+
+
+@functools.lru_cache(maxsize=4)
+def _worker_value_and_grad(loss_fn: Callable[[Any, Any], jax.Array]):
+  """Each worker's loss and gradient at the same params, stacked on a
+  leading worker axis."""
+  return jax.jit(jax.vmap(jax.value_and_grad(loss_fn), in_axes=(None, 0)))
+
+
+def steps_behind(
+    losses: Sequence[float], reference: Sequence[float]
+) -> float:
+  """The steps a run of training ``losses`` takes per step of the
+  ``reference`` run's to the same training loss, both runs on the same
+  batches from the same params: 1 for a run as good as the reference, 2
+  for one that needs twice its steps.
+
+  Over the second half of the runs, training loss falls about linearly in
+  the log of the step (a power law, locally), at the reference's rate
+  ``b`` per unit of log step (a least-squares fit). A run that stays
+  ``gap`` above it (the mean over that half of the paired losses'
+  differences, the same batch at each step, so the batches' own spread
+  cancels) has done in ``t`` steps what the reference did in
+  ``t * exp(-gap / b)``: it takes ``exp(gap / b)`` steps per reference
+  step. A run ahead of the reference counts as 1 (a compressed mean
+  follows the true one, it does not outrun it); against a reference that
+  does not descend over that half, a run behind it counts as
+  ``math.inf``.
+  """
+  if len(losses) != len(reference) or len(losses) < 4:
+    raise ValueError(
+        "losses and reference must be runs of the same steps, at least 4,"
+        f" got {len(losses)} and {len(reference)}"
+    )
+  half = len(losses) // 2
+  steps = range(half, len(losses))
+  gap = statistics.fmean(losses[i] - reference[i] for i in steps)
+  if gap <= 0:
+    return 1.0
+  log_steps = [math.log(i + 1) for i in steps]
+  rate = -statistics.linear_regression(log_steps, reference[half:]).slope
+  return math.exp(gap / rate) if rate > 0 else math.inf
 
 
 def _update_seconds(
