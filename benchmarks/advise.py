@@ -55,7 +55,6 @@ from benchmarks import records
 from benchmarks import worker
 from benchmarks import workloads
 from train import advice as train_advice
-from train import optimizers
 from train import runtime
 
 HELP = "which compressor and rank for a model, workers and a link"
@@ -148,7 +147,7 @@ def calibrate(results_dir, char_lm_path: str, progress=None) -> dict:
   runs = calibration_runs(results_dir)
   measurement = calibration_measurement()
   config = convergence.config(_TASK, "ssgd", char_lm_path, quick=False)
-  loss_fn, params, batches = train_advice.inputs(
+  loss_fn, params, batches, _ = train_advice.inputs(
       config, measurement["workers"], measurement["steps"]
   )
   measured = advice_lib.measure(
@@ -208,9 +207,9 @@ def _measured_link() -> tuple[list[advice_lib.Link], int]:
 
 
 def _inputs(args, workers: int):
-  """The loss, params and batches of ``--config``, ``--task`` or
-  ``--model`` (``--steps`` of them, or ``--run_steps`` where more), and
-  its base optimizer (the one that follows the compressor)."""
+  """The loss, params and ``--steps`` batches of ``--config``, ``--task``
+  or ``--model``, and what its ``--run_steps`` short runs train on
+  (``train.advice.inputs``)."""
   if args.task:
     path = getattr(args, convergence.data_flag(args.task))
     config = convergence.config(args.task, "ssgd", path, quick=False)
@@ -220,9 +219,7 @@ def _inputs(args, workers: int):
     config = workloads.cluster_config(args.model, "ssgd", args.steps)
   else:
     config = workloads.config(args.model, "ssgd")
-  optimizer = optimizers.optimizer(config, optimizers.schedule(config))
-  steps = max(args.steps, args.run_steps)
-  return *train_advice.inputs(config, workers, steps), optimizer
+  return train_advice.inputs(config, workers, args.steps, args.run_steps)
 
 
 def _override(text: str) -> tuple[str, Any]:
@@ -402,13 +399,13 @@ def main(args) -> None:
     return
   rows = []
   for workers in args.workers or [measured_workers]:
-    loss_fn, params, batches, optimizer = _inputs(args, workers)
+    loss_fn, params, batches, run = _inputs(args, workers)
     measured = None  # the first link's measurements serve every link
     for link in links:
       advice = advice_lib.advise(
           loss_fn,
           params,
-          batches[: args.steps],
+          batches,
           workers=workers,
           link=link,
           candidates=advice_lib.default_candidates(ranks=args.ranks),
@@ -416,8 +413,7 @@ def main(args) -> None:
           overlap=args.overlap,
           measurements=measured,
           measure_all=args.measure_all,
-          optimizer=optimizer if args.run_steps else None,
-          run_batches=batches[: args.run_steps],
+          **(run._asdict() if run else {}),
           progress=_progress(start),
       )
       measured = advice.measurements

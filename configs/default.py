@@ -152,6 +152,10 @@ def get_config() -> ml_collections.ConfigDict:
               # Batches the errors are taken on (the first two warm the
               # factors: acp_jax.tools.advice.STEPS, WARMUP).
               "steps": 4,
+              # Steps of a short run of S-SGD and each candidate within the
+              # threshold, with this config's optimizer, to rank by the
+              # time to S-SGD's loss (0: by the step's time; else >= 8).
+              "run_steps": 0,
               # The held-out loss gap to S-SGD the threshold promises.
               "max_gap": 0.1,
               # Set by the trainer: the advice it follows, as JSON.

@@ -231,6 +231,15 @@ ONE_LINE = [
         ],
         "config.compressor.auto.steps must be an int >= 3, got 1",
     ),
+    (
+        [
+            AUTO,
+            "--config.compressor.auto.bandwidth=1e9",
+            "--config.compressor.auto.run_steps=3",
+        ],
+        "config.compressor.auto.run_steps must be 0 (no short run) or an int"
+        " >= 8, got 3",
+    ),
 ]
 
 

@@ -19,28 +19,51 @@ of another pick is then refused by its record.
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 from flax import nnx
 import jax
 import ml_collections
 import numpy as np
+import optax
 
 from acp_jax.tools import advice as advice_lib
 from train import checks
 from train import config as config_lib
 from train import experiment as experiment_lib
 from train import loss as loss_lib
+from train import optimizers
 
 AUTO = "auto"
 # The advice a run trains with, in its workdir.
 ADVICE_FILE = "advice.json"
 
 
-def inputs(config: ml_collections.ConfigDict, workers: int, steps: int):
+class ShortRun(NamedTuple):
+  """What the advice's short runs train on (``acp_jax.advise``'s
+  ``optimizer``, ``run_batches`` and ``eval_batches``)."""
+
+  optimizer: optax.GradientTransformation
+  run_batches: list[Any]
+  eval_batches: list[Any]
+
+
+# The held-out batches a short run's losses are taken on.
+EVAL_BATCHES = 4
+
+
+def inputs(
+    config: ml_collections.ConfigDict,
+    workers: int,
+    steps: int,
+    run_steps: int = 0,
+):
   """``config``'s per-worker loss, initial params and first ``steps``
   global batches (its global batch on ``workers`` devices): what
-  ``acp_jax.advise`` measures on."""
+  ``acp_jax.advise`` measures on; and, for ``run_steps``, its short runs'
+  ``ShortRun`` (None for 0): the config's base optimizer (the one after
+  the compressor), ``run_steps`` batches in an order shuffled by the
+  config's seed, and ``EVAL_BATCHES`` of the held-out split."""
   config = ml_collections.ConfigDict(config.to_dict())
   config.compressor.name = "ssgd"
   experiment = experiment_lib.build(config)
@@ -60,15 +83,22 @@ def inputs(config: ml_collections.ConfigDict, workers: int, steps: int):
   # The same rows in every process (a Loader would split them): the
   # workers are simulated here.
   global_batch = config_lib.global_batch_size(config, workers)
-  train_rows = experiment.dataset.train
-  batches = [
-      train_rows.get(
-          np.arange(step * global_batch, (step + 1) * global_batch)
-          % len(train_rows)
-      )
-      for step in range(steps)
-  ]
-  return loss_fn, params, batches
+  data = experiment.dataset
+
+  def batches(split, order, count):
+    rows = np.arange(count * global_batch).reshape(count, global_batch)
+    return [split.get(order[r % len(order)]) for r in rows]
+
+  first = batches(data.train, np.arange(len(data.train)), steps)
+  if not run_steps:
+    return loss_fn, params, first, None
+  shuffled = np.random.default_rng(config.seed).permutation(len(data.train))
+  run = ShortRun(
+      optimizers.optimizer(config, optimizers.schedule(config)),
+      batches(data.train, shuffled, run_steps),
+      batches(data.eval, np.arange(len(data.eval)), EVAL_BATCHES),
+  )
+  return loss_fn, params, first, run
 
 
 def _workers(config: ml_collections.ConfigDict) -> int:
@@ -84,7 +114,9 @@ def _measured(config: ml_collections.ConfigDict) -> list[dict[str, Any]]:
         " (bytes per second; inf for none) or config.compressor.auto.advice"
         " (a saved advice file), got neither"
     )
-  loss_fn, params, batches = inputs(config, _workers(config), auto.steps)
+  loss_fn, params, batches, run = inputs(
+      config, _workers(config), auto.steps, auto.run_steps
+  )
   advice = advice_lib.advise(
       loss_fn,
       params,
@@ -92,6 +124,7 @@ def _measured(config: ml_collections.ConfigDict) -> list[dict[str, Any]]:
       workers=_workers(config),
       link=advice_lib.Link(auto.bandwidth, auto.latency),
       max_gap=auto.max_gap,
+      **(run._asdict() if run else {}),
       progress=lambda line: print(f"advice: {line}", file=sys.stderr),
   )
   print(advice.table(), flush=True)
@@ -163,6 +196,14 @@ def _check_numbers(auto: ml_collections.ConfigDict) -> None:
     checks.int_in(
         "config.compressor.auto.steps", auto.steps, advice_lib.WARMUP + 1
     )
+    low = advice_lib.RUN_STEPS_MIN
+    if auto.run_steps != 0 and not (
+        checks.is_int(auto.run_steps) and auto.run_steps >= low
+    ):
+      raise ValueError(
+          "config.compressor.auto.run_steps must be 0 (no short run) or an"
+          f" int >= {low}, got {auto.run_steps!r}"
+      )
     checks.number(
         "config.compressor.auto.max_gap", auto.max_gap, 0.0, low_open=True
     )

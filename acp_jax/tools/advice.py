@@ -27,7 +27,7 @@ For a model, a few batches, a number of workers and a link, ``advise``:
    held-out loss;
 6. given the model's ``optimizer`` and a short run's batches, trains S-SGD
    and each candidate within the threshold that many steps on the
-   simulated workers, reads from the runs' training losses how many steps
+   simulated workers, reads from the runs' held-out losses how many steps
    each candidate takes per S-SGD step to the same loss
    (``measure_steps``), and ranks by the time to S-SGD's loss, each step's
    time times those steps, in place of the step's time: a faster step that
@@ -92,8 +92,8 @@ from acp_jax.tools.calibration import MAX_GAP
 from acp_jax.tools.measure import Measurements
 from acp_jax.tools.measure import measure
 from acp_jax.tools.measure import STEPS
+from acp_jax.tools.measure import run_losses
 from acp_jax.tools.measure import steps_behind
-from acp_jax.tools.measure import training_losses
 from acp_jax.tools.measure import volumes
 from acp_jax.tools.measure import WARMUP
 
@@ -108,8 +108,10 @@ BFLOAT16_BACKENDS = ("gpu", "tpu")
 # reaches a given loss in fewer steps.
 TIE = 0.02
 # The fewest steps of a short run that measures a candidate's steps per
-# S-SGD step: its second half, where the gap is read, takes 4 or more.
+# S-SGD step, and how many times it takes the held-out loss (every step
+# where it takes fewer).
 RUN_STEPS_MIN = 8
+RUN_EVALS = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,7 +290,7 @@ def table(record: Sequence[Mapping[str, Any]]) -> str:
   )
   if runs:
     why += (
-        "; ranked by the time to S-SGD's training loss: each step's time"
+        "; ranked by the time to S-SGD's held-out loss: each step's time"
         f" times the steps per S-SGD step of a {runs}-step run"
     )
   bandwidth = first["bandwidth"] or math.inf
@@ -498,6 +500,7 @@ def advise(
     warmup: int = WARMUP,
     optimizer: optax.GradientTransformation | None = None,
     run_batches: Sequence[Any] = (),
+    eval_batches: Sequence[Any] = (),
     progress: Callable[[str], None] | None = None,
 ) -> Advice:
   """Which compressor, at which rank, for this model on this link.
@@ -521,13 +524,16 @@ def advise(
       candidates predicted faster than the pick, and the pick's.
     warmup: dense steps before the errors are taken (see ``measure``;
       the calibration's measurement took ``WARMUP``).
-    optimizer: with ``run_batches``, the optimizer the run trains with:
-      each candidate within the threshold, and S-SGD, then trains a short
-      run from ``params``, a step a batch, and the advice ranks by the
-      time to S-SGD's loss, each step's time times the candidate's steps
-      per S-SGD step (``measure_steps``). Every error is measured first.
+    optimizer: with ``run_batches`` and ``eval_batches``, the optimizer
+      the run trains with: each candidate within the threshold, and S-SGD,
+      then trains a short run from ``params``, a step a batch, and the
+      advice ranks by the time to S-SGD's loss, each step's time times the
+      candidate's steps per S-SGD step (``measure_steps``). Every error is
+      measured first.
     run_batches: the short runs' global batches, one a step (at least
-      ``RUN_STEPS_MIN``; the records' advice took 100).
+      ``RUN_STEPS_MIN``), shuffled as training would.
+    eval_batches: held-out batches, each one's loss taken ``RUN_EVALS``
+      times over a run.
     progress: called with a line before each measurement.
 
   Returns:
@@ -551,11 +557,12 @@ def advise(
     )
   candidates = tuple(candidates or default_candidates())
   calibration = Calibration.recorded(max_gap)
-  if (optimizer is None) != (not run_batches):
+  if len({optimizer is None, not run_batches, not eval_batches}) > 1:
     raise ValueError(
-        "optimizer and run_batches come together (a short run of each"
-        f" candidate), got optimizer={optimizer!r} and"
-        f" {len(run_batches)} run_batches"
+        "optimizer, run_batches and eval_batches come together (a short"
+        f" run of each candidate), got optimizer={optimizer!r},"
+        f" {len(run_batches)} run_batches and {len(eval_batches)}"
+        " eval_batches"
     )
   if run_batches and len(run_batches) < RUN_STEPS_MIN:
     raise ValueError(
@@ -604,6 +611,7 @@ def advise(
             loss_fn,
             params,
             run_batches,
+            eval_batches,
             admitted,
             optimizer,
             workers=workers,
@@ -627,17 +635,19 @@ def measure_steps(
     loss_fn: Callable[[Any, Any], jax.Array],
     params: Any,
     batches: Sequence[Any],
+    eval_batches: Sequence[Any],
     candidates: Sequence[Candidate],
     optimizer: optax.GradientTransformation,
     *,
     workers: int,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, float]:
-  """Each candidate's steps per S-SGD step to the same training loss
+  """Each candidate's steps per S-SGD step to the same held-out loss
   (``measure.steps_behind``), by name: S-SGD and each candidate train a
   short run from ``params`` with ``optimizer``, a step a batch of
   ``batches``, on ``workers`` simulated devices, each candidate
-  compressing from its first step (``measure.training_losses``).
+  compressing from its first step, their loss on ``eval_batches`` taken
+  ``RUN_EVALS`` times (``measure.run_losses``).
 
   Why steps: at the same error, the char LM lost 8 % of held-out loss and
   the BERT MLM 0.4 %, so an error threshold cannot tell whether a faster,
@@ -648,17 +658,25 @@ def measure_steps(
   """
   _checks.integer("workers", workers, 1)
   say = progress or (lambda line: None)
+  every = max(1, len(batches) // RUN_EVALS)
   reference = Candidate("ssgd")
+  runs = list(dict.fromkeys((reference, *candidates)))
   losses = {}
-  for i, c in enumerate((reference, *candidates)):
-    if c.name not in losses:
-      say(f"[{i + 1}/{len(candidates) + 1}] {len(batches)} steps of {c.name}")
-      losses[c.name] = training_losses(
-          loss_fn, params, batches, c, optimizer, workers
-      )
+  for i, c in enumerate(runs):
+    say(f"[{i + 1}/{len(runs)}] {len(batches)} steps of {c.name}")
+    losses[c.name] = run_losses(
+        loss_fn,
+        params,
+        batches,
+        eval_batches,
+        c,
+        optimizer,
+        workers=workers,
+        every=every,
+    )
   return {
       c.name: steps_behind(losses[c.name], losses[reference.name])
-      for c in (reference, *candidates)
+      for c in runs
   }
 
 

@@ -13,6 +13,7 @@ turns it into a pick.
 from collections.abc import Callable, Mapping, Sequence
 import dataclasses
 import functools
+import itertools
 import math
 import statistics
 from typing import Any
@@ -48,7 +49,7 @@ class Measurements:
       (``simulated.sampling_noise``).
     cosine: each candidate's mean per-step cosine between its compressed
       mean gradient and the true mean (S-SGD's is 1).
-    steps: each candidate's steps per S-SGD step to the same training loss
+    steps: each candidate's steps per S-SGD step to the same held-out loss
       (``steps_behind``; S-SGD's is 1), from a short run of each; empty
       where no run was made.
 
@@ -181,21 +182,25 @@ def _errors_over_steps(
   return statistics.fmean(errors), statistics.fmean(cosines)
 
 
-def training_losses(
+def run_losses(
     loss_fn: Callable[[Any, Any], jax.Array],
     params: Any,
     batches: Sequence[Any],
+    eval_batches: Sequence[Any],
     candidate: Any,
     optimizer: optax.GradientTransformation,
+    *,
     workers: int,
+    every: int,
 ) -> list[float]:
-  """``candidate``'s training loss at each step of a short run: from
-  ``params``, one step a batch of ``batches`` (each split over ``workers``
-  simulated devices), each step's compressed mean of the workers'
-  gradients into ``optimizer``. A step's loss is the mean of the workers'
-  losses at the params it starts from."""
+  """``candidate``'s held-out losses over a short run: from ``params``, a
+  step a batch of ``batches`` (each split over ``workers`` simulated
+  devices), each step's compressed mean of the workers' gradients into
+  ``optimizer``; the mean of ``loss_fn`` over ``eval_batches`` (the same
+  ones each time) at the start and after every ``every`` steps."""
   compressed = _Simulated(candidate, params, workers, 0)
-  value_and_grad = _worker_value_and_grad(loss_fn)
+  grads_of = _worker_grads(loss_fn)
+  held_out = _held_out_loss(loss_fn)
 
   @jax.jit
   def apply(params, mean, state):
@@ -203,54 +208,76 @@ def training_losses(
     return optax.apply_updates(params, updates), state
 
   state = optimizer.init(params)
-  losses = []
+  losses = [held_out(params, eval_batches)]
   for step, batch in enumerate(batches):
-    loss, grads = value_and_grad(params, _split(batch, workers))
+    grads = grads_of(params, _split(batch, workers))
     params, state = apply(params, compressed.mean(step, grads), state)
-    losses.append(loss.mean())
+    if (step + 1) % every == 0:
+      losses.append(held_out(params, eval_batches))
   return [float(x) for x in losses]
 
 
 @functools.lru_cache(maxsize=4)
-def _worker_value_and_grad(loss_fn: Callable[[Any, Any], jax.Array]):
-  """Each worker's loss and gradient at the same params, stacked on a
-  leading worker axis."""
-  return jax.jit(jax.vmap(jax.value_and_grad(loss_fn), in_axes=(None, 0)))
+def _worker_grads(loss_fn: Callable[[Any, Any], jax.Array]) -> Callable:
+  """Each worker's gradient at the same params, stacked on a leading
+  worker axis."""
+  return jax.jit(jax.vmap(jax.grad(loss_fn), in_axes=(None, 0)))
 
 
-def steps_behind(
-    losses: Sequence[float], reference: Sequence[float]
-) -> float:
-  """The steps a run of training ``losses`` takes per step of the
-  ``reference`` run's to the same training loss, both runs on the same
-  batches from the same params: 1 for a run as good as the reference, 2
-  for one that needs twice its steps.
+@functools.lru_cache(maxsize=4)
+def _held_out_loss(loss_fn: Callable[[Any, Any], jax.Array]) -> Callable:
+  """The mean of ``loss_fn`` over a list of batches."""
+  loss = jax.jit(loss_fn)
+  return lambda params, batches: jnp.mean(
+      jnp.stack([loss(params, b) for b in batches])
+  )
 
-  Over the second half of the runs, training loss falls about linearly in
-  the log of the step (a power law, locally), at the reference's rate
-  ``b`` per unit of log step (a least-squares fit). A run that stays
-  ``gap`` above it (the mean over that half of the paired losses'
-  differences, the same batch at each step, so the batches' own spread
-  cancels) has done in ``t`` steps what the reference did in
-  ``t * exp(-gap / b)``: it takes ``exp(gap / b)`` steps per reference
-  step. A run ahead of the reference counts as 1 (a compressed mean
-  follows the true one, it does not outrun it); against a reference that
-  does not descend over that half, a run behind it counts as
+
+def steps_behind(losses: Sequence[float], reference: Sequence[float]) -> float:
+  """The steps a short run takes per step of the ``reference`` run's to the
+  same held-out loss: 1 for a run as good as the reference, 2 for one that
+  needs twice its steps.
+
+  Both lists are held-out losses on the same batches, at the same evenly
+  spaced steps from the start (``run_losses``), each read as its best loss
+  so far. The run's curve is read as the reference's, stretched in steps
+  by a factor ``f``: its mean over the last quarter of the evaluations
+  (the mean, so that one evaluation's noise counts less) equals the
+  reference's mean over the same steps divided by ``f``, interpolated
+  linearly between evaluations. A run ahead of the reference counts as 1
+  (a compressed mean follows the true one, it does not outrun it); one
+  whose loss the reference never came down to within the run, as
   ``math.inf``.
   """
-  if len(losses) != len(reference) or len(losses) < 4:
+  if len(losses) != len(reference) or len(losses) < 5:
     raise ValueError(
-        "losses and reference must be runs of the same steps, at least 4,"
-        f" got {len(losses)} and {len(reference)}"
+        "losses and reference must be evaluations at the same steps, at"
+        f" least 5, got {len(losses)} and {len(reference)}"
     )
-  half = len(losses) // 2
-  steps = range(half, len(losses))
-  gap = statistics.fmean(losses[i] - reference[i] for i in steps)
-  if gap <= 0:
+  best = list(itertools.accumulate(reference, min))
+  last = range(len(losses) - max(2, len(losses) // 4), len(losses))
+  own_best = list(itertools.accumulate(losses, min))
+  level = statistics.fmean(own_best[i] for i in last)
+
+  def reference_level(f):  # its mean over those steps, stretched by f
+    return statistics.fmean(_interpolate(best, i / f) for i in last)
+
+  if reference_level(1.0) >= level:
     return 1.0
-  log_steps = [math.log(i + 1) for i in steps]
-  rate = -statistics.linear_regression(log_steps, reference[half:]).slope
-  return math.exp(gap / rate) if rate > 0 else math.inf
+  high = float(last[-1])  # every stretched step within the first interval
+  if reference_level(high) < level:
+    return math.inf
+  low = 1.0
+  while high - low > 1e-4 * low:  # bisection: the level falls as f grows
+    mid = (low + high) / 2
+    low, high = (mid, high) if reference_level(mid) < level else (low, mid)
+  return (low + high) / 2
+
+
+def _interpolate(curve: Sequence[float], x: float) -> float:
+  """``curve`` at the fractional index ``x``, linear between its points."""
+  i = min(int(x), len(curve) - 2)
+  return curve[i] + (x - i) * (curve[i + 1] - curve[i])
 
 
 def _update_seconds(
