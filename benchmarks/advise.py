@@ -309,6 +309,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       f" {advice_lib.RUN_STEPS_MIN})",
   )
   parser.add_argument(
+      "--run_repeats",
+      type=cli.int_at_least(1),
+      default=1,
+      help="--run_steps runs of each, the batches in other orders; the"
+      " median of their steps",
+  )
+  parser.add_argument(
       "--ranks",
       type=cli.ints_at_least(1),
       default=list(advice_lib.RANKS),
@@ -414,6 +421,7 @@ def main(args) -> None:
           measurements=measured,
           measure_all=args.measure_all,
           **(run._asdict() if run else {}),
+          run_repeats=args.run_repeats,
           progress=_progress(start),
       )
       measured = advice.measurements

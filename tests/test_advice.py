@@ -609,4 +609,59 @@ def test_the_advice_with_short_runs_measures_and_records_their_steps():
   record = advice.to_record()
   assert {r["run_steps"] for r in record} == {9}
   assert advice_lib.Row.from_dict(record[0]) == advice.rows[0]
-  assert "9-step run" in advice.table()
+  assert "9-step runs (the median of 1)" in advice.table()
+
+
+def test_the_trainers_short_run_is_shuffled_training_and_held_out_batches():
+  config = small_config("ssgd")
+  *_, none = train_advice.inputs(config, WORKERS, 4)
+  assert none is None
+  loss_fn, params, first, run = train_advice.inputs(
+      config, WORKERS, 4, run_steps=advice_lib.RUN_STEPS_MIN
+  )
+  assert len(first) == 4 and len(run.run_batches) == advice_lib.RUN_STEPS_MIN
+  assert len(run.eval_batches) == train_advice.EVAL_BATCHES
+  # Shuffled by the config's seed: not the training split's first rows.
+  assert not np.array_equal(first[0]["inputs"], run.run_batches[0]["inputs"])
+  again = train_advice.inputs(config, WORKERS, 4, run_steps=8)[3]
+  np.testing.assert_array_equal(
+      again.run_batches[3]["inputs"], run.run_batches[3]["inputs"]
+  )
+  # The config's optimizer: a step of it moves the params.
+  state = run.optimizer.init(params)
+  grads = jax.grad(loss_fn)(params, run.run_batches[0])
+  updates, _ = run.optimizer.update(grads, state, params)
+  assert any(np.any(np.asarray(u) != 0) for u in jax.tree.leaves(updates))
+
+
+def test_repeated_short_runs_take_the_median_of_other_orders(monkeypatch):
+  loss_fn, params, batches = _mlp()
+  orders = []
+  real = measure_lib.run_losses
+
+  def recorded(loss_fn, params, batches, *args, **kwargs):
+    orders.append([float(b["x"][0, 0]) for b in batches])
+    return real(loss_fn, params, batches, *args, **kwargs)
+
+  monkeypatch.setattr(advice_lib, "run_losses", recorded)
+  run = batches * 3
+  steps = advice_lib.measure_steps(
+      loss_fn,
+      params,
+      run,
+      batches[:1],
+      CANDIDATES[1:3],
+      optax.sgd(0.1),
+      workers=2,
+      repeats=3,
+  )
+  assert steps["ssgd"] == 1.0 and len(steps) == 3
+  # Three orders of three runs each: the given one first, then two others.
+  assert len(orders) == 9
+  assert orders[0] == [float(b["x"][0, 0]) for b in run]
+  assert orders[3] != orders[0] and orders[6] not in (orders[0], orders[3])
+  assert sorted(orders[3]) == sorted(orders[0])
+  with pytest.raises(ValueError, match="repeats must be a positive int, got 0"):
+    advice_lib.measure_steps(
+        loss_fn, params, run, batches, (), optax.sgd(0.1), workers=2, repeats=0
+    )

@@ -80,6 +80,7 @@ from typing import Any
 import warnings
 
 import jax
+import numpy as np
 import optax
 
 from acp_jax import _checks
@@ -281,7 +282,7 @@ def table(record: Sequence[Mapping[str, Any]]) -> str:
       if r["error_to_noise"] is not None
       and r["error_to_noise"] <= r["threshold"]
   )
-  runs = first.get("run_steps")
+  runs, repeats = first.get("run_steps"), first.get("run_repeats") or 1
   why = (
       "the fastest within the threshold"
       if pick is fastest
@@ -291,7 +292,8 @@ def table(record: Sequence[Mapping[str, Any]]) -> str:
   if runs:
     why += (
         "; ranked by the time to S-SGD's held-out loss: each step's time"
-        f" times the steps per S-SGD step of a {runs}-step run"
+        f" times the steps per S-SGD step of {runs}-step runs (the median"
+        f" of {repeats})"
     )
   bandwidth = first["bandwidth"] or math.inf
   lines += [
@@ -322,9 +324,10 @@ class Advice:
   link: Link
   global_batch: int
   measurements: Measurements
-  # The steps of the short runs that measured the candidates' steps; 0:
-  # none made.
+  # The steps of the short runs that measured the candidates' steps, and
+  # how many of each; 0: none made.
   run_steps: int = 0
+  run_repeats: int = 0
 
   def compressor(
       self, warmup_steps: int = 0, **kwargs: Any
@@ -358,6 +361,7 @@ class Advice:
         "max_gap": self.calibration.max_gap,
         "calibration": self.calibration.describe(),
         "run_steps": self.run_steps,
+        "run_repeats": self.run_repeats,
     }
     return [
         {**r.as_dict(), "picked": r is self.pick, **advice} for r in self.rows
@@ -416,14 +420,15 @@ def recommend(
     calibration: Calibration,
     overlap: bool = False,
     run_steps: int = 0,
+    run_repeats: int = 0,
 ) -> Advice:
   """The advice from measurements and each candidate's ``comm_bytes``
   (``volumes``, by candidate name): arithmetic only.
 
   With ``overlap``, the pipelined methods (``registry.Entry.pipelined``)
   hide their communication behind backprop, as GPU runtimes can; XLA:CPU
-  does not. ``run_steps``: the steps of the short runs that measured
-  ``measurements.steps``, for the record.
+  does not. ``run_steps`` and ``run_repeats``: the steps of the short runs that
+  measured ``measurements.steps``, and how many of each, for the record.
   """
   _checks.integer("workers", workers, 1)
   _checks.integer("global_batch", global_batch, 1)
@@ -453,6 +458,7 @@ def recommend(
       global_batch,
       measurements,
       run_steps,
+      run_repeats,
   )
 
 
@@ -501,6 +507,7 @@ def advise(
     optimizer: optax.GradientTransformation | None = None,
     run_batches: Sequence[Any] = (),
     eval_batches: Sequence[Any] = (),
+    run_repeats: int = 1,
     progress: Callable[[str], None] | None = None,
 ) -> Advice:
   """Which compressor, at which rank, for this model on this link.
@@ -534,6 +541,8 @@ def advise(
       ``RUN_STEPS_MIN``), shuffled as training would.
     eval_batches: held-out batches, each one's loss taken ``RUN_EVALS``
       times over a run.
+    run_repeats: short runs of each, their batches in other orders (see
+      ``measure_steps``).
     progress: called with a line before each measurement.
 
   Returns:
@@ -615,6 +624,7 @@ def advise(
             admitted,
             optimizer,
             workers=workers,
+            repeats=run_repeats,
             progress=progress,
         ),
     )
@@ -628,6 +638,7 @@ def advise(
       calibration=calibration,
       overlap=overlap,
       run_steps=len(run_batches),
+      run_repeats=run_repeats if run_batches else 0,
   )
 
 
@@ -640,6 +651,7 @@ def measure_steps(
     optimizer: optax.GradientTransformation,
     *,
     workers: int,
+    repeats: int = 1,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, float]:
   """Each candidate's steps per S-SGD step to the same held-out loss
@@ -647,7 +659,10 @@ def measure_steps(
   short run from ``params`` with ``optimizer``, a step a batch of
   ``batches``, on ``workers`` simulated devices, each candidate
   compressing from its first step, their loss on ``eval_batches`` taken
-  ``RUN_EVALS`` times (``measure.run_losses``).
+  ``RUN_EVALS`` times (``measure.run_losses``); with ``repeats``, the
+  median over that many runs of each, the batches in the given order and
+  then shuffled by seeds 1, 2, ...: one run's steps carry the luck of its
+  batches' order, as much as a fifth on the char LM.
 
   Why steps: at the same error, the char LM lost 8 % of held-out loss and
   the BERT MLM 0.4 %, so an error threshold cannot tell whether a faster,
@@ -657,27 +672,35 @@ def measure_steps(
   it predicts the later gap only as far as the gap holds its size.
   """
   _checks.integer("workers", workers, 1)
+  _checks.integer("repeats", repeats, 1)
   say = progress or (lambda line: None)
   every = max(1, len(batches) // RUN_EVALS)
   reference = Candidate("ssgd")
   runs = list(dict.fromkeys((reference, *candidates)))
-  losses = {}
-  for i, c in enumerate(runs):
-    say(f"[{i + 1}/{len(runs)}] {len(batches)} steps of {c.name}")
-    losses[c.name] = run_losses(
-        loss_fn,
-        params,
-        batches,
-        eval_batches,
-        c,
-        optimizer,
-        workers=workers,
-        every=every,
-    )
-  return {
-      c.name: steps_behind(losses[c.name], losses[reference.name])
-      for c in runs
-  }
+  steps = {c.name: [] for c in runs}
+  for seed in range(repeats):
+    order = np.random.default_rng(seed).permutation(len(batches))
+    ordered = [batches[i] for i in order] if seed else list(batches)
+    losses = {}
+    for i, c in enumerate(runs):
+      say(
+          f"[{i + 1}/{len(runs)}] {len(batches)} steps of {c.name}"
+          + (f", order {seed + 1} of {repeats}" if repeats > 1 else "")
+      )
+      losses[c.name] = run_losses(
+          loss_fn,
+          params,
+          ordered,
+          eval_batches,
+          c,
+          optimizer,
+          workers=workers,
+          every=every,
+      )
+    for c in runs:
+      behind = steps_behind(losses[c.name], losses[reference.name])
+      steps[c.name].append(behind)
+  return {name: statistics.median(s) for name, s in steps.items()}
 
 
 def _warn_unless_as_calibrated(warmup: int, steps: int) -> None:
