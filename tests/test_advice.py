@@ -645,7 +645,7 @@ def test_repeated_short_runs_take_the_median_of_other_orders(monkeypatch):
 
   monkeypatch.setattr(advice_lib, "run_losses", recorded)
   run = batches * 3
-  steps = advice_lib.measure_steps(
+  steps, steps_range = advice_lib.measure_steps(
       loss_fn,
       params,
       run,
@@ -656,6 +656,8 @@ def test_repeated_short_runs_take_the_median_of_other_orders(monkeypatch):
       repeats=3,
   )
   assert steps["ssgd"] == 1.0 and len(steps) == 3
+  assert steps_range["ssgd"] == (1.0, 1.0)
+  assert all(lo <= steps[n] <= hi for n, (lo, hi) in steps_range.items())
   # Three orders of three runs each: the given one first, then two others.
   assert len(orders) == 9
   assert orders[0] == [float(b["x"][0, 0]) for b in run]
@@ -665,3 +667,24 @@ def test_repeated_short_runs_take_the_median_of_other_orders(monkeypatch):
     advice_lib.measure_steps(
         loss_fn, params, run, batches, (), optax.sgd(0.1), workers=2, repeats=0
     )
+
+
+def test_steps_whose_short_runs_overlap_tie_and_the_lower_error_wins():
+  def row(name, step_s, steps, low, high):
+    method, _, rank = name.partition("_r")
+    return advice_lib.Row(
+        advice_lib.Candidate(method, int(rank)),
+        step_s, 1 / step_s, 1.0, 0.0, ERRORS[name], None, steps, low, high,
+    )
+
+  calibration = advice_lib.Calibration.recorded()
+  # acp_sgd_r4 is 10 % sooner by the medians, beyond TIE, but its runs'
+  # spread reaches power_sgd_r4's: a tie, which the lower error breaks.
+  acp = row("acp_sgd_r4", 1.0, 1.0, 0.9, 1.2)
+  power = row("power_sgd_r4", 1.0, 1.1, 1.05, 1.3)
+  assert power.ties(acp) and not power.seconds <= acp.seconds * 1.02
+  assert advice_lib.choose([acp, power], ERRORS, calibration)[0] == power
+  # Runs that do not overlap: the sooner one.
+  apart = row("power_sgd_r4", 1.0, 1.5, 1.4, 1.6)
+  assert not apart.ties(acp)
+  assert advice_lib.choose([acp, apart], ERRORS, calibration)[0] == acp

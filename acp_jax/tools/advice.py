@@ -213,7 +213,8 @@ class Row:
   (each worker's, ``CommVolume.total``, the mean over the phases),
   ``update_s`` its measured update, and its measured ``error_to_noise`` and
   ``cosine`` (None where not measured), and its measured ``steps`` per
-  S-SGD step to the same loss (None where no short run measured them)."""
+  S-SGD step to the same loss, with the lowest and the highest of its
+  short runs (None where no short run measured them)."""
 
   candidate: Candidate
   step_s: float
@@ -223,6 +224,8 @@ class Row:
   error_to_noise: float | None
   cosine: float | None
   steps: float | None = None
+  steps_low: float | None = None
+  steps_high: float | None = None
 
   @property
   def seconds(self) -> float:
@@ -230,6 +233,17 @@ class Row:
     reaches in a step, ``step_s`` times ``steps`` (``step_s`` where the
     steps were not measured)."""
     return self.step_s * (1.0 if self.steps is None else self.steps)
+
+  def ties(self, fastest: "Row") -> bool:
+    """Whether this row cannot be told from ``fastest`` (ranked first):
+    predicted within ``TIE`` of it, or, where short runs measured the
+    steps, its time at its lowest steps at most ``fastest``'s at its
+    highest (the runs' spread is the steps' resolution)."""
+    if self.seconds <= fastest.seconds * (1 + TIE):
+      return True
+    if self.steps_low is None or fastest.steps_high is None:
+      return False
+    return self.step_s * self.steps_low <= fastest.step_s * fastest.steps_high
 
   @classmethod
   def from_dict(cls, row: Mapping[str, Any]) -> "Row":
@@ -260,12 +274,20 @@ _COLUMNS = (
     ("update (s)", 11, lambda r: f"{r['update_s']:.4f}"),
     ("err/noise", 11, lambda r: _measured(r["error_to_noise"])),
     ("cosine", 8, lambda r: _measured(r["cosine"])),
-    ("steps", 7, lambda r: _measured(r.get("steps"), ".2f")),
+    ("steps", 18, lambda r: _steps(r)),
 )
 
 
-def _measured(value: float | None, spec: str = ".3f") -> str:
-  return "-" if value is None else f"{value:{spec}}"
+def _measured(value: float | None) -> str:
+  return "-" if value is None else f"{value:.3f}"
+
+
+def _steps(row: Mapping[str, Any]) -> str:
+  """A row's measured steps, and their range over several short runs."""
+  steps, low, high = (row.get(k) for k in ("steps", "steps_low", "steps_high"))
+  if steps is None:
+    return "-"
+  return f"{steps:.2f}" + ("" if low == high else f" ({low:.2f}-{high:.2f})")
 
 
 def table(record: Sequence[Mapping[str, Any]]) -> str:
@@ -401,6 +423,7 @@ def _ranked(
             measurements.error_to_noise.get(c.name),
             measurements.cosine.get(c.name),
             measurements.steps.get(c.name),
+            *measurements.steps_range.get(c.name, (None, None)),
         )
     )
   rows.sort(
@@ -467,13 +490,13 @@ def choose(
 ) -> tuple[Row | None, Row | None]:
   """The advice's pick among ``rows`` (fastest first, by ``Row.seconds``),
   given the ``errors`` measured so far by name: of the candidates within
-  the threshold and predicted within ``TIE`` of the fastest of them, the
-  one of least error (the fastest on a tie). Returns ``(pick, None)``;
+  the threshold that tie with the fastest of them (``Row.ties``), the one
+  of least error (the fastest on a tie). Returns ``(pick, None)``;
   ``(None, row)`` where the choice needs the error of ``row``, not
   measured; ``(None, None)`` where no candidate is within the threshold."""
   fastest = None
   for row in rows:
-    if fastest is not None and row.seconds > fastest.seconds * (1 + TIE):
+    if fastest is not None and not row.ties(fastest):
       break
     error = errors.get(row.candidate.name)
     if error is None:
@@ -485,8 +508,7 @@ def choose(
   tied = [
       r
       for r in rows[rows.index(fastest) :]
-      if r.seconds <= fastest.seconds * (1 + TIE)
-      and calibration.admits(errors[r.candidate.name])
+      if r.ties(fastest) and calibration.admits(errors[r.candidate.name])
   ]
   return min(tied, key=lambda r: errors[r.candidate.name]), None
 
@@ -614,19 +636,19 @@ def advise(
         for c in candidates
         if calibration.admits(measurements.error_to_noise[c.name])
     ]
+    steps, steps_range = measure_steps(
+        loss_fn,
+        params,
+        run_batches,
+        eval_batches,
+        admitted,
+        optimizer,
+        workers=workers,
+        repeats=run_repeats,
+        progress=progress,
+    )
     measurements = dataclasses.replace(
-        measurements,
-        steps=measure_steps(
-            loss_fn,
-            params,
-            run_batches,
-            eval_batches,
-            admitted,
-            optimizer,
-            workers=workers,
-            repeats=run_repeats,
-            progress=progress,
-        ),
+        measurements, steps=steps, steps_range=steps_range
     )
   return recommend(
       measurements,
@@ -653,7 +675,7 @@ def measure_steps(
     workers: int,
     repeats: int = 1,
     progress: Callable[[str], None] | None = None,
-) -> dict[str, float]:
+) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
   """Each candidate's steps per S-SGD step to the same held-out loss
   (``measure.steps_behind``), by name: S-SGD and each candidate train a
   short run from ``params`` with ``optimizer``, a step a batch of
@@ -662,7 +684,7 @@ def measure_steps(
   ``RUN_EVALS`` times (``measure.run_losses``); with ``repeats``, the
   median over that many runs of each, the batches in the given order and
   then shuffled by seeds 1, 2, ...: one run's steps carry the luck of its
-  batches' order, as much as a fifth on the char LM.
+  batches' order. Returns the medians, and each one's lowest and highest.
 
   Why steps: at the same error, the char LM lost 8 % of held-out loss and
   the BERT MLM 0.4 %, so an error threshold cannot tell whether a faster,
@@ -700,7 +722,10 @@ def measure_steps(
     for c in runs:
       behind = steps_behind(losses[c.name], losses[reference.name])
       steps[c.name].append(behind)
-  return {name: statistics.median(s) for name, s in steps.items()}
+  return (
+      {name: statistics.median(s) for name, s in steps.items()},
+      {name: (min(s), max(s)) for name, s in steps.items()},
+  )
 
 
 def _warn_unless_as_calibrated(warmup: int, steps: int) -> None:

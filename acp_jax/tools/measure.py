@@ -50,8 +50,9 @@ class Measurements:
     cosine: each candidate's mean per-step cosine between its compressed
       mean gradient and the true mean (S-SGD's is 1).
     steps: each candidate's steps per S-SGD step to the same held-out loss
-      (``steps_behind``; S-SGD's is 1), from a short run of each; empty
+      (``steps_behind``; S-SGD's is 1), the median of its short runs; empty
       where no run was made.
+    steps_range: the lowest and the highest of those runs' steps.
 
   A candidate left out of ``error_to_noise`` was not measured: it is not
   picked, and one predicted faster than the pick is an error.
@@ -62,6 +63,9 @@ class Measurements:
   error_to_noise: Mapping[str, float] = dataclasses.field(default_factory=dict)
   cosine: Mapping[str, float] = dataclasses.field(default_factory=dict)
   steps: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  steps_range: Mapping[str, tuple[float, float]] = dataclasses.field(
+      default_factory=dict
+  )
 
 
 def _split(batch: Any, workers: int) -> Any:
@@ -201,12 +205,7 @@ def run_losses(
   compressed = _Simulated(candidate, params, workers, 0)
   grads_of = _worker_grads(loss_fn)
   held_out = _held_out_loss(loss_fn)
-
-  @jax.jit
-  def apply(params, mean, state):
-    updates, state = optimizer.update(mean, state, params)
-    return optax.apply_updates(params, updates), state
-
+  apply = _apply(optimizer)
   state = optimizer.init(params)
   losses = [held_out(params, eval_batches)]
   for step, batch in enumerate(batches):
@@ -215,6 +214,19 @@ def run_losses(
     if (step + 1) % every == 0:
       losses.append(held_out(params, eval_batches))
   return [float(x) for x in losses]
+
+
+@functools.lru_cache(maxsize=4)
+def _apply(optimizer: optax.GradientTransformation) -> Callable:
+  """``(params, mean, state) -> (params, state)``: a step of
+  ``optimizer``."""
+
+  @jax.jit
+  def apply(params, mean, state):
+    updates, state = optimizer.update(mean, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return apply
 
 
 @functools.lru_cache(maxsize=4)
