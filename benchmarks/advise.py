@@ -22,7 +22,7 @@ cluster sweep and of the time-to-quality runs). ``--run_steps N`` also
 trains S-SGD and each candidate within the threshold N steps with the
 model's optimizer, on the simulated workers, and ranks by the time to
 S-SGD's loss: each step's time times the steps the candidate takes per
-S-SGD step (``acp_jax.tools.advice.measure_steps``).
+S-SGD step (``acp_jax.tools.steps``).
 
 ``--calibrate --char_lm_path PATH`` writes the threshold's records into
 the package (``acp_jax/tools/advice_calibration.json``): for each char-LM
@@ -47,7 +47,9 @@ import jax
 from acp_jax import registry
 from acp_jax.tools import advice as advice_lib
 from acp_jax.tools import calibration as calibration_lib
+from acp_jax.tools import candidates
 from acp_jax.tools import costmodel
+from acp_jax.tools import steps as steps_lib
 from benchmarks import cli
 from benchmarks import convergence
 from benchmarks import convergence_summary
@@ -219,7 +221,9 @@ def _inputs(args, workers: int):
     config = workloads.cluster_config(args.model, "ssgd", args.steps)
   else:
     config = workloads.config(args.model, "ssgd")
-  return train_advice.inputs(config, workers, args.steps, args.run_steps)
+  return train_advice.inputs(
+      config, workers, args.steps, args.run_steps, args.run_repeats
+  )
 
 
 def _override(text: str) -> tuple[str, Any]:
@@ -306,7 +310,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="train each candidate within the threshold, and S-SGD, this"
       " many steps with the model's optimizer, and rank by the time to"
       " S-SGD's loss (0: by the step's time; at least"
-      f" {advice_lib.RUN_STEPS_MIN})",
+      f" {steps_lib.RUN_STEPS_MIN})",
   )
   parser.add_argument(
       "--run_repeats",
@@ -318,7 +322,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument(
       "--ranks",
       type=cli.ints_at_least(1),
-      default=list(advice_lib.RANKS),
+      default=list(candidates.RANKS),
       help="comma-separated ranks of Power-SGD and ACP-SGD",
   )
   parser.add_argument(
@@ -406,7 +410,7 @@ def main(args) -> None:
     return
   rows = []
   for workers in args.workers or [measured_workers]:
-    loss_fn, params, batches, run = _inputs(args, workers)
+    loss_fn, params, batches, short_runs = _inputs(args, workers)
     measured = None  # the first link's measurements serve every link
     for link in links:
       advice = advice_lib.advise(
@@ -420,8 +424,7 @@ def main(args) -> None:
           overlap=args.overlap,
           measurements=measured,
           measure_all=args.measure_all,
-          **(run._asdict() if run else {}),
-          run_repeats=args.run_repeats,
+          short_runs=short_runs,
           progress=_progress(start),
       )
       measured = advice.measurements

@@ -156,6 +156,9 @@ def get_config() -> ml_collections.ConfigDict:
               # threshold, with this config's optimizer, to rank by the
               # time to S-SGD's loss (0: by the step's time; else >= 8).
               "run_steps": 0,
+              # Short runs of each, their batches in other orders: the
+              # median of their steps, and their spread as the resolution.
+              "run_repeats": 1,
               # The held-out loss gap to S-SGD the threshold promises.
               "max_gap": 0.1,
               # Set by the trainer: the advice it follows, as JSON.

@@ -17,7 +17,9 @@ from acp_jax.tools import advice as advice_lib
 from acp_jax.tools import calibration as calibration_lib
 from acp_jax.tools import costmodel
 from acp_jax.tools import measure as measure_lib
+from acp_jax.tools import candidates as candidates_lib
 from acp_jax.tools import simulated
+from acp_jax.tools import steps as steps_lib
 from tests.test_train import small_config
 from train import advice as train_advice
 from train import train
@@ -191,7 +193,7 @@ def test_the_shipped_calibration_is_the_records():
 
 
 def test_update_times_between_the_timed_ranks_are_interpolated():
-  assert measure_lib.timed_ranks(advice_lib.RANKS) == (1, 8, 32)
+  assert measure_lib.timed_ranks(candidates_lib.RANKS) == (1, 8, 32)
   assert measure_lib.timed_ranks((4, 1)) == (1, 4)
   _, params, _ = _mlp()
   candidates = [advice_lib.Candidate("power_sgd", r) for r in (1, 2, 4, 8)]
@@ -284,9 +286,9 @@ def test_candidates_send_bfloat16_factors_off_the_cpu_only():
   on_gpu = advice_lib.default_candidates("gpu")
   assert not any(c.comm_dtype for c in on_cpu)
   assert {c.name for c in on_gpu} - {c.name for c in on_cpu} == {
-      f"{m}_r{r}_bf16" for m in registry.low_rank() for r in advice_lib.RANKS
+      f"{m}_r{r}_bf16" for m in registry.low_rank() for r in candidates_lib.RANKS
   }
-  assert len(on_cpu) == 3 + 2 * len(advice_lib.RANKS)
+  assert len(on_cpu) == 3 + 2 * len(candidates_lib.RANKS)
 
 
 def test_a_candidate_without_a_rank_takes_its_registry_entrys_config():
@@ -502,29 +504,29 @@ def _stretched(factor, evals=21):
 
 @pytest.mark.parametrize("factor", [1.0, 1.25, 2.0, 3.5])
 def test_steps_behind_reads_a_slower_descent_as_its_steps_ratio(factor):
-  got = measure_lib.steps_behind(_stretched(factor), _stretched(1.0))
+  got = steps_lib.steps_behind(_stretched(factor), _stretched(1.0))
   assert got == pytest.approx(factor, rel=0.02)
 
 
 def test_steps_behind_limit_cases():
   reference = _stretched(1.0)
   # Ahead of the reference: no fewer steps than it.
-  assert measure_lib.steps_behind(_stretched(0.5), reference) == 1.0
+  assert steps_lib.steps_behind(_stretched(0.5), reference) == 1.0
   # Above everywhere the reference has been: it never came down to there.
-  assert measure_lib.steps_behind([3.5] * 21, reference) == math.inf
+  assert steps_lib.steps_behind([3.5] * 21, reference) == math.inf
   # A reference that climbs back is read at its best loss so far.
   bumpy = reference[:10] + [reference[10] + 0.2] + reference[11:]
-  assert measure_lib.steps_behind(_stretched(2.0), bumpy) == pytest.approx(
+  assert steps_lib.steps_behind(_stretched(2.0), bumpy) == pytest.approx(
       2.0, rel=0.05
   )
   # One evaluation's noise moves the steps less than the level's share.
   noisy = _stretched(2.0)
   noisy[-1] += 0.05
-  assert measure_lib.steps_behind(noisy, reference) == pytest.approx(
+  assert steps_lib.steps_behind(noisy, reference) == pytest.approx(
       2.0, rel=0.2
   )
   with pytest.raises(ValueError, match="same steps, at least 5, got 4 and 5"):
-    measure_lib.steps_behind([1.0] * 4, [1.0] * 5)
+    steps_lib.steps_behind([1.0] * 4, [1.0] * 5)
 
 
 def test_a_short_run_of_ssgd_is_plain_training_on_the_mean_gradient():
@@ -575,18 +577,15 @@ def test_measured_steps_rank_by_the_time_to_the_loss():
   assert advice.pick.steps == 1.0
 
 
-def test_a_short_run_needs_its_optimizer_and_batches():
+def test_short_runs_name_a_bad_argument():
   _, _, batches = _mlp()
-  link = advice_lib.Link(bandwidth=1e6)
-  with pytest.raises(ValueError, match="optimizer, run_batches and eval_"):
-    _advise(link, optimizer=optax.sgd(0.1), run_batches=batches * 3)
+  sgd = optax.sgd(0.1)
   with pytest.raises(ValueError, match="at least 8 batches, got 3"):
-    _advise(
-        link,
-        optimizer=optax.sgd(0.1),
-        run_batches=batches,
-        eval_batches=batches,
-    )
+    steps_lib.ShortRuns(sgd, batches, batches)
+  with pytest.raises(ValueError, match="eval_batches must hold at least one"):
+    steps_lib.ShortRuns(sgd, batches * 3, [])
+  with pytest.raises(ValueError, match="repeats must be a positive int"):
+    steps_lib.ShortRuns(sgd, batches * 3, batches, repeats=0)
 
 
 def test_the_advice_with_short_runs_measures_and_records_their_steps():
@@ -599,9 +598,7 @@ def test_the_advice_with_short_runs_measures_and_records_their_steps():
       workers=2,
       link=advice_lib.Link(bandwidth=1e4),
       candidates=CANDIDATES[:3],
-      optimizer=optax.sgd(0.1),
-      run_batches=run,
-      eval_batches=batches[:1],
+      short_runs=steps_lib.ShortRuns(optax.sgd(0.1), run, batches[:1]),
   )
   by_name = {r.candidate.name: r for r in advice.rows}
   assert by_name["ssgd"].steps == 1.0
@@ -617,19 +614,20 @@ def test_the_trainers_short_run_is_shuffled_training_and_held_out_batches():
   *_, none = train_advice.inputs(config, WORKERS, 4)
   assert none is None
   loss_fn, params, first, run = train_advice.inputs(
-      config, WORKERS, 4, run_steps=advice_lib.RUN_STEPS_MIN
+      config, WORKERS, 4, run_steps=steps_lib.RUN_STEPS_MIN, run_repeats=2
   )
-  assert len(first) == 4 and len(run.run_batches) == advice_lib.RUN_STEPS_MIN
+  assert len(first) == 4 and len(run.batches) == steps_lib.RUN_STEPS_MIN
+  assert run.repeats == 2
   assert len(run.eval_batches) == train_advice.EVAL_BATCHES
   # Shuffled by the config's seed: not the training split's first rows.
-  assert not np.array_equal(first[0]["inputs"], run.run_batches[0]["inputs"])
+  assert not np.array_equal(first[0]["inputs"], run.batches[0]["inputs"])
   again = train_advice.inputs(config, WORKERS, 4, run_steps=8)[3]
   np.testing.assert_array_equal(
-      again.run_batches[3]["inputs"], run.run_batches[3]["inputs"]
+      again.batches[3]["inputs"], run.batches[3]["inputs"]
   )
   # The config's optimizer: a step of it moves the params.
   state = run.optimizer.init(params)
-  grads = jax.grad(loss_fn)(params, run.run_batches[0])
+  grads = jax.grad(loss_fn)(params, run.batches[0])
   updates, _ = run.optimizer.update(grads, state, params)
   assert any(np.any(np.asarray(u) != 0) for u in jax.tree.leaves(updates))
 
@@ -643,18 +641,11 @@ def test_repeated_short_runs_take_the_median_of_other_orders(monkeypatch):
     orders.append([float(b["x"][0, 0]) for b in batches])
     return real(loss_fn, params, batches, *args, **kwargs)
 
-  monkeypatch.setattr(advice_lib, "run_losses", recorded)
+  monkeypatch.setattr(steps_lib, "run_losses", recorded)
   run = batches * 3
-  steps, steps_range = advice_lib.measure_steps(
-      loss_fn,
-      params,
-      run,
-      batches[:1],
-      CANDIDATES[1:3],
-      optax.sgd(0.1),
-      workers=2,
-      repeats=3,
-  )
+  steps, steps_range = steps_lib.ShortRuns(
+      optax.sgd(0.1), run, batches[:1], repeats=3
+  ).measure(loss_fn, params, CANDIDATES[1:3], workers=2)
   assert steps["ssgd"] == 1.0 and len(steps) == 3
   assert steps_range["ssgd"] == (1.0, 1.0)
   assert all(lo <= steps[n] <= hi for n, (lo, hi) in steps_range.items())
@@ -663,10 +654,6 @@ def test_repeated_short_runs_take_the_median_of_other_orders(monkeypatch):
   assert orders[0] == [float(b["x"][0, 0]) for b in run]
   assert orders[3] != orders[0] and orders[6] not in (orders[0], orders[3])
   assert sorted(orders[3]) == sorted(orders[0])
-  with pytest.raises(ValueError, match="repeats must be a positive int, got 0"):
-    advice_lib.measure_steps(
-        loss_fn, params, run, batches, (), optax.sgd(0.1), workers=2, repeats=0
-    )
 
 
 def test_steps_whose_short_runs_overlap_tie_and_the_lower_error_wins():

@@ -19,15 +19,15 @@ of another pick is then refused by its record.
 import json
 import os
 import sys
-from typing import Any, NamedTuple
+from typing import Any
 
 from flax import nnx
 import jax
 import ml_collections
 import numpy as np
-import optax
 
 from acp_jax.tools import advice as advice_lib
+from acp_jax.tools import steps as steps_lib
 from train import checks
 from train import config as config_lib
 from train import experiment as experiment_lib
@@ -39,15 +39,6 @@ AUTO = "auto"
 ADVICE_FILE = "advice.json"
 
 
-class ShortRun(NamedTuple):
-  """What the advice's short runs train on (``acp_jax.advise``'s
-  ``optimizer``, ``run_batches`` and ``eval_batches``)."""
-
-  optimizer: optax.GradientTransformation
-  run_batches: list[Any]
-  eval_batches: list[Any]
-
-
 # The held-out batches a short run's losses are taken on.
 EVAL_BATCHES = 4
 
@@ -57,13 +48,15 @@ def inputs(
     workers: int,
     steps: int,
     run_steps: int = 0,
+    run_repeats: int = 1,
 ):
   """``config``'s per-worker loss, initial params and first ``steps``
   global batches (its global batch on ``workers`` devices): what
-  ``acp_jax.advise`` measures on; and, for ``run_steps``, its short runs'
-  ``ShortRun`` (None for 0): the config's base optimizer (the one after
+  ``acp_jax.advise`` measures on; and, for ``run_steps``, its
+  ``ShortRuns`` (None for 0): the config's base optimizer (the one after
   the compressor), ``run_steps`` batches in an order shuffled by the
-  config's seed, and ``EVAL_BATCHES`` of the held-out split."""
+  config's seed, ``EVAL_BATCHES`` of the held-out split, and
+  ``run_repeats``."""
   config = ml_collections.ConfigDict(config.to_dict())
   config.compressor.name = "ssgd"
   experiment = experiment_lib.build(config)
@@ -93,10 +86,11 @@ def inputs(
   if not run_steps:
     return loss_fn, params, first, None
   shuffled = np.random.default_rng(config.seed).permutation(len(data.train))
-  run = ShortRun(
+  run = steps_lib.ShortRuns(
       optimizers.optimizer(config, optimizers.schedule(config)),
       batches(data.train, shuffled, run_steps),
       batches(data.eval, np.arange(len(data.eval)), EVAL_BATCHES),
+      run_repeats,
   )
   return loss_fn, params, first, run
 
@@ -114,8 +108,8 @@ def _measured(config: ml_collections.ConfigDict) -> list[dict[str, Any]]:
         " (bytes per second; inf for none) or config.compressor.auto.advice"
         " (a saved advice file), got neither"
     )
-  loss_fn, params, batches, run = inputs(
-      config, _workers(config), auto.steps, auto.run_steps
+  loss_fn, params, batches, short_runs = inputs(
+      config, _workers(config), auto.steps, auto.run_steps, auto.run_repeats
   )
   advice = advice_lib.advise(
       loss_fn,
@@ -124,7 +118,7 @@ def _measured(config: ml_collections.ConfigDict) -> list[dict[str, Any]]:
       workers=_workers(config),
       link=advice_lib.Link(auto.bandwidth, auto.latency),
       max_gap=auto.max_gap,
-      **(run._asdict() if run else {}),
+      short_runs=short_runs,
       progress=lambda line: print(f"advice: {line}", file=sys.stderr),
   )
   print(advice.table(), flush=True)
@@ -196,7 +190,8 @@ def _check_numbers(auto: ml_collections.ConfigDict) -> None:
     checks.int_in(
         "config.compressor.auto.steps", auto.steps, advice_lib.WARMUP + 1
     )
-    low = advice_lib.RUN_STEPS_MIN
+    checks.int_in("config.compressor.auto.run_repeats", auto.run_repeats, 1)
+    low = steps_lib.RUN_STEPS_MIN
     if auto.run_steps != 0 and not (
         checks.is_int(auto.run_steps) and auto.run_steps >= low
     ):

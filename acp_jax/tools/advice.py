@@ -29,7 +29,7 @@ For a model, a few batches, a number of workers and a link, ``advise``:
    and each candidate within the threshold that many steps on the
    simulated workers, reads from the runs' held-out losses how many steps
    each candidate takes per S-SGD step to the same loss
-   (``measure_steps``), and ranks by the time to S-SGD's loss, each step's
+   (``acp_jax.tools.steps``), and ranks by the time to S-SGD's loss, each step's
    time times those steps, in place of the step's time: a faster step that
    needs more steps can arrive later, which an error threshold cannot
    tell.
@@ -80,8 +80,6 @@ from typing import Any
 import warnings
 
 import jax
-import numpy as np
-import optax
 
 from acp_jax import _checks
 from acp_jax import compressor as compressor_lib
@@ -93,95 +91,18 @@ from acp_jax.tools.calibration import MAX_GAP
 from acp_jax.tools.measure import Measurements
 from acp_jax.tools.measure import measure
 from acp_jax.tools.measure import STEPS
-from acp_jax.tools.measure import run_losses
-from acp_jax.tools.measure import steps_behind
+from acp_jax.tools.candidates import Candidate
+from acp_jax.tools.candidates import default_candidates
+from acp_jax.tools.steps import ShortRuns
 from acp_jax.tools.measure import volumes
 from acp_jax.tools.measure import WARMUP
 
-RANKS = (1, 2, 4, 8, 16, 32)
-# Backends whose all-reduce sends bfloat16 as it is (XLA:CPU widens it to
-# float32, so bfloat16 factors save nothing there).
-BFLOAT16_BACKENDS = ("gpu", "tpu")
 # Candidates predicted within this fraction of the fastest one within the
 # threshold tie with it: the timings cannot tell them apart (two that send
 # the same bytes differ by their updates' noise, a fraction of a percent).
 # Of those within the threshold, the pick is the one of least error, which
 # reaches a given loss in fewer steps.
 TIE = 0.02
-# The fewest steps of a short run that measures a candidate's steps per
-# S-SGD step, and how many times it takes the held-out loss (every step
-# where it takes fewer).
-RUN_STEPS_MIN = 8
-RUN_EVALS = 20
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-  """A compressor the advice weighs: a registered compressor's name
-  (``acp_jax.registry``), and a low-rank one's rank and factor dtype.
-
-  A candidate without a rank is made with its registry entry's configured
-  arguments (Top-k with its ``density``); a low-rank one with its ``rank``
-  and ``comm_dtype``, the factory's defaults besides.
-  """
-
-  method: str
-  rank: int | None = None
-  comm_dtype: str | None = None
-
-  def __post_init__(self):
-    _checks.choice("method", self.method, registry.names())
-    low_rank = registry.low_rank()
-    if (self.rank is not None) != (self.method in low_rank):
-      raise ValueError(
-          f"rank is for {' and '.join(low_rank)} only, got rank"
-          f" {self.rank!r} for {self.method!r}"
-      )
-
-  @property
-  def name(self) -> str:
-    """``"acp_sgd_r4"``, ``"power_sgd_r8_bf16"``, ``"ssgd"``..."""
-    name = self.method if self.rank is None else f"{self.method}_r{self.rank}"
-    return name + ("_bf16" if self.comm_dtype == "bfloat16" else "")
-
-  def kwargs(self) -> dict[str, Any]:
-    """The factory's arguments that make this candidate: a low-rank one's
-    rank and factor dtype, or else the entry's configured values (a type in
-    ``Entry.config`` stands for the factory's default, and is left out)."""
-    if self.rank is not None:
-      return {"rank": self.rank, "comm_dtype": self.comm_dtype}
-    config = registry.get(self.method).config
-    return {k: v for k, v in config.items() if not isinstance(v, type)}
-
-  def make(self, **kwargs: Any) -> compressor_lib.Compressor:
-    """The compressor, with any further factory arguments (``axis_name``,
-    ``warmup_steps``...)."""
-    factory = registry.get(self.method).factory
-    return factory(**self.kwargs(), **kwargs)
-
-
-def default_candidates(
-    backend: str | None = None, ranks: Sequence[int] = RANKS
-) -> tuple[Candidate, ...]:
-  """Every registered compressor (``acp_jax.registry``), in the order they
-  were registered: one without a rank once, and a low-rank one (Power-SGD,
-  ACP-SGD) at each of ``ranks`` with factors of the gradients' dtype, and
-  with bfloat16 ones too where ``backend`` (default: JAX's) all-reduces
-  bfloat16 as it is."""
-  backend = backend or jax.default_backend()
-  dtypes = (None, "bfloat16") if backend in BFLOAT16_BACKENDS else (None,)
-  for r in ranks:
-    _checks.integer("rank", r, 1)
-  low_rank = registry.low_rank()
-  candidates = []
-  for name in registry.names():
-    if name in low_rank:
-      candidates += [Candidate(name, r, d) for r in ranks for d in dtypes]
-    else:
-      candidates.append(Candidate(name))
-  return tuple(candidates)
-
-
 @dataclasses.dataclass(frozen=True)
 class Link:
   """Each worker's link: ``bandwidth`` in bytes per second (``math.inf``
@@ -526,10 +447,7 @@ def advise(
     measurements: Measurements | None = None,
     measure_all: bool = False,
     warmup: int = WARMUP,
-    optimizer: optax.GradientTransformation | None = None,
-    run_batches: Sequence[Any] = (),
-    eval_batches: Sequence[Any] = (),
-    run_repeats: int = 1,
+    short_runs: ShortRuns | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Advice:
   """Which compressor, at which rank, for this model on this link.
@@ -553,18 +471,10 @@ def advise(
       candidates predicted faster than the pick, and the pick's.
     warmup: dense steps before the errors are taken (see ``measure``;
       the calibration's measurement took ``WARMUP``).
-    optimizer: with ``run_batches`` and ``eval_batches``, the optimizer
-      the run trains with: each candidate within the threshold, and S-SGD,
-      then trains a short run from ``params``, a step a batch, and the
-      advice ranks by the time to S-SGD's loss, each step's time times the
-      candidate's steps per S-SGD step (``measure_steps``). Every error is
-      measured first.
-    run_batches: the short runs' global batches, one a step (at least
-      ``RUN_STEPS_MIN``), shuffled as training would.
-    eval_batches: held-out batches, each one's loss taken ``RUN_EVALS``
-      times over a run.
-    run_repeats: short runs of each, their batches in other orders (see
-      ``measure_steps``).
+    short_runs: with them, every error is measured, then S-SGD and each
+      candidate within the threshold train these short runs
+      (``steps.ShortRuns``), and the advice ranks by the time to S-SGD's
+      loss, each step's time times the candidate's steps per S-SGD step.
     progress: called with a line before each measurement.
 
   Returns:
@@ -588,19 +498,7 @@ def advise(
     )
   candidates = tuple(candidates or default_candidates())
   calibration = Calibration.recorded(max_gap)
-  if len({optimizer is None, not run_batches, not eval_batches}) > 1:
-    raise ValueError(
-        "optimizer, run_batches and eval_batches come together (a short"
-        f" run of each candidate), got optimizer={optimizer!r},"
-        f" {len(run_batches)} run_batches and {len(eval_batches)}"
-        " eval_batches"
-    )
-  if run_batches and len(run_batches) < RUN_STEPS_MIN:
-    raise ValueError(
-        f"run_batches must hold at least {RUN_STEPS_MIN} batches, got"
-        f" {len(run_batches)}"
-    )
-  measure_all = measure_all or optimizer is not None
+  measure_all = measure_all or short_runs is not None
   first = jax.tree.leaves(batches[0]) if len(batches) else []
   if not first:
     raise ValueError(f"batches must hold at least one batch, got {batches!r}")
@@ -608,44 +506,21 @@ def advise(
   sent = volumes(candidates, params, workers)
   if measurements is None:
     _warn_unless_as_calibrated(warmup, len(batches))
-    ranking = []
 
     def ranked(timed):
-      ranking[:] = _ranked(
+      return _ranked(
           timed, sent, candidates, workers, link, global_batch, overlap
       )
-      return [r.candidate for r in ranking]
 
-    def enough(errors):
-      return choose(ranking, errors, calibration)[0] is not None
-
-    measurements = measure(
-        loss_fn,
-        params,
-        batches,
-        candidates,
-        workers=workers,
-        warmup=warmup,
-        progress=progress,
-        order=None if measure_all else ranked,
-        enough=None if measure_all else enough,
+    ranking = None if measure_all else (ranked, calibration)
+    measurements = _measure_ranked(
+        loss_fn, params, batches, candidates, workers, warmup, progress, ranking
     )
-  if optimizer is not None and not measurements.steps:
-    admitted = [
-        c
-        for c in candidates
-        if calibration.admits(measurements.error_to_noise[c.name])
-    ]
-    steps, steps_range = measure_steps(
-        loss_fn,
-        params,
-        run_batches,
-        eval_batches,
-        admitted,
-        optimizer,
-        workers=workers,
-        repeats=run_repeats,
-        progress=progress,
+  if short_runs is not None and not measurements.steps:
+    error = measurements.error_to_noise
+    admitted = [c for c in candidates if calibration.admits(error[c.name])]
+    steps, steps_range = short_runs.measure(
+        loss_fn, params, admitted, workers=workers, progress=progress
     )
     measurements = dataclasses.replace(
         measurements, steps=steps, steps_range=steps_range
@@ -659,72 +534,32 @@ def advise(
       global_batch=global_batch,
       calibration=calibration,
       overlap=overlap,
-      run_steps=len(run_batches),
-      run_repeats=run_repeats if run_batches else 0,
+      run_steps=len(short_runs.batches) if short_runs else 0,
+      run_repeats=short_runs.repeats if short_runs else 0,
   )
 
 
-def measure_steps(
-    loss_fn: Callable[[Any, Any], jax.Array],
-    params: Any,
-    batches: Sequence[Any],
-    eval_batches: Sequence[Any],
-    candidates: Sequence[Candidate],
-    optimizer: optax.GradientTransformation,
-    *,
-    workers: int,
-    repeats: int = 1,
-    progress: Callable[[str], None] | None = None,
-) -> tuple[dict[str, float], dict[str, tuple[float, float]]]:
-  """Each candidate's steps per S-SGD step to the same held-out loss
-  (``measure.steps_behind``), by name: S-SGD and each candidate train a
-  short run from ``params`` with ``optimizer``, a step a batch of
-  ``batches``, on ``workers`` simulated devices, each candidate
-  compressing from its first step, their loss on ``eval_batches`` taken
-  ``RUN_EVALS`` times (``measure.run_losses``); with ``repeats``, the
-  median over that many runs of each, the batches in the given order and
-  then shuffled by seeds 1, 2, ...: one run's steps carry the luck of its
-  batches' order. Returns the medians, and each one's lowest and highest.
+def _measure_ranked(
+    loss_fn, params, batches, candidates, workers, warmup, progress, ranking
+) -> Measurements:
+  """``measure``'s measurements of ``candidates``; with ``ranking``, a
+  ``(rank, calibration)`` pair, the errors in the order ``rank`` (its
+  measurements -> rows) gives, until ``choose`` is sure of the pick."""
+  kwargs = {"workers": workers, "warmup": warmup, "progress": progress}
+  if ranking is None:
+    return measure(loss_fn, params, batches, candidates, **kwargs)
+  rank, calibration = ranking
+  rows = []
 
-  Why steps: at the same error, the char LM lost 8 % of held-out loss and
-  the BERT MLM 0.4 %, so an error threshold cannot tell whether a faster,
-  rougher method arrives first. A short run measures how much slower the
-  candidate descends on this model, with this optimizer, and the advice
-  multiplies each step's time by it. It is measured early in training, so
-  it predicts the later gap only as far as the gap holds its size.
-  """
-  _checks.integer("workers", workers, 1)
-  _checks.integer("repeats", repeats, 1)
-  say = progress or (lambda line: None)
-  every = max(1, len(batches) // RUN_EVALS)
-  reference = Candidate("ssgd")
-  runs = list(dict.fromkeys((reference, *candidates)))
-  steps = {c.name: [] for c in runs}
-  for seed in range(repeats):
-    order = np.random.default_rng(seed).permutation(len(batches))
-    ordered = [batches[i] for i in order] if seed else list(batches)
-    losses = {}
-    for i, c in enumerate(runs):
-      say(
-          f"[{i + 1}/{len(runs)}] {len(batches)} steps of {c.name}"
-          + (f", order {seed + 1} of {repeats}" if repeats > 1 else "")
-      )
-      losses[c.name] = run_losses(
-          loss_fn,
-          params,
-          ordered,
-          eval_batches,
-          c,
-          optimizer,
-          workers=workers,
-          every=every,
-      )
-    for c in runs:
-      behind = steps_behind(losses[c.name], losses[reference.name])
-      steps[c.name].append(behind)
-  return (
-      {name: statistics.median(s) for name, s in steps.items()},
-      {name: (min(s), max(s)) for name, s in steps.items()},
+  def order(timed):
+    rows[:] = rank(timed)
+    return [r.candidate for r in rows]
+
+  def enough(errors):
+    return choose(rows, errors, calibration)[0] is not None
+
+  return measure(
+      loss_fn, params, batches, candidates, order=order, enough=enough, **kwargs
   )
 
 

@@ -13,7 +13,6 @@ turns it into a pick.
 from collections.abc import Callable, Mapping, Sequence
 import dataclasses
 import functools
-import itertools
 import math
 import statistics
 from typing import Any
@@ -243,53 +242,6 @@ def _held_out_loss(loss_fn: Callable[[Any, Any], jax.Array]) -> Callable:
   return lambda params, batches: jnp.mean(
       jnp.stack([loss(params, b) for b in batches])
   )
-
-
-def steps_behind(losses: Sequence[float], reference: Sequence[float]) -> float:
-  """The steps a short run takes per step of the ``reference`` run's to the
-  same held-out loss: 1 for a run as good as the reference, 2 for one that
-  needs twice its steps.
-
-  Both lists are held-out losses on the same batches, at the same evenly
-  spaced steps from the start (``run_losses``), each read as its best loss
-  so far. The run's curve is read as the reference's, stretched in steps
-  by a factor ``f``: its mean over the last quarter of the evaluations
-  (the mean, so that one evaluation's noise counts less) equals the
-  reference's mean over the same steps divided by ``f``, interpolated
-  linearly between evaluations. A run ahead of the reference counts as 1
-  (a compressed mean follows the true one, it does not outrun it); one
-  whose loss the reference never came down to within the run, as
-  ``math.inf``.
-  """
-  if len(losses) != len(reference) or len(losses) < 5:
-    raise ValueError(
-        "losses and reference must be evaluations at the same steps, at"
-        f" least 5, got {len(losses)} and {len(reference)}"
-    )
-  best = list(itertools.accumulate(reference, min))
-  last = range(len(losses) - max(2, len(losses) // 4), len(losses))
-  own_best = list(itertools.accumulate(losses, min))
-  level = statistics.fmean(own_best[i] for i in last)
-
-  def reference_level(f):  # its mean over those steps, stretched by f
-    return statistics.fmean(_interpolate(best, i / f) for i in last)
-
-  if reference_level(1.0) >= level:
-    return 1.0
-  high = float(last[-1])  # every stretched step within the first interval
-  if reference_level(high) < level:
-    return math.inf
-  low = 1.0
-  while high - low > 1e-4 * low:  # bisection: the level falls as f grows
-    mid = (low + high) / 2
-    low, high = (mid, high) if reference_level(mid) < level else (low, mid)
-  return (low + high) / 2
-
-
-def _interpolate(curve: Sequence[float], x: float) -> float:
-  """``curve`` at the fractional index ``x``, linear between its points."""
-  i = min(int(x), len(curve) - 2)
-  return curve[i] + (x - i) * (curve[i + 1] - curve[i])
 
 
 def _update_seconds(
