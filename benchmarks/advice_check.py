@@ -176,6 +176,14 @@ def quality_points(rows, curves, links, advice) -> list[dict[str, Any]]:
   return out
 
 
+def _short_runs(record: dict[str, Any]) -> str:
+  """The short runs an advice record's steps come from, in words."""
+  steps = record.get("run_steps")
+  if not steps:
+    return "none"
+  return f"{record['run_repeats']} x {steps} steps"
+
+
 def _quality_point(task, workers, bandwidth, warmup, here, ranked):
   """``quality_points``' row of one point: its ``here`` records and the
   advice's ``ranked`` rows for its link."""
@@ -191,7 +199,8 @@ def _quality_point(task, workers, bandwidth, warmup, here, ranked):
       "warmup": warmup,
       "fastest": fastest,
       "fastest_s": median[fastest],
-      "run_steps": ranked[0].get("run_steps") or 0,
+      "short_runs": _short_runs(ranked[0]),
+      "machine": here[0]["machine"],
       "date": here[0]["date"],
   }
   rows = [advice_lib.Row.from_dict(r) for r in ranked if r["name"] in names]

@@ -194,8 +194,12 @@ def record(
     out.update(records.repeated("composed_seconds", each))
     out["composed_seconds"] = statistics.median(each)
     out["composed_warmup"] = warmup  # the dense steps it priced as such
-    out["composed_agrees"] = time_to_quality.agrees(
-        out["composed_seconds"], out["steady_seconds"]
+    # Seeds that did not reach the target within their runs compose no
+    # time: nothing to check.
+    out["composed_agrees"] = (
+        time_to_quality.agrees(out["composed_seconds"], out["steady_seconds"])
+        if math.isfinite(out["composed_seconds"])
+        else None
     )
   return {
       k: None if isinstance(v, float) and not math.isfinite(v) else v

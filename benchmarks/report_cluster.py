@@ -17,6 +17,7 @@ from acp_jax.tools import advice as advice_lib
 from acp_jax.tools import costmodel
 from benchmarks import advice_check
 from benchmarks import cluster
+from benchmarks import consistency
 from benchmarks import convergence
 from benchmarks import plots
 from benchmarks import project
@@ -626,7 +627,7 @@ _QUALITY_ADVICE_COLUMNS = {
     "warmup": "dense steps",
     "fastest": "fastest",
     "fastest_s": "its seconds",
-    "run_steps": "short run",
+    "short_runs": "short runs",
     "advised": "advised",
     "advised_s": "its seconds",
     "ratio": "advised / fastest",
@@ -637,20 +638,26 @@ _QUALITY_ADVICE_COLUMNS = {
 def quality_advice_section(rows, curves, links, advice) -> list[str]:
   """At each point of the time-to-quality runs
   (``advice_check.quality_points``), the advice against the fastest method,
-  from the ``advice`` records of the runs' tasks."""
+  from the ``advice`` records of the runs' tasks: a section per machine."""
   advice = [r for r in advice if r["model"] in convergence.TASKS]
   table = advice_check.quality_points(rows, curves, links, advice)
-  if not table:
-    return []
-  dates = {r["date"] for r in table}
-  return [
-      fill(
-          "advice_quality",
-          provenance=template.provenance(
-              advice + [r for r in rows if r["date"] in dates]
-          ),
-          errors=measured_errors(advice),
-          table=records.table(table, _QUALITY_ADVICE_COLUMNS),
-          goal=thresholds.ADVICE_TIME_TO_QUALITY,
-      )
-  ]
+  out = []
+  for machine in dict.fromkeys(r["machine"] for r in table):
+    here = [r for r in table if r["machine"] == machine]
+    dates = {r["date"] for r in here}
+    mine = [r for r in advice if r["machine"] == machine]
+    out.append(
+        fill(
+            "advice_quality",
+            machine=consistency.machine({"machine": machine}),
+            provenance=template.provenance(
+                mine + [r for r in rows if r["date"] in dates]
+            ),
+            errors=measured_errors(mine),
+            table=records.table(here, _QUALITY_ADVICE_COLUMNS),
+            goal=thresholds.ADVICE_TIME_TO_QUALITY,
+        )
+    )
+  return out
+
+

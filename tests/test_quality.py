@@ -45,6 +45,8 @@ def test_a_record_that_never_reached_its_target_is_written(tmp_path):
   r = quality.record([_round(None, 20.0), _round(8, 12.0)], 2.5, never)
   assert r["composed_seconds"] is None and r["train_seconds_run1"] is None
   assert r["composed_steps_seed0"] is None
+  # No composed time, so no check of one: neither agreeing nor not.
+  assert r["composed_agrees"] is None
   records.write("quality", [r], tmp_path)
   assert records.read("quality", tmp_path) == [r]
 
@@ -336,6 +338,8 @@ def _advice_row(method, rank, step_s, error_to_noise):
       "max_gap": 0.1,
       "calibration": "test",
       "machine": "test",
+      "date": "2026-01-01 00:00 UTC",
+      "command": "advise",
   }
 
 
@@ -373,6 +377,26 @@ def test_the_advice_is_judged_on_each_points_time_to_quality():
   (row,) = [r for r in rows if "advised method reaches" in r[0]]
   assert row[1] == "1 of 1 points advised; worst round 1.60x"
   assert row[2] is False
+  assert point["short_runs"] == "none"
+  # A later record of the point replaces it: its short runs measured
+  # ACP-SGD r8 at twice S-SGD's steps, so Power-SGD r4 is sooner to the loss.
+  steps = lambda r: 2.0 if r["name"] == "acp_sgd_r8" else 1.0
+  later = sorted(
+      (
+          {
+              **r,
+              "date": "2026-01-02 00:00 UTC",
+              "run_steps": 100,
+              "run_repeats": 3,
+              **dict.fromkeys(("steps", "steps_low", "steps_high"), steps(r)),
+          }
+          for r in advice
+      ),
+      key=lambda r: r["step_s"] * r["steps"],
+  )
+  (point,) = advice_check.quality_points(run, [], links, advice + later)
+  assert point["advised"] == "power_sgd_r4"
+  assert point["short_runs"] == "3 x 100 steps"
   # Power-SGD predicted within the advice's tie (2 %) of ACP-SGD r8: the
   # lower error is picked, as the advice picks it.
   advice[3] = _advice_row("power_sgd", 4, 0.305, 0.2)
