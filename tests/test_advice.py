@@ -285,10 +285,11 @@ def test_candidates_send_bfloat16_factors_off_the_cpu_only():
   on_cpu = advice_lib.default_candidates("cpu")
   on_gpu = advice_lib.default_candidates("gpu")
   assert not any(c.comm_dtype for c in on_cpu)
+  ranks = candidates_lib.RANKS
   assert {c.name for c in on_gpu} - {c.name for c in on_cpu} == {
-      f"{m}_r{r}_bf16" for m in registry.low_rank() for r in candidates_lib.RANKS
+      f"{m}_r{r}_bf16" for m in registry.low_rank() for r in ranks
   }
-  assert len(on_cpu) == 3 + 2 * len(candidates_lib.RANKS)
+  assert len(on_cpu) == 3 + 2 * len(ranks)
 
 
 def test_a_candidate_without_a_rank_takes_its_registry_entrys_config():

@@ -25,14 +25,14 @@ For a model, a few batches, a number of workers and a link, ``advise``:
    convergence records (``Calibration``): the highest recorded error at and
    below which every recorded variant ended within ``max_gap`` of S-SGD's
    held-out loss;
-6. given the model's ``optimizer`` and a short run's batches, trains S-SGD
-   and each candidate within the threshold that many steps on the
-   simulated workers, reads from the runs' held-out losses how many steps
-   each candidate takes per S-SGD step to the same loss
-   (``acp_jax.tools.steps``), and ranks by the time to S-SGD's loss, each step's
-   time times those steps, in place of the step's time: a faster step that
-   needs more steps can arrive later, which an error threshold cannot
-   tell.
+6. given ``short_runs`` (``acp_jax.tools.steps.ShortRuns``: the model's
+   optimizer and a short run's batches), trains S-SGD and each candidate
+   within the threshold that many steps on the simulated workers, reads
+   from the runs' held-out losses how many steps each candidate takes per
+   S-SGD step to the same loss, and ranks by the time to S-SGD's loss,
+   each step's time times those steps, in place of the step's time: a
+   faster step that needs more steps can arrive later, which an error
+   threshold cannot tell.
 
 Given ``Measurements``, the advice is arithmetic on the accounting, the same
 for the same inputs.
@@ -88,14 +88,14 @@ from acp_jax.tools import calibration
 from acp_jax.tools import costmodel
 from acp_jax.tools.calibration import Calibration
 from acp_jax.tools.calibration import MAX_GAP
+from acp_jax.tools.candidates import Candidate
+from acp_jax.tools.candidates import default_candidates
 from acp_jax.tools.measure import Measurements
 from acp_jax.tools.measure import measure
 from acp_jax.tools.measure import STEPS
-from acp_jax.tools.candidates import Candidate
-from acp_jax.tools.candidates import default_candidates
-from acp_jax.tools.steps import ShortRuns
 from acp_jax.tools.measure import volumes
 from acp_jax.tools.measure import WARMUP
+from acp_jax.tools.steps import ShortRuns
 
 # Candidates predicted within this fraction of the fastest one within the
 # threshold tie with it: the timings cannot tell them apart (two that send
@@ -103,6 +103,8 @@ from acp_jax.tools.measure import WARMUP
 # Of those within the threshold, the pick is the one of least error, which
 # reaches a given loss in fewer steps.
 TIE = 0.02
+
+
 @dataclasses.dataclass(frozen=True)
 class Link:
   """Each worker's link: ``bandwidth`` in bytes per second (``math.inf``
