@@ -233,6 +233,7 @@ def table(record: Sequence[Mapping[str, Any]]) -> str:
       if pick is fastest
       else "of least error of those within the threshold predicted within"
       f" {TIE:.0%} of the fastest of them, {fastest['name']}"
+      + (", or whose short runs' times overlap its" if runs else "")
   )
   if runs:
     why += (
