@@ -5,7 +5,7 @@ inside ``jax.shard_map`` or ``jax.pmap`` with a device's local gradients,
 returns their (approximate) mean over the data-parallel axis.
 
 The measurement tools (the advice, the cost model, simulated devices,
-timing, the readers of compiled HLO) live in ``acp_jax.tools``, which
+timing, the readers of compiled HLO) live in ``acp_jax_tools``, which
 ``import acp_jax`` does not load: ``acp_jax.advise``, ``acp_jax.Advice``,
 ``acp_jax.advice`` and ``acp_jax.hlo`` import theirs on first use.
 """
@@ -72,15 +72,15 @@ __all__ = (
 
 # The tools' public names, each as (module, attribute; None: the module).
 _TOOLS = {
-    "Advice": ("acp_jax.tools.advice", "Advice"),
-    "advice": ("acp_jax.tools.advice", None),
-    "advise": ("acp_jax.tools.advice", "advise"),
-    "hlo": ("acp_jax.tools.hlo", None),
+    "Advice": ("acp_jax_tools.advice", "Advice"),
+    "advice": ("acp_jax_tools.advice", None),
+    "advise": ("acp_jax_tools.advice", "advise"),
+    "hlo": ("acp_jax_tools.hlo", None),
 }
 
 
 def __getattr__(name: str) -> Any:
-  """A tool's public name, imported from ``acp_jax.tools`` on first use."""
+  """A tool's public name, imported from ``acp_jax_tools`` on first use."""
   if name not in _TOOLS:
     raise AttributeError(f"module 'acp_jax' has no attribute {name!r}")
   module, attribute = _TOOLS[name]

@@ -39,7 +39,7 @@ class Entry:
     low_rank: whether it has a ``rank`` and a dense warm-up
       (``warmup_steps``), as Power-SGD and ACP-SGD do.
     rounds: the dependent all-reduce rounds of one step, each waiting for
-      the one before (``acp_jax.tools.hlo.collective_rounds`` of its
+      the one before (``acp_jax_tools.hlo.collective_rounds`` of its
       compiled update): 2 for Power-SGD, whose second projection needs the
       first's all-reduced factor; the cost model fuses its all-reduces into
       that many.

@@ -9,7 +9,7 @@ import statistics
 from typing import Any
 
 from acp_jax import registry
-from acp_jax.tools import advice as advice_lib
+from acp_jax_tools import advice as advice_lib
 from benchmarks import convergence
 from benchmarks import launch
 from benchmarks import records

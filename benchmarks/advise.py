@@ -22,16 +22,16 @@ cluster sweep and of the time-to-quality runs). ``--run_steps N`` also
 trains S-SGD and each candidate within the threshold N steps with the
 model's optimizer, on the simulated workers, and ranks by the time to
 S-SGD's loss: each step's time times the steps the candidate takes per
-S-SGD step (``acp_jax.tools.steps``).
+S-SGD step (``acp_jax_tools.steps``).
 
 ``--calibrate --char_lm_path PATH`` writes the threshold's records into
-the package (``acp_jax/tools/advice_calibration.json``): for each char-LM
+the package (``acp_jax_tools/advice_calibration.json``): for each char-LM
 variant of the convergence records (``convergence.json``) that trained
 Power-SGD or ACP-SGD on the gradient after a dense warm-up that warmed its
 factors, its
 held-out loss gap to S-SGD (the mean over seeds) and its error and cosine
 measured as the advice measures a candidate's
-(``acp_jax.tools.advice.measure``: the same warm-up and steps) on the
+(``acp_jax_tools.advice.measure``: the same warm-up and steps) on the
 convergence runs' char LM, workers and batch, from its initial params.
 """
 
@@ -45,11 +45,11 @@ from typing import Any
 import jax
 
 from acp_jax import registry
-from acp_jax.tools import advice as advice_lib
-from acp_jax.tools import calibration as calibration_lib
-from acp_jax.tools import candidates
-from acp_jax.tools import costmodel
-from acp_jax.tools import steps as steps_lib
+from acp_jax_tools import advice as advice_lib
+from acp_jax_tools import calibration as calibration_lib
+from acp_jax_tools import candidates
+from acp_jax_tools import costmodel
+from acp_jax_tools import steps as steps_lib
 from benchmarks import cli
 from benchmarks import convergence
 from benchmarks import convergence_summary
@@ -400,7 +400,7 @@ def main(args) -> None:
             for k in ("coordinator_address", "num_processes", "process_id")
         },
     )
-  # One device: the workers are simulated by vmap (acp_jax.tools.simulated).
+  # One device: the workers are simulated by vmap (acp_jax_tools.simulated).
   meta = cli.start(args, None if args.measure_link else 1)
   links, measured_workers = (
       (given, None) if given else _measured_link()

@@ -33,7 +33,7 @@ import statistics
 import sys
 from typing import Any
 
-from acp_jax.tools import costmodel
+from acp_jax_tools import costmodel
 from benchmarks import cli
 from benchmarks import cluster_nodes
 from benchmarks import launch

@@ -10,7 +10,7 @@ For the overlap with backprop, the whole train step of ``train/train.py``
 (forward, backward, compressor, optimizer, metrics) is compiled the same
 way, on abstract state and batch, in every phase, once with the
 compressor's default buckets and once with all leaves in one bucket; and
-``acp_jax.tools.hlo.overlap_potential`` reads from each how much of the step's
+``acp_jax_tools.hlo.overlap_potential`` reads from each how much of the step's
 compute its collectives could run beside.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 import jax
 
 import acp_jax
-from acp_jax.tools import hlo
+from acp_jax_tools import hlo
 from benchmarks import cli
 from benchmarks import records as records_lib
 from benchmarks import thresholds

@@ -32,7 +32,7 @@ inverse square root of a running second moment (decay b2) of the
   longer of rank r.
 
 The devices are simulated by ``jax.vmap`` over the mapped axis
-(``acp_jax.tools.simulated``), on the default device.
+(``acp_jax_tools.simulated``), on the default device.
 
   python -m benchmarks.direction --char_lm_path PATH [--measure_steps 30]
 """
@@ -49,7 +49,7 @@ from flax import nnx
 import jax
 import optax
 
-from acp_jax.tools import simulated
+from acp_jax_tools import simulated
 from benchmarks import adam_geometry
 from benchmarks import workloads
 from benchmarks.adam_geometry import B1
@@ -81,7 +81,7 @@ def is_measured(variant: str) -> bool:
 
 class _Run:
   """A variant's update on devices simulated by ``jax.vmap``
-  (``acp_jax.tools.simulated``), its compressor state and Adam moments."""
+  (``acp_jax_tools.simulated``), its compressor state and Adam moments."""
 
   def __init__(self, variant: adam_geometry.Variant, params, num_devices):
     self.variant = variant

@@ -17,7 +17,7 @@ the median is reported.
 
 Then the train step of each model is compiled for eight GPUs on this one
 (``jax_mock_gpu_topology``, mock NCCL), with XLA's latency-hiding scheduler
-on, and ``acp_jax.tools.hlo.scheduled_overlap`` reads from the scheduled
+on, and ``acp_jax_tools.hlo.scheduled_overlap`` reads from the scheduled
 module how much compute sits between each collective's start and its done:
 the backward pass a collective hides behind. Each model compiles in a
 process of its own, since the topology is fixed when JAX's backend starts,
@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from acp_jax.tools import timing
+from acp_jax_tools import timing
 from benchmarks import cli
 from benchmarks import workloads
 
@@ -185,7 +185,7 @@ def schedule(model: str, compressors: Sequence[str]) -> None:
   process of its own.
   """
   jax.config.update("jax_mock_gpu_topology", TOPOLOGY)
-  from acp_jax.tools import hlo
+  from acp_jax_tools import hlo
   from train import experiment as experiment_lib
   from train import train
 

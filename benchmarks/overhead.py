@@ -31,7 +31,7 @@ from jax import lax
 import numpy as np
 from threadpoolctl import threadpool_info
 
-from acp_jax.tools import timing
+from acp_jax_tools import timing
 from benchmarks import cli
 from benchmarks import thresholds
 from benchmarks import workloads

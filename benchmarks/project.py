@@ -29,8 +29,8 @@ import jax
 import numpy as np
 
 import acp_jax
-from acp_jax.tools import costmodel
-from acp_jax.tools import timing
+from acp_jax_tools import costmodel
+from acp_jax_tools import timing
 from benchmarks import cli
 from benchmarks import launch
 from benchmarks import records as records_lib

@@ -13,8 +13,8 @@ import statistics
 from typing import Any
 
 from acp_jax import registry
-from acp_jax.tools import advice as advice_lib
-from acp_jax.tools import costmodel
+from acp_jax_tools import advice as advice_lib
+from acp_jax_tools import costmodel
 from benchmarks import advice_check
 from benchmarks import cluster
 from benchmarks import consistency

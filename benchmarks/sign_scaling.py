@@ -56,7 +56,7 @@ def time_update(
   import numpy as np
 
   import acp_jax
-  from acp_jax.tools import timing
+  from acp_jax_tools import timing
 
   factory, kwargs = COMPRESSORS[compressor]
   tx = getattr(acp_jax, factory)(**kwargs)

@@ -255,7 +255,7 @@ def step_traffic(step, dp, params, state, batch) -> list[dict[str, int]]:
   """What each phase of ``step`` sends, from its compiled HLO: all-reduce
   and all-gather bytes (each device's buffers) and collective counts, as
   ``costmodel.Traffic``'s fields."""
-  from acp_jax.tools import hlo
+  from acp_jax_tools import hlo
 
   phases = []
   for comm in dp.phase_states(state.comm).values():

@@ -150,7 +150,7 @@ def get_config() -> ml_collections.ConfigDict:
               "latency": 0.0,
               "workers": 0,  # 0: this run's devices
               # Batches the errors are taken on (the first two warm the
-              # factors: acp_jax.tools.advice.STEPS, WARMUP).
+              # factors: acp_jax_tools.advice.STEPS, WARMUP).
               "steps": 4,
               # Steps of a short run of S-SGD and each candidate within the
               # threshold, with this config's optimizer, to rank by the

@@ -13,13 +13,13 @@ import pytest
 
 import acp_jax
 from acp_jax import registry
-from acp_jax.tools import advice as advice_lib
-from acp_jax.tools import calibration as calibration_lib
-from acp_jax.tools import costmodel
-from acp_jax.tools import measure as measure_lib
-from acp_jax.tools import candidates as candidates_lib
-from acp_jax.tools import simulated
-from acp_jax.tools import steps as steps_lib
+from acp_jax_tools import advice as advice_lib
+from acp_jax_tools import calibration as calibration_lib
+from acp_jax_tools import costmodel
+from acp_jax_tools import measure as measure_lib
+from acp_jax_tools import candidates as candidates_lib
+from acp_jax_tools import simulated
+from acp_jax_tools import steps as steps_lib
 from tests.test_train import small_config
 from train import advice as train_advice
 from train import train

@@ -10,8 +10,8 @@ import pytest
 import acp_jax
 from acp_jax import collectives
 from acp_jax import lowrank
-from acp_jax.tools import _hlo_text
-from acp_jax.tools import hlo
+from acp_jax_tools import _hlo_text
+from acp_jax_tools import hlo
 from tests import helpers
 from tests import shapes
 from tests.conftest import NUM_DEVICES

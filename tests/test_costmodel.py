@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from acp_jax import registry
-from acp_jax.tools import costmodel
+from acp_jax_tools import costmodel
 from benchmarks import cluster
 from benchmarks import worker
 

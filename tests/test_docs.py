@@ -14,7 +14,7 @@ import pytest
 import acp_jax
 from acp_jax import checkpoint
 from acp_jax import phase
-from acp_jax.tools import hlo
+from acp_jax_tools import hlo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from acp_jax.tools import hlo
+from acp_jax_tools import hlo
 from benchmarks import gpu
 from benchmarks import project
 from benchmarks import records

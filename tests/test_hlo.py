@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from acp_jax.tools import hlo
+from acp_jax_tools import hlo
 from tests import helpers
 from tests.conftest import NUM_DEVICES
 

@@ -11,7 +11,7 @@ import pytest
 
 import acp_jax
 from acp_jax import orthogonalize
-from acp_jax.tools import hlo
+from acp_jax_tools import hlo
 from tests import helpers
 
 # Tall enough, at a rank high enough, for Cholesky-QR2 on a CPU.

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import acp_jax
-from acp_jax.tools import hlo
+from acp_jax_tools import hlo
 from tests import helpers
 from tests.conftest import NUM_DEVICES
 

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import acp_jax
-from acp_jax.tools import hlo
+from acp_jax_tools import hlo
 from tests import helpers
 from tests.conftest import NUM_DEVICES
 

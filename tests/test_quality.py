@@ -323,7 +323,7 @@ def test_the_report_shows_a_warmed_composition_only_where_its_warm_up_was_priced
 
 
 def _advice_row(method, rank, step_s, error_to_noise):
-  from acp_jax.tools import advice as advice_lib
+  from acp_jax_tools import advice as advice_lib
 
   row = advice_lib.Row(
       advice_lib.Candidate(method, rank), step_s, 1.0, 1.0, 0.0,

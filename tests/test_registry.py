@@ -23,8 +23,8 @@ import pytest
 import acp_jax
 from acp_jax import collectives
 from acp_jax import registry
-from acp_jax.tools import advice as advice_lib
-from acp_jax.tools import costmodel
+from acp_jax_tools import advice as advice_lib
+from acp_jax_tools import costmodel
 from tests import helpers
 from configs import default
 from tests.conftest import NUM_DEVICES

@@ -8,7 +8,7 @@ import pytest
 
 import acp_jax
 from acp_jax import sign
-from acp_jax.tools import hlo
+from acp_jax_tools import hlo
 
 
 @pytest.mark.parametrize("shape", [(5, 7), (4, 8), (3,)])

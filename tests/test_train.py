@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from acp_jax.tools import hlo
+from acp_jax_tools import hlo
 from configs import default
 from tests import helpers
 from tests.conftest import NUM_DEVICES

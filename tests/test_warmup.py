@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import acp_jax
 from acp_jax import checkpoint
-from acp_jax.tools import hlo
+from acp_jax_tools import hlo
 from tests import helpers
 from tests.conftest import NUM_DEVICES
 from tests.helpers import mlp_loss

@@ -26,8 +26,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from acp_jax.tools import advice as advice_lib
-from acp_jax.tools import steps as steps_lib
+from acp_jax_tools import advice as advice_lib
+from acp_jax_tools import steps as steps_lib
 from train import checks
 from train import config as config_lib
 from train import experiment as experiment_lib

@@ -21,8 +21,8 @@ import numpy as np
 import optax
 
 from acp_jax import _checks
-from acp_jax.tools.candidates import Candidate
-from acp_jax.tools.measure import run_losses
+from acp_jax_tools.candidates import Candidate
+from acp_jax_tools.measure import run_losses
 
 # The fewest steps of a short run, and how many times a run takes the
 # held-out loss (every step where it takes fewer).

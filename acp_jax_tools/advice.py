@@ -5,14 +5,14 @@ For a model, a few batches, a number of workers and a link, ``advise``:
 
 1. measures this device's forward and backward time on one worker's share
    of a batch, and times each candidate's update on one device
-   (``acp_jax.tools.timing``);
+   (``acp_jax_tools.timing``);
 2. reads each candidate's bytes per phase from ``acp_jax.comm_bytes``;
 3. predicts each candidate's step with the alpha-beta model
-   (``acp_jax.tools.costmodel``): compute and update, plus each phase's
+   (``acp_jax_tools.costmodel``): compute and update, plus each phase's
    communication on the link, averaged over the phases;
 4. runs the candidates, fastest first, for a few steps on the user's own
    gradients, on the workers simulated by ``jax.vmap``
-   (``acp_jax.tools.simulated``), to measure how far each one's compressed mean
+   (``acp_jax_tools.simulated``), to measure how far each one's compressed mean
    lies from the true mean (S-SGD's): its squared distance in units of the
    sampling noise that the true mean itself carries (``error_to_noise``),
    with the cosine beside it;
@@ -25,7 +25,7 @@ For a model, a few batches, a number of workers and a link, ``advise``:
    convergence records (``Calibration``): the highest recorded error at and
    below which every recorded variant ended within ``max_gap`` of S-SGD's
    held-out loss;
-6. given ``short_runs`` (``acp_jax.tools.steps.ShortRuns``: the model's
+6. given ``short_runs`` (``acp_jax_tools.steps.ShortRuns``: the model's
    optimizer and a short run's batches), trains S-SGD and each candidate
    within the threshold that many steps on the simulated workers, reads
    from the runs' held-out losses how many steps each candidate takes per
@@ -84,18 +84,18 @@ import jax
 from acp_jax import _checks
 from acp_jax import compressor as compressor_lib
 from acp_jax import registry
-from acp_jax.tools import calibration
-from acp_jax.tools import costmodel
-from acp_jax.tools.calibration import Calibration
-from acp_jax.tools.calibration import MAX_GAP
-from acp_jax.tools.candidates import Candidate
-from acp_jax.tools.candidates import default_candidates
-from acp_jax.tools.measure import Measurements
-from acp_jax.tools.measure import measure
-from acp_jax.tools.measure import STEPS
-from acp_jax.tools.measure import volumes
-from acp_jax.tools.measure import WARMUP
-from acp_jax.tools.steps import ShortRuns
+from acp_jax_tools import calibration
+from acp_jax_tools import costmodel
+from acp_jax_tools.calibration import Calibration
+from acp_jax_tools.calibration import MAX_GAP
+from acp_jax_tools.candidates import Candidate
+from acp_jax_tools.candidates import default_candidates
+from acp_jax_tools.measure import Measurements
+from acp_jax_tools.measure import measure
+from acp_jax_tools.measure import STEPS
+from acp_jax_tools.measure import volumes
+from acp_jax_tools.measure import WARMUP
+from acp_jax_tools.steps import ShortRuns
 
 # Candidates predicted within this fraction of the fastest one within the
 # threshold tie with it: the timings cannot tell them apart (two that send
@@ -485,7 +485,7 @@ def advise(
 
   Example::
 
-    from acp_jax.tools import advice as advice_lib
+    from acp_jax_tools import advice as advice_lib
 
     advice = acp_jax.advise(
         loss_fn, params, [batch0, batch1, batch2, batch3], workers=8,
@@ -497,7 +497,7 @@ def advise(
   _checks.integer("workers", workers, 1)
   if not isinstance(link, Link):
     raise TypeError(
-        f"link must be an acp_jax.tools.advice.Link, got {link!r}"
+        f"link must be an acp_jax_tools.advice.Link, got {link!r}"
     )
   candidates = tuple(candidates or default_candidates())
   calibration = Calibration.recorded(max_gap)

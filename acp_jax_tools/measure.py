@@ -1,12 +1,12 @@
 """What ``acp_jax.advise`` measures on this device, before any advice.
 
 The forward and backward time of one worker's share of a batch and each
-candidate's update time (``acp_jax.tools.timing``), then each candidate's
+candidate's update time (``acp_jax_tools.timing``), then each candidate's
 error: the squared distance of its compressed mean from the true mean, in
 units of the true mean's sampling noise (``error_to_noise``), over a few
 steps on the user's own gradients, with the workers simulated by
-``jax.vmap`` (``acp_jax.tools.simulated``). The candidates are
-``acp_jax.tools.advice.Candidate``s; ``advice`` explains the measure and
+``jax.vmap`` (``acp_jax_tools.simulated``). The candidates are
+``acp_jax_tools.advice.Candidate``s; ``advice`` explains the measure and
 turns it into a pick.
 """
 
@@ -24,8 +24,8 @@ import optax
 from acp_jax import _checks
 from acp_jax import compressor as compressor_lib
 from acp_jax import registry
-from acp_jax.tools import simulated
-from acp_jax.tools import timing
+from acp_jax_tools import simulated
+from acp_jax_tools import timing
 
 # Dense steps each low-rank candidate takes before its cosine is measured,
 # and the batches of a measurement (the warm-up's and the measured ones).

@@ -78,7 +78,7 @@ class Calibration:
     (``CALIBRATION_FILE``, written from them by ``python -m benchmarks
     advise --calibrate``)."""
     text = (
-        importlib.resources.files("acp_jax.tools")
+        importlib.resources.files("acp_jax_tools")
         .joinpath(CALIBRATION_FILE)
         .read_text()
     )

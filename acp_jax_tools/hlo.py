@@ -8,7 +8,7 @@ each other (``collective_rounds``), how much of the step's computation a
 collective could run beside (``overlap_potential``) and, once XLA:GPU has
 scheduled it, what each collective does run beside (``scheduled_overlap``).
 The parsing of the text, which every reader here shares, is
-``acp_jax.tools._hlo_text``; the readers stay one module, since each answers
+``acp_jax_tools._hlo_text``; the readers stay one module, since each answers
 one question about the same parsed graph.
 """
 
@@ -16,7 +16,7 @@ import collections
 import functools
 from typing import Any, Callable, NamedTuple
 
-from acp_jax.tools import _hlo_text
+from acp_jax_tools import _hlo_text
 
 # The instructions a step's time goes into (XLA fuses elementwise work);
 # parameters, tuples, bitcasts, copies and collectives cost nothing here.
@@ -255,7 +255,7 @@ def overlap_potential(hlo_text: str) -> OverlapReport:
 
   Example::
 
-    from acp_jax.tools import hlo
+    from acp_jax_tools import hlo
 
     text = jax.jit(train_step).lower(*args).compile().as_text()
     for c in hlo.overlap_potential(text).collectives:
@@ -390,7 +390,7 @@ def scheduled_overlap(hlo_text: str) -> list[ScheduledCollective]:
 
   Example::
 
-    from acp_jax.tools import hlo
+    from acp_jax_tools import hlo
 
     text = jax.jit(train_step).lower(*args).compile().as_text()
     for c in hlo.scheduled_overlap(text):

@@ -1,5 +1,5 @@
 """The text of a compiled HLO module, parsed: its computations, their
-instructions, and the bytes of a shape (what ``acp_jax.tools.hlo`` reads)."""
+instructions, and the bytes of a shape (what ``acp_jax_tools.hlo`` reads)."""
 
 import math
 import re
