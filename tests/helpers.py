@@ -1,5 +1,6 @@
 """Running a compressor's update on the simulated devices; every compressor
-and a small MLP to train; running the repository's commands; a free port."""
+and a small MLP to train; running the repository's commands, one process or several joined; a free
+port."""
 
 import os
 import socket
@@ -260,6 +261,37 @@ def run_module(
       text=True,
       timeout=timeout,
   )
+
+
+def launch(
+    args: list[str],
+    processes: int,
+    *,
+    stderr: int = subprocess.PIPE,
+    env: dict[str, str] | None = None,
+) -> list[subprocess.Popen]:
+  """``processes`` runs of ``python *args`` in the repository's root, joined
+  by ``jax.distributed``: each is told a coordinator on a free port of
+  127.0.0.1, their count and its id. Output is captured as text (stderr
+  into stdout with ``stderr=subprocess.STDOUT``)."""
+  address = f"127.0.0.1:{free_port()}"
+  return [
+      subprocess.Popen(
+          [
+              sys.executable,
+              *args,
+              f"--coordinator_address={address}",
+              f"--num_processes={processes}",
+              f"--process_id={i}",
+          ],
+          cwd=ROOT,
+          stdout=subprocess.PIPE,
+          stderr=stderr,
+          text=True,
+          env=env,
+      )
+      for i in range(processes)
+  ]
 
 
 def free_port() -> int:

@@ -355,25 +355,13 @@ def test_processes_agree_to_skip_what_one_cannot_read(tmp_path):
   workdir = str(tmp_path)
 
   def run(*command):
-    address = f"127.0.0.1:{helpers.free_port()}"
     return test_multihost._finish(
-        [
-            subprocess.Popen(
-                [sys.executable, *command, "--workdir", workdir]
-                + test_multihost.ARGS
-                + [
-                    "--num_cpu_devices=2",
-                    f"--coordinator_address={address}",
-                    "--num_processes=2",
-                    f"--process_id={i}",
-                ],
-                cwd=test_multihost.ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for i in range(2)
-        ]
+        helpers.launch(
+            [*command, "--workdir", workdir, *test_multihost.ARGS]
+            + ["--num_cpu_devices=2"],
+            2,
+            stderr=subprocess.STDOUT,
+        )
     )
 
   run("-m", "train")  # checkpoints 3 and 6

@@ -4,10 +4,7 @@ Eight simulated devices as 2 nodes x 4 devices per node; the node axis is
 the compressor's ("data"), the local one "local".
 """
 
-import os
 import re
-import subprocess
-import sys
 
 import chex
 import jax
@@ -27,7 +24,6 @@ from tests.helpers import COMPRESSORS
 from tests.helpers import mlp_loss
 
 NODES, LOCAL = 2, NUM_DEVICES // 2
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((4 * NUM_DEVICES, 12)).astype(np.float32)
 Y = RNG.integers(0, 5, 4 * NUM_DEVICES)
@@ -284,21 +280,9 @@ def test_misuse_is_refused():
     dp.value_and_grad(mlp_loss)(PARAMS, np.ones((12, 12)), np.ones(12))
 
 
-def _launch(address, process_id, num_processes, devices):
-  return subprocess.Popen(
-      [
-          sys.executable,
-          "-m",
-          "tests.hierarchical_process",
-          f"--coordinator_address={address}",
-          f"--num_processes={num_processes}",
-          f"--process_id={process_id}",
-          f"--devices={devices}",
-      ],
-      cwd=ROOT,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
+def _launch(processes, devices):
+  return helpers.launch(
+      ["-m", "tests.hierarchical_process", f"--devices={devices}"], processes
   )
 
 
@@ -314,12 +298,11 @@ def _results(procs):
 
 @pytest.mark.slow
 def test_two_processes_as_two_nodes_end_with_identical_params():
-  address = f"127.0.0.1:{helpers.free_port()}"
-  results = _results([_launch(address, i, 2, 2) for i in range(2)])
+  results = _results(_launch(2, 2))
   (digest, losses), (other, _) = results
   assert digest == other
   # The same training on one process of 2 x 2 simulated devices.
-  (_, single), = _results([_launch(address, 0, 1, 4)])
+  (_, single), = _results(_launch(1, 4))
   np.testing.assert_allclose(
       np.array(losses.split(","), float), np.array(single.split(","), float),
       rtol=1e-5,

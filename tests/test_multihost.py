@@ -54,18 +54,12 @@ def _losses(workdir):
 @pytest.mark.slow
 def test_two_processes_end_with_identical_params(tmp_path):
   multi = str(tmp_path / "multi")
-  address = f"127.0.0.1:{helpers.free_port()}"
   outputs = _finish(
-      [
-          _launch(
-              multi,
-              "--num_cpu_devices=2",
-              f"--coordinator_address={address}",
-              "--num_processes=2",
-              f"--process_id={i}",
-          )
-          for i in range(2)
-      ]
+      helpers.launch(
+          ["-m", "train", "--workdir", multi, *ARGS, "--num_cpu_devices=2"],
+          2,
+          stderr=subprocess.STDOUT,
+      )
   )
   assert _digest(outputs[0]) == _digest(outputs[1])
   # The same global batches on one process with four devices.

@@ -3,8 +3,6 @@
 import logging
 import os
 import re
-import subprocess
-import sys
 
 import chex
 import jax
@@ -131,25 +129,9 @@ def test_the_runtime_interfaces_it_relies_on_exist():
 
 @pytest.mark.slow
 def test_two_processes_overlap_every_compressor_as_the_fused_step():
-  address = f"127.0.0.1:{helpers.free_port()}"
-  procs = [
-      subprocess.Popen(
-          [
-              sys.executable,
-              "-m",
-              "tests.overlap_process",
-              f"--coordinator_address={address}",
-              "--num_processes=2",
-              f"--process_id={i}",
-          ],
-          cwd=helpers.ROOT,
-          stdout=subprocess.PIPE,
-          stderr=subprocess.PIPE,
-          text=True,
-          env={**os.environ, "XLA_FLAGS": ""},
-      )
-      for i in range(2)
-  ]
+  procs = helpers.launch(
+      ["-m", "tests.overlap_process"], 2, env={**os.environ, "XLA_FLAGS": ""}
+  )
   outputs = helpers.finish(procs, timeout=300)
   results = []
   for proc, (out, err) in zip(procs, outputs):

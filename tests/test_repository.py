@@ -14,8 +14,6 @@ import subprocess
 import sys
 import tomllib
 
-import pytest
-
 THIS_FILE = pathlib.Path(__file__).resolve()
 ROOT = THIS_FILE.parents[1]
 # Folders that exist on one machine only.
