@@ -4,6 +4,9 @@ with worker processes, and ResNet-18 trained and resumed through it."""
 import io
 import math
 import multiprocessing
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -214,6 +217,25 @@ def test_pipeline_workers_end_with_the_block_even_on_an_error(jpeg_dir):
       assert multiprocessing.active_children()
       raise RuntimeError("stop here")
   assert not multiprocessing.active_children()
+  assert next(it, None) is None  # closed, it holds no batch
+
+
+def test_processes_started_with_the_trainers_signals_held_inherit_them():
+  """Grain starts its threads and workers on the first batch; a worker that
+  Ctrl-C reached while it imported printed its own KeyboardInterrupt. So
+  they start with SIGINT and SIGHUP held, and the caller's mask is back
+  after."""
+  before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+  code = (
+      "import signal\n"
+      "print(sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])))"
+  )
+  with pipeline._signals_held():
+    held = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+  assert held.stdout.strip() == str(sorted([signal.SIGHUP, signal.SIGINT]))
+  assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,10 @@ starts the range at its step.
 """
 
 import contextlib
+import gc
+import itertools
 import signal
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from absl import flags
 import grain
@@ -19,14 +21,66 @@ import numpy as np
 from train import checks
 
 
+# Ctrl-C and a closed terminal reach the whole process group, and the
+# trainer, which saves a checkpoint and then ends the workers, is the one to
+# act on them: a worker would print its own ``KeyboardInterrupt`` and leave
+# its shared memory behind.
+_TRAINERS_SIGNALS = {signal.SIGINT, signal.SIGHUP}
+
+
 def _leave_signals_to_the_trainer(worker: int, workers: int) -> None:
-  """Run in each worker process first: Ctrl-C and a closed terminal reach
-  the whole process group, and the trainer, which saves a checkpoint and
-  then ends the workers, is the one to act on them (a worker would print
-  its own ``KeyboardInterrupt`` and leave its shared memory behind)."""
+  """Run in each worker process first: it ignores the trainer's signals
+  (those that came while it started, held until now, are dropped)."""
   del worker, workers
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
-  signal.signal(signal.SIGHUP, signal.SIG_IGN)
+  for signum in _TRAINERS_SIGNALS:
+    signal.signal(signum, signal.SIG_IGN)
+  signal.pthread_sigmask(signal.SIG_UNBLOCK, _TRAINERS_SIGNALS)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+  """Holds the trainer's signals in this thread: the threads and worker
+  processes grain starts meanwhile inherit the mask, so a worker cannot be
+  interrupted while it imports its modules, before it ignores the signals;
+  the trainer's own handler runs once they are released."""
+  held = signal.pthread_sigmask(signal.SIG_BLOCK, _TRAINERS_SIGNALS)
+  try:
+    yield
+  finally:
+    signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+class _Reader:
+  """The batches of a grain iterator. Closed, it closes the iterator and
+  lets go of it, so that the shared memory of the batches it holds ahead is
+  freed now, not at the interpreter's exit (where grain's finalisers fail
+  and the leak is reported)."""
+
+  def __init__(self, iterator: Any):
+    self._iterator = iterator
+    self._ahead = []
+
+  def start(self) -> None:
+    """Reads the first batch, which starts grain's threads and workers,
+    with the trainer's signals held."""
+    with _signals_held():
+      self._ahead = list(itertools.islice(self._iterator, 1))
+
+  def __iter__(self) -> "_Reader":
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    if self._ahead:
+      return self._ahead.pop()
+    if self._iterator is None:
+      raise StopIteration
+    return next(self._iterator)
+
+  def close(self) -> None:
+    if self._iterator is not None:
+      self._iterator.close()
+      self._iterator, self._ahead = None, []
+      gc.collect()
 
 
 def check(workers: int, prefetch: int) -> None:
@@ -87,7 +141,10 @@ def batches(
             worker_init_fn=_leave_signals_to_the_trainer,
         )
     )
+  reader = _Reader(iterator)
   try:
-    yield iterator
+    if workers:
+      reader.start()
+    yield reader
   finally:
-    iterator.close()
+    reader.close()
