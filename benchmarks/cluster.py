@@ -451,6 +451,21 @@ COLUMNS = {
 
 HELP = "worker processes on shaped network links (needs root)"
 
+# Each run's counts: their least value and meaning, and their defaults,
+# without and with --quick.
+_RUN_FLAGS = {
+    "steps": (4, "timed train steps per run"),
+    "warmup": (0, "untimed steps before them"),
+    "repeats": (1, "runs of each method per link, interleaved"),
+}
+_RUN_DEFAULTS = {"steps": (30, 4), "warmup": (WARMUP, 0), "repeats": (3, 1)}
+
+
+def _run_setting(args, name: str) -> int:
+  """``--name``, or its default for a full or a ``--quick`` run."""
+  value = getattr(args, name)
+  return _RUN_DEFAULTS[name][args.quick] if value is None else value
+
 
 def add_arguments(parser) -> None:
   cli.add_quick(parser)
@@ -472,21 +487,13 @@ def add_arguments(parser) -> None:
       default="10mbit,100mbit,1gbit,10gbit,unshaped",
       help=f"comma-separated, of {', '.join(BANDWIDTHS)}",
   )
-  parser.add_argument(
-      "--steps",
-      type=cli.int_at_least(4),
-      help="timed train steps per run (default 30; --quick 4)",
-  )
-  parser.add_argument(
-      "--warmup",
-      type=cli.int_at_least(0),
-      help=f"untimed steps before them (default {WARMUP}; --quick 0)",
-  )
-  parser.add_argument(
-      "--repeats",
-      type=cli.int_at_least(1),
-      help="runs of each method per link, interleaved (default 3; --quick 1)",
-  )
+  for name, (low, what) in _RUN_FLAGS.items():
+    default, quick = _RUN_DEFAULTS[name]
+    parser.add_argument(
+        f"--{name}",
+        type=cli.int_at_least(low),
+        help=f"{what} (default {default}; --quick {quick})",
+    )
   parser.add_argument(
       "--breakdown_links",
       type=cli.names(tuple(BANDWIDTHS), "bandwidth"),
@@ -533,7 +540,7 @@ def main(args) -> None:
     raise SystemExit(
         f"--workers: --hierarchical takes one count, got {args.workers}"
     )
-  steps = args.steps or (4 if args.quick else 30)
+  steps = _run_setting(args, "steps")
   # A SIGTERM unwinds like an error, so the links come down.
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
   if args.hierarchical:
@@ -561,10 +568,8 @@ def main(args) -> None:
       args.compressors or workloads.COMPRESSORS,
       # Asked for by name, they run on every link.
       () if args.compressors else FASTEST_LINK_ONLY,
-      repeats=args.repeats or (1 if args.quick else 3),
-      warmup=args.warmup if args.warmup is not None else (
-          0 if args.quick else WARMUP
-      ),
+      repeats=_run_setting(args, "repeats"),
+      warmup=_run_setting(args, "warmup"),
       breakdown_links=args.breakdown_links,
   )
   outputs = {"cluster": runs, "cluster_links": calibration}
