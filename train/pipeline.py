@@ -52,9 +52,8 @@ def _signals_held() -> Iterator[None]:
 
 class _Reader:
   """The batches of a grain iterator. Closed, it closes the iterator and
-  lets go of it, so that the shared memory of the batches it holds ahead is
-  freed now, not at the interpreter's exit (where grain's finalisers fail
-  and the leak is reported)."""
+  lets go of it, so that the batches it holds ahead are freed now, not at
+  the interpreter's exit, where grain's finalisers fail."""
 
   def __init__(self, iterator: Any):
     self._iterator = iterator
