@@ -451,20 +451,20 @@ COLUMNS = {
 
 HELP = "worker processes on shaped network links (needs root)"
 
-# Each run's counts: their least value and meaning, and their defaults,
-# without and with --quick.
+# Each run's counts: their least value, meaning, and defaults without and
+# with --quick.
 _RUN_FLAGS = {
-    "steps": (4, "timed train steps per run"),
-    "warmup": (0, "untimed steps before them"),
-    "repeats": (1, "runs of each method per link, interleaved"),
+    "steps": (4, "timed train steps per run", 30, 4),
+    "warmup": (0, "untimed steps before them", WARMUP, 0),
+    "repeats": (1, "runs of each method per link, interleaved", 3, 1),
 }
-_RUN_DEFAULTS = {"steps": (30, 4), "warmup": (WARMUP, 0), "repeats": (3, 1)}
 
 
 def _run_setting(args, name: str) -> int:
   """``--name``, or its default for a full or a ``--quick`` run."""
   value = getattr(args, name)
-  return _RUN_DEFAULTS[name][args.quick] if value is None else value
+  _, _, default, quick = _RUN_FLAGS[name]
+  return (quick if args.quick else default) if value is None else value
 
 
 def add_arguments(parser) -> None:
@@ -487,8 +487,7 @@ def add_arguments(parser) -> None:
       default="10mbit,100mbit,1gbit,10gbit,unshaped",
       help=f"comma-separated, of {', '.join(BANDWIDTHS)}",
   )
-  for name, (low, what) in _RUN_FLAGS.items():
-    default, quick = _RUN_DEFAULTS[name]
+  for name, (low, what, default, quick) in _RUN_FLAGS.items():
     parser.add_argument(
         f"--{name}",
         type=cli.int_at_least(low),
