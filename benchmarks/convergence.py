@@ -206,10 +206,12 @@ def config(
     quick: bool,
     seed: int = 0,
     tokenizer: str = "",
+    eval_every: int | None = None,
 ) -> ml_collections.ConfigDict:
   """The training config of ``task`` with ``variant``'s compressor; a
   masked-LM task reads its WordPiece tokenizer from ``tokenizer`` (trained
-  and written there first if absent; "": beside ``data_path``).
+  and written there first if absent; "": beside ``data_path``), and
+  ``eval_every`` (steps between held-out evaluations) replaces the task's.
 
   Raises:
     FileNotFoundError: if ``data_path`` is empty or does not exist.
@@ -249,6 +251,8 @@ def config(
       cfg.model.size = {"num_layers": 1, "hidden": 64, "heads": 2, "ffn": 128}
     else:
       cfg.model.update(dim=32, num_layers=1, num_heads=2)
+  if eval_every is not None:
+    cfg.eval_every_steps = eval_every
   # One checkpoint, at the end: the benchmark measures training, not saving.
   cfg.checkpoint_every_steps = 0
   return cfg
@@ -261,10 +265,11 @@ def run(
     quick: bool,
     seed: int,
     tokenizer: str = "",
+    eval_every: int | None = None,
 ):
-  """Trains one variant on ``task`` (``tokenizer`` as ``config`` reads it);
-  its final record and curve."""
-  cfg = config(task, variant, data_path, quick, seed, tokenizer)
+  """Trains one variant on ``task`` (``tokenizer`` and ``eval_every`` as
+  ``config`` reads them); its final record and curve."""
+  cfg = config(task, variant, data_path, quick, seed, tokenizer, eval_every)
   with tempfile.TemporaryDirectory() as workdir:
     start = time.perf_counter()
     summary = train.train_and_evaluate(cfg, workdir)
@@ -350,9 +355,11 @@ def measure(
     variants: list[str] | None = None,
     seeds: list[int] | None = None,
     tokenizer: str = "",
+    eval_every: int | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
   """Final records and curve points of every run of ``plan``, a masked-LM
-  task's with ``tokenizer`` (as ``config`` reads it).
+  task's with ``tokenizer``, each evaluated every ``eval_every`` steps
+  (as ``config`` reads them).
 
   Each run's record is also appended to ``log_path`` (JSON lines) as soon
   as it ends, so that an interrupted benchmark keeps what it measured.
@@ -361,7 +368,9 @@ def measure(
     config(task, "ssgd", path, quick)  # a missing file fails before training
   finals, curves = [], []
   for seed, task, variant in plan(list(paths), quick, variants, seeds):
-    final, curve = run(task, variant, paths[task], quick, seed, tokenizer)
+    final, curve = run(
+        task, variant, paths[task], quick, seed, tokenizer, eval_every
+    )
     finals.append(final)
     curves.extend(curve)
     print(
@@ -403,6 +412,14 @@ def add_arguments(parser) -> None:
       f" {SEEDS - 1}, Sign-SGD and Top-k at seed 0 only)",
   )
   parser.add_argument(
+      "--eval_every",
+      type=cli.int_at_least(1),
+      help="steps between held-out evaluations (default: each task's own):"
+      " curves that compose a time to quality are read at the steps where"
+      " they were evaluated, so evaluate as often as the direct runs they"
+      " are checked against (python -m benchmarks quality --eval_every)",
+  )
+  parser.add_argument(
       "--char_lm_path",
       help="plain-text file, e.g. tiny-shakespeare (needed by the char_lm"
       " and bert_mlm tasks)",
@@ -427,6 +444,7 @@ def main(args) -> None:
         args.variants,
         args.seeds,
         args.tokenizer,
+        args.eval_every,
     )
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}") from None

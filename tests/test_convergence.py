@@ -50,6 +50,16 @@ def test_the_long_mnist_task_is_the_300_step_one_but_for_its_budget(
     assert long[key] == short[key], key
 
 
+def test_eval_every_replaces_the_tasks_cadence_and_nothing_else(text):
+  own = convergence.config("char_lm_sgd", "power_sgd", text, quick=False)
+  every_25 = convergence.config(
+      "char_lm_sgd", "power_sgd", text, quick=False, eval_every=25
+  )
+  assert own.eval_every_steps == 50 and every_25.eval_every_steps == 25
+  every_25.eval_every_steps = own.eval_every_steps
+  assert every_25 == own
+
+
 def test_the_bfloat16_variants_send_power_sgd_rank_r_bytes(text):
   def mean_bytes(variant):
     e = experiment.build(convergence.config("char_lm", variant, text, False))
