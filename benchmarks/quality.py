@@ -11,11 +11,15 @@ The target is a held-out loss, or the name of one of S-SGD's targets
 S-SGD curves in ``--results_dir``, trained on as many simulated devices as
 there are workers (``python -m benchmarks --num_cpu_devices N convergence``),
 so at the same global batch. Every variant runs ``--repeats`` times per
-link, the rounds interleaved. A record holds, per worker count, link and
-variant, each round's training seconds to the target (evaluations left
-out), its steps and bytes, and the median step; where that task's curves
-hold the variant at that device count, also the time composed from their
-steps to the target and this run's step time, and whether it lies within
+link, the rounds interleaved, round i from the i-th of ``--seeds`` (in
+turn): every variant of a round trains the same seed, so a round compares
+the methods on one draw of the initial params and the data order, and
+rounds of several seeds show the training's spread as well as the
+timing's. A record holds, per worker count, link and variant, each round's
+seed, training seconds to the target (evaluations left out), steps and
+bytes, and the median step; where that task's curves hold the variant at
+that device count, also the time composed from their steps to the target
+and this run's step time, and whether it lies within
 ``thresholds.COMPOSED_VS_DIRECT`` of the direct run. A variant named in
 ``--compose`` is not run to the target: each round trains
 ``--compose_steps`` steps for its step time, and its time to the target is
@@ -31,6 +35,7 @@ from typing import Any
 
 from benchmarks import cli
 from benchmarks import convergence
+from benchmarks import convergence_summary
 from benchmarks import launch
 from benchmarks import links
 from benchmarks import records
@@ -58,7 +63,9 @@ def simulated_curves(
     results_dir: str, task: str, devices: int
 ) -> dict[str, time_to_quality.Curves]:
   """``task``'s held-out curves in ``results_dir`` trained on ``devices``
-  simulated devices, by variant and seed."""
+  simulated devices, by variant and seed, but for the seeds whose S-SGD run
+  never left its starting plateau (``convergence_summary``): their S-SGD
+  loss would be the target, one every method reaches at once."""
   try:
     finals = records.read("convergence", results_dir)
     points = records.read("convergence_curves", results_dir)
@@ -69,8 +76,10 @@ def simulated_curves(
       for r in finals
       if r["task"] == task and r.get("num_devices") == devices
   }
+  mine = [p for p in points if (p["variant"], p["seed"]) in runs]
+  untrained = convergence_summary.untrained_seeds(mine)
   return time_to_quality.curves(
-      [p for p in points if (p["variant"], p["seed"]) in runs], task
+      [p for p in mine if (task, p["seed"]) not in untrained], task
   )
 
 
@@ -95,7 +104,9 @@ def target_loss(target: str, curves: dict[str, Any]) -> float:
   return named[target][1]
 
 
-def _run(network, args, variant, target, workdir) -> list[dict[str, Any]]:
+def _run(
+    network, args, variant, seed, target, workdir
+) -> list[dict[str, Any]]:
   steps = args.compose_steps if variant in args.compose else args.steps
   return launch.on_network(
       network,
@@ -103,7 +114,7 @@ def _run(network, args, variant, target, workdir) -> list[dict[str, Any]]:
           "quality",
           f"--task={args.task}",
           f"--variant={variant}",
-          f"--seed={args.seed}",
+          f"--seed={seed}",
           f"--data_path={getattr(args, convergence.data_flag(args.task))}",
           f"--workdir={workdir}",
           f"--steps={steps}",
@@ -121,6 +132,7 @@ def record(
     target: float,
     simulated: time_to_quality.Curves | None,
     warmup: int = 0,
+    seeds: list[int] | None = None,
 ) -> dict[str, Any]:
   """A variant's record from its rounds (process 0's results): training
   seconds to the target, steps and bytes, each round's and their median and
@@ -133,10 +145,13 @@ def record(
   mostly). For a variant with ``warmup`` dense steps, whose mean step mixes
   the two phases, each phase's step time comes from the round's curve
   (``time_to_quality.phase_step_seconds``). With ``simulated`` curves of
-  the variant, each seed's steps to the target, the time composed from
-  their median and each round's step times, and whether it agrees with the direct
-  ``steady_seconds``.
+  the variant, each simulated seed's steps to the target, their median, each
+  round's time composed from its step times and the steps of its own seed
+  (``seeds``, each round's; None: not known) where that seed was
+  simulated, else the median, and whether their median agrees with the
+  direct ``steady_seconds``.
   """
+  seeds = [None] * len(rounds) if seeds is None else seeds
   reached = [r["summary"]["target_step"] is not None for r in rounds]
   step_seconds = [
       r["global_batch"] / r["summary"]["examples_per_sec"] for r in rounds
@@ -168,8 +183,10 @@ def record(
   out = {
       "target_loss": target,
       "reached": f"{sum(reached)}/{len(rounds)}",
-      "steps": statistics.median(
-          r["summary"]["target_step"] or math.inf for r in rounds
+      # Each round's seed, as records.runs(r, "seed") reads them.
+      **{f"seed_run{i}": x for i, x in enumerate(seeds, 1) if x is not None},
+      **records.repeated(
+          "steps", [r["summary"]["target_step"] or math.inf for r in rounds]
       ),
       "bytes_sent": statistics.median(
           r["summary"]["bytes_sent"] for r in rounds
@@ -181,15 +198,19 @@ def record(
   if simulated:
     # Each simulated seed's steps to the target, so that a composed figure
     # traces to its record.
-    seeds = {
-        f"composed_steps_seed{seed}": time_to_quality.steps_to(curve, target)
+    simulated_steps = {
+        seed: time_to_quality.steps_to(curve, target)
         for seed, curve in sorted(simulated.items())
     }
-    out.update(seeds)
-    steps = out["composed_steps"] = statistics.median(seeds.values())
+    out.update({
+        f"composed_steps_seed{seed}": n for seed, n in simulated_steps.items()
+    })
+    steps = out["composed_steps"] = statistics.median(simulated_steps.values())
     each = [
-        time_to_quality.composed(steps, step_s, warmup, dense)
-        for dense, step_s in phases
+        time_to_quality.composed(
+            simulated_steps.get(seed, steps), step_s, warmup, dense
+        )
+        for seed, (dense, step_s) in zip(seeds, phases)
     ]
     out.update(records.repeated("composed_seconds", each))
     out["composed_seconds"] = statistics.median(each)
@@ -209,10 +230,10 @@ def record(
 
 def curve_points(run: dict[str, Any], rounds) -> list[dict[str, Any]]:
   """Each round's held-out loss against its training seconds, flat."""
-  keys = ("task", "workers", "bandwidth", "variant", "seed")
+  keys = ("task", "workers", "bandwidth", "variant")
   return [
-      {**{k: run[k] for k in keys}, "round": i + 1, **point}
-      for i, r in enumerate(rounds)
+      {**{k: run[k] for k in keys}, "seed": seed, "round": i + 1, **point}
+      for i, (r, seed) in enumerate(zip(rounds, records.runs(run, "seed")))
       for point in r["curve"]
   ]
 
@@ -228,32 +249,34 @@ def measure(args) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]
   for p, bandwidth, network in launch.each_link(args.workers, args.bandwidths):
     rounds = {v: [] for v in args.variants}
     for rep in range(args.repeats):
+      seed = args.seeds[rep % len(args.seeds)]
       for variant in args.variants:
         with tempfile.TemporaryDirectory() as workdir:
           out = launch.attempt(
               failures,
               f"{p} workers {bandwidth} {variant} round {rep + 1}",
-              lambda: _run(network, args, variant, targets[p], workdir),
+              lambda: _run(network, args, variant, seed, targets[p], workdir),
           )
         if out is not None:
-          rounds[variant].append(out[0])
+          rounds[variant].append((out[0], seed))
     for variant, done in rounds.items():
       if done:
+        results, seeds = map(list, zip(*done))
         runs.append({
             "task": args.task,
             "workers": p,
             "bandwidth": bandwidth,
             "variant": variant,
-            "seed": args.seed,
             "composed_only": variant in args.compose,
             **record(
-                done,
+                results,
                 targets[p],
                 curves[p].get(variant),
                 convergence.warmup_steps(variant, args.quick),
+                seeds,
             ),
         })
-        points.extend(curve_points(runs[-1], done))
+        points.extend(curve_points(runs[-1], results))
   return runs, points, failures
 
 
@@ -298,7 +321,15 @@ def add_arguments(parser) -> None:
   )
   parser.add_argument("--eval_every", type=cli.int_at_least(1), default=25)
   parser.add_argument("--repeats", type=cli.int_at_least(1), default=3)
-  parser.add_argument("--seed", type=cli.int_at_least(0), default=0)
+  parser.add_argument(
+      "--seeds",
+      type=cli.ints_at_least(0),
+      default="0,1,2",
+      help="comma-separated seeds, one per round in turn, the same for every"
+      " variant of a round (default: %(default)s): as many as --repeats, and"
+      " simulated, the rounds sample the training's spread, and each"
+      " round's composed time takes its own seed's steps",
+  )
   parser.add_argument(
       "--timeout", type=float, default=3600, help="seconds per run"
   )

@@ -208,6 +208,19 @@ def _plot(run, curves, path: pathlib.Path) -> str:
   return f"![held-out loss against training seconds]({path.name})"
 
 
+def seeds_said(run: list[dict[str, Any]]) -> str:
+  """Which seeds the rounds of ``run`` trained, as its table says it
+  (records made before the rounds took seeds of their own trained seed 0
+  in each)."""
+  seeds = records.runs(run[0], "seed") or [run[0].get("seed", 0)]
+  if len(set(seeds)) == 1:
+    return (
+        f"every round trained seed {seeds[0]}, so the rounds differ in"
+        " timing, not in training"
+    )
+  return "rounds trained seeds " + ", ".join(map(str, seeds))
+
+
 def quality_section(
     rows_: list[dict[str, Any]], curves: list[dict[str, Any]], out: pathlib.Path
 ) -> list[str]:
@@ -221,6 +234,7 @@ def quality_section(
             provenance=template.provenance(run),
             task=run[0]["task"],
             target=run[0]["target_loss"],
+            seeds=seeds_said(run),
             table=records.table(rows(run), _COLUMNS),
             first=_reading(run),
             plot=_plot(run, curves, out / f"quality_run{i}.png"),

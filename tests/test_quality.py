@@ -63,6 +63,37 @@ def test_a_record_composes_simulated_steps_with_the_step_time():
   assert r["composed_agrees"]  # 5.0 against 5.0
 
 
+def test_each_round_composes_the_steps_of_its_own_seed():
+  """Every method of a round trains the round's seed: its composed time
+  takes that seed's simulated steps, the median where it was not
+  simulated."""
+  simulated = {0: {4: 3.0, 8: 2.4}, 1: {4: 2.9, 8: 2.6, 12: 2.4}}
+  rounds = [_round(12, 14.0), _round(8, 12.0), _round(8, 12.0)]
+  r = quality.record(rounds, 2.5, simulated, seeds=[1, 0, 5])
+  assert records.runs(r, "seed") == [1, 0, 5]
+  # 12, 8 and the median 10 steps, at 0.5 s a step.
+  assert records.runs(r, "composed_seconds") == [6.0, 4.0, 5.0]
+  assert r["composed_steps"] == 10
+  # Each round's steps to the target beside their median.
+  assert records.runs(r, "steps") == [12, 8, 8] and r["steps"] == 8
+  # Rounds of unknown seeds all take the median.
+  r = quality.record(rounds, 2.5, simulated)
+  assert records.runs(r, "composed_seconds") == [5.0, 5.0, 5.0]
+
+
+def test_the_report_says_which_seeds_the_rounds_trained():
+  from benchmarks import report_quality
+
+  old = _quality_row("ssgd", "10mbit", [1.0, 2.0])
+  assert "every round trained seed 0" in report_quality.seeds_said(
+      [{**old, "seed": 0}]
+  )
+  seeds = {"seed_run1": 0, "seed_run2": 1, "seed_run3": 2}
+  assert report_quality.seeds_said([{**old, **seeds}]) == (
+      "rounds trained seeds 0, 1, 2"
+  )
+
+
 def test_a_warmed_record_composes_each_phase_at_its_own_step_time():
   """4 dense steps, then compressed ones: its mean step time mixes the two,
   so the rule reads each phase's from the round's curve."""
@@ -112,6 +143,21 @@ def test_a_named_target_comes_from_the_curves_at_as_many_devices(tmp_path):
   )
   curves = quality.simulated_curves(tmp_path, "char_lm", 2)
   assert curves == {"ssgd": {0: {10: 3.0, 20: 2.0}}}  # the 8-device run out
+  # A seed whose S-SGD never left its plateau would set the target at its
+  # plateau: it is left out, every variant of it.
+  records.write(
+      "convergence",
+      [final("ssgd", 0, 2), final("ssgd", 2, 2), final("power_sgd", 2, 2)],
+      tmp_path,
+  )
+  records.write(
+      "convergence_curves",
+      [point("ssgd", 0, 10, 3.0), point("ssgd", 0, 20, 2.0),
+       point("ssgd", 2, 10, 3.3), point("ssgd", 2, 20, 3.25),
+       point("power_sgd", 2, 10, 3.3), point("power_sgd", 2, 20, 2.0)],
+      tmp_path,
+  )
+  assert quality.simulated_curves(tmp_path, "char_lm", 2) == curves
   assert quality.target_loss("ssgd_final", curves) == 2.0
   assert quality.target_loss("ssgd_half", curves) == 3.0
   assert quality.target_loss("2.25", curves) == 2.25
@@ -128,8 +174,8 @@ def test_a_named_target_comes_from_the_curves_at_as_many_devices(tmp_path):
 )
 @pytest.mark.slow
 def test_two_workers_train_to_a_target_across_a_shaped_link(tmp_path):
-  """The trainer in each namespace stops at the target, the same step in
-  every round, and the link comes down."""
+  """The trainer in each namespace stops at the target, each round at its
+  own seed's step, and the link comes down."""
   text = tmp_path / "text.txt"
   line = "the quick brown fox jumps over the lazy dog and sits on a mat\n"
   text.write_text(line * 3000)
@@ -147,6 +193,7 @@ def test_two_workers_train_to_a_target_across_a_shaped_link(tmp_path):
       "--steps=24",
       "--eval_every=4",
       "--repeats=2",
+      "--seeds=0,1",
       "--timeout=600",
       timeout=1500,
   )
@@ -155,13 +202,19 @@ def test_two_workers_train_to_a_target_across_a_shaped_link(tmp_path):
   assert [r["variant"] for r in runs] == ["ssgd", "acp_sgd_warm"]
   for r in runs:
     assert r["reached"] == "2/2" and r["steps"] < 24
+    assert records.runs(r, "seed") == [0, 1]
     assert r["commit"] and r["train_seconds"] > r["steady_seconds"] > 0
   points = json.loads((tmp_path / "quality_curves.json").read_text())
   for r in runs:
-    mine = [p for p in points if p["variant"] == r["variant"]]
-    assert {p["round"] for p in mine} == {1, 2}
-    assert max(p["step"] for p in mine) == r["steps"]
-    assert min(p["eval_loss"] for p in mine) <= 3.5
+    each = zip(records.runs(r, "seed"), records.runs(r, "steps"))
+    for k, (seed, steps) in enumerate(each):
+      mine = [
+          p for p in points if p["variant"] == r["variant"]
+          and p["round"] == k + 1
+      ]
+      assert {p["seed"] for p in mine} == {seed}
+      assert max(p["step"] for p in mine) == steps
+      assert min(p["eval_loss"] for p in mine) <= 3.5
 
 
 def _quality_row(variant, bandwidth, seconds):
