@@ -338,10 +338,6 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> None:
-  reason = links.unavailable()
-  if reason:
-    print(f"quality: skipped, {reason}")
-    return
   if not getattr(args, convergence.data_flag(args.task)):
     raise SystemExit(
         f"error: --{convergence.data_flag(args.task)} is needed by"
@@ -350,6 +346,15 @@ def main(args) -> None:
   stray = sorted(set(args.compose) - set(args.variants))
   if stray:
     raise SystemExit(f"error: --compose names {stray}, not in --variants")
+  if len(args.seeds) > args.repeats:
+    raise SystemExit(
+        f"error: --seeds names {len(args.seeds)} seeds, more than"
+        f" --repeats={args.repeats} rounds train"
+    )
+  reason = links.unavailable()
+  if reason:
+    print(f"quality: skipped, {reason}")
+    return
   meta = cli.start(args, 1)  # each worker is a process of its own device
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
   try:

@@ -168,6 +168,20 @@ def test_a_named_target_comes_from_the_curves_at_as_many_devices(tmp_path):
         tmp_path, "char_lm", 4))
 
 
+def test_more_seeds_than_rounds_is_refused_before_any_link(tmp_path):
+  done = helpers.run_module(
+      "benchmarks",
+      f"--results_dir={tmp_path}",
+      "quality",
+      f"--char_lm_path={tmp_path}",
+      "--repeats=2",
+      "--seeds=0,1,2",
+      timeout=300,
+  )
+  assert done.returncode != 0
+  assert "--seeds names 3 seeds, more than --repeats=2" in done.stderr
+
+
 @pytest.mark.skipif(
     links.unavailable() is not None,
     reason=f"cannot build links here: {links.unavailable()}",
