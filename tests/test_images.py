@@ -1,6 +1,7 @@
 """Images of any size through TFDS: crops, normalization, the grain pipeline
 with worker processes, and ResNet-18 trained and resumed through it."""
 
+import gc
 import io
 import math
 import multiprocessing
@@ -208,9 +209,13 @@ def test_pipeline_batches_are_bitwise_the_same_with_0_1_2_workers(jpeg_dir):
         np.testing.assert_array_equal(a[key], b[key])
 
 
-def test_pipeline_workers_end_with_the_block_even_on_an_error(jpeg_dir):
+def test_pipeline_workers_end_with_the_block_even_on_an_error(
+    jpeg_dir, monkeypatch
+):
   dataset = build(*jpeg_dir)
   loader = data.Loader(dataset.train, global_batch=8, seed=0)
+  collections = []
+  monkeypatch.setattr(gc, "collect", lambda: collections.append(1))
   with pytest.raises(RuntimeError, match="stop here"):
     with pipeline.batches(loader.batch, 0, 100, workers=2, prefetch=2) as it:
       next(it)
@@ -218,6 +223,19 @@ def test_pipeline_workers_end_with_the_block_even_on_an_error(jpeg_dir):
       raise RuntimeError("stop here")
   assert not multiprocessing.active_children()
   assert next(it, None) is None  # closed, it holds no batch
+  # What the workers left in shared memory is collected at the close.
+  assert collections == [1]
+
+
+def test_a_pipeline_without_workers_closes_without_a_collection(monkeypatch):
+  """A full garbage collection costs a training loop a pause; only batches
+  from worker processes, in shared memory, need one at the close."""
+  collections = []
+  monkeypatch.setattr(gc, "collect", lambda: collections.append(1))
+  read = lambda i: {"x": np.full((2,), i)}
+  with pipeline.batches(read, 3, 6, workers=0, prefetch=1) as it:
+    assert [int(b["x"][0]) for b in it] == [3, 4, 5]
+  assert not collections
 
 
 def test_processes_started_with_the_trainers_signals_held_inherit_them():

@@ -52,11 +52,13 @@ def _signals_held() -> Iterator[None]:
 
 class _Reader:
   """The batches of a grain iterator. Closed, it closes the iterator and
-  lets go of it, so that the batches it holds ahead are freed now, not at
-  the interpreter's exit, where grain's finalisers fail."""
+  lets go of it; with worker processes, it also collects the batches they
+  left in shared memory now, not at the interpreter's exit, where grain's
+  finalisers fail."""
 
-  def __init__(self, iterator: Any):
+  def __init__(self, iterator: Any, workers: int):
     self._iterator = iterator
+    self._workers = workers
     self._ahead = []
 
   def start(self) -> None:
@@ -79,7 +81,8 @@ class _Reader:
     if self._iterator is not None:
       self._iterator.close()
       self._iterator, self._ahead = None, []
-      gc.collect()
+      if self._workers:
+        gc.collect()
 
 
 def check(workers: int, prefetch: int) -> None:
@@ -140,7 +143,7 @@ def batches(
             worker_init_fn=_leave_signals_to_the_trainer,
         )
     )
-  reader = _Reader(iterator)
+  reader = _Reader(iterator, workers)
   try:
     if workers:
       reader.start()
