@@ -62,8 +62,10 @@ class _Reader:
     self._ahead = []
 
   def start(self) -> None:
-    """Reads the first batch, which starts grain's threads and workers,
-    with the trainer's signals held."""
+    """With workers, reads the first batch, which starts grain's threads
+    and workers, with the trainer's signals held."""
+    if not self._workers:
+      return
     with _signals_held():
       self._ahead = list(itertools.islice(self._iterator, 1))
 
@@ -145,8 +147,7 @@ def batches(
     )
   reader = _Reader(iterator, workers)
   try:
-    if workers:
-      reader.start()
+    reader.start()
     yield reader
   finally:
     reader.close()
