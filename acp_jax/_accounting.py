@@ -30,12 +30,10 @@ def hierarchical(
     unused: list[bool] | None = None,
 ) -> dict[str, dict[str, compressor_lib.CommVolume]]:
   """``dp.comm_bytes(params)`` from the exchange traced on shapes: each
-  phase's collectives recorded by axis; with a ``local_axis``, plus on it
-  what the exchange does not trace: ``untraced``, by default the dense mean
-  within the node. ``unused`` (a flag per leaf, ``DataParallel`` only):
-  leaves whose gradient is zero whatever the batch, given to the exchange
-  as zeros, so that the collectives XLA folds away are not counted
-  (``collectives.recording``)."""
+  phase's collectives by axis, plus on ``local_axis`` what is not traced:
+  ``untraced``, by default the dense mean within the node. ``unused`` (a
+  flag per leaf): leaves whose gradient is zero whatever the batch, given
+  as zeros so that the collectives XLA folds away are not counted."""
   shapes = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
   )
@@ -77,11 +75,9 @@ def hierarchical(
 def unused_leaves(
     fun: Callable[..., Any], params: Any, batch: tuple, has_aux: bool
 ) -> list[bool]:
-  """For each leaf of ``params`` (a pytree, or an NNX module's
-  ``nnx.Param`` state), whether the gradient of ``fun(params, *batch)`` is
-  zero whatever the batch: a param the loss never reads. Traced on shapes;
-  ``jax.grad`` makes such a gradient from constants only, which its jaxpr
-  shows."""
+  """For each leaf of ``params`` (a pytree, or an NNX module's ``nnx.Param``
+  state), whether ``fun``'s gradient is zero whatever the batch: a param the
+  loss never reads, whose gradient ``jax.grad`` makes from constants only."""
   nnx = _local_grads.flax_nnx()
   if nnx is not None and isinstance(params, nnx.Module):
     graphdef, state, rest = nnx.split(params, nnx.Param, ...)
@@ -108,12 +104,10 @@ def loss_step_bytes(
     has_aux: bool,
     batch_norm: str,
 ) -> int:
-  """Bytes all-reduced over ``dp``'s device axes by
-  ``dp.value_and_grad(fun)`` besides the loss's mean: BatchNorm's
-  statistics (their mean, and its gradient's, under ``batch_norm="global"``),
-  the module's state averaged after the step (running statistics), and any
-  collective of ``fun``'s own. Traced on shapes; an NNX module is left as it
-  is, its copy updated inside the trace."""
+  """Bytes all-reduced over the device axes by ``dp.value_and_grad(fun)``
+  besides the loss's mean: BatchNorm's statistics (and, under
+  ``batch_norm="global"``, their gradient's), state averaged after the step,
+  and ``fun``'s own collectives. An NNX module is left as it is."""
   value_and_grad = dp.value_and_grad(
       fun, has_aux=has_aux, batch_norm=batch_norm
   )
@@ -134,9 +128,8 @@ def loss_step_bytes(
 def warn_if_sharded_elsewhere(
     mesh: jax.sharding.Mesh, device_axes: tuple[str, ...], params: Any
 ) -> None:
-  """Warns if a param is sharded over a mesh axis that is not a device
-  axis: its all-gathers are traffic that ``comm_bytes`` does not count. The
-  warning points at the caller of ``comm_bytes``, three frames up."""
+  """Warns, at the caller of ``comm_bytes`` three frames up, if a param is
+  sharded over a non-device mesh axis: its all-gathers go uncounted."""
   others = set(mesh.axis_names) - set(device_axes)
   for path, x in jax.tree_util.tree_leaves_with_path(params):
     spec = getattr(getattr(x, "sharding", None), "spec", None) or ()
@@ -168,10 +161,9 @@ def step_volumes(
     has_aux: bool,
     batch_norm: str,
 ) -> dict[str, dict[str, compressor_lib.CommVolume]]:
-  """``dp.comm_bytes(params, fun, *batch)``: the exchange's bytes by axis
-  and phase, without the collectives of params ``fun`` never reads, and with
-  those of ``value_and_grad(fun)`` but the loss's mean on the compressor's
-  axis."""
+  """``dp.comm_bytes(params, fun, *batch)``: bytes by axis and phase, less
+  the collectives of params ``fun`` never reads, plus those of
+  ``value_and_grad(fun)`` but the loss's mean."""
   if fun is None:
     unused, extra = None, 0
   else:

@@ -1,11 +1,8 @@
 """What a checkpoint of ``acp_jax.checkpoint`` records, and its checks.
 
-A checksum of every array, computed on the devices; the record sealed by a
-digest of itself; the compressor that made the state, by its factory and
-arguments, compared by value with the one a restore is given. Each check
-raises ``DamagedError`` for what is not as saved and ``ValueError`` for what
-another run or version would have to change. ``acp_jax.checkpoint`` holds
-the public names; the trainer's checkpointer uses them too.
+Each check raises ``DamagedError`` for what is not as saved and
+``ValueError`` for what another run or version would have to change.
+``acp_jax.checkpoint`` holds the public names; the trainer uses them too.
 """
 
 import hashlib
@@ -28,8 +25,8 @@ _LOG = logging.getLogger("acp_jax.checkpoint")
 
 
 class DamagedError(Exception):
-  """A checkpoint that is not as it was saved: a file cannot be read, or an
-  array or the record differs from its checksum.
+  """A checkpoint not as saved: a file cannot be read, or an array or the
+  record differs from its checksum.
 
   Attributes:
     path: the checkpoint's directory.
@@ -56,12 +53,10 @@ def _checksum(x: jax.Array) -> jax.Array:
   """A uint32 checksum of ``x``'s bits: sum over elements of
   fmix32(word ^ fmix32(flat index)), modulo 2**32.
 
-  Each term is a bijection of its word, so changing any one element always
-  changes the sum; changing several, or moving an element, leaves it
-  unchanged with probability about 2**-32. The flat index comes from iotas
-  rather than a reshape, so a sharded array is summed where it lies and only
-  the partial sums travel.
-  """
+  Each term is a bijection of its word, so changing one element always
+  changes the sum; changing several, or moving one, leaves it unchanged
+  with probability about 2**-32. The index comes from iotas, not a reshape,
+  so a sharded array is summed where it lies and only partial sums travel."""
   if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
     x = jax.random.key_data(x)
   if x.dtype == jnp.bool_:
@@ -86,17 +81,16 @@ def _checksum_leaves(leaves: list[jax.Array]) -> list[jax.Array]:
 def checksums(tree: Any) -> dict[str, int]:
   """A checksum of each array of ``tree``, keyed by its path.
 
-  Computed on the arrays' devices in one compiled call; each checksum is a
-  replicated scalar, so every process of a multi-process run gets the same
-  values without any array being gathered.
+  Computed on the arrays' devices in one compiled call, as replicated
+  scalars: every process gets the same values, and no array is gathered.
 
   Args:
     tree: a pytree of ``jax.Array`` (sharded or not, addressable or not).
 
   Returns:
-    ``{jax.tree_util.keystr(path): checksum}`` with checksums in
-    ``[0, 2**32)``: equal for equal arrays, different with probability
-    about ``1 - 2**-32`` when any byte differs or elements trade places.
+    ``{jax.tree_util.keystr(path): checksum}``, each in ``[0, 2**32)``:
+    equal for equal arrays, different with probability about ``1 - 2**-32``
+    when any byte differs or elements trade places.
   """
   leaves = jax.tree_util.tree_leaves_with_path(tree)
   sums = jax.device_get(_checksum_leaves([x for _, x in leaves]))
@@ -112,9 +106,8 @@ def _digest(record: dict[str, Any]) -> str:
 
 
 def sealed(record: dict[str, Any]) -> dict[str, Any]:
-  """``record`` (JSON-serializable) with a digest of itself added, so that
-  a changed byte anywhere in it (a step, a setting, a checksum) is caught
-  by ``unsealed``."""
+  """``record`` (JSON-serializable) with a digest of itself added, for
+  ``unsealed`` to catch a changed byte anywhere in it."""
   if "digest" in record:
     raise ValueError("record must not hold 'digest': sealed adds it")
   record = json.loads(json.dumps(record))
@@ -137,8 +130,7 @@ def unsealed(record: Any, path: Any) -> dict[str, Any]:
 
 def verify(state: Any, saved: dict[str, int], path: Any) -> None:
   """Raises ``DamagedError`` naming the arrays of ``state`` whose checksums
-  differ from ``saved`` (a ``checksums`` result kept with the checkpoint).
-  Collective: call it on every process alike."""
+  differ from ``saved``. Collective: call it on every process alike."""
   now = checksums(state)
   differ = sorted(
       k for k in set(now) | set(saved) if now.get(k) != saved.get(k)
@@ -152,9 +144,8 @@ def verify(state: Any, saved: dict[str, int], path: Any) -> None:
 
 
 def describe_read_error(error: BaseException) -> str:
-  """One line for an orbax read that failed: the array whose file failed
-  (from TensorStore's key, where it names one) and the first line of the
-  error at the root of ``error``'s chain."""
+  """One line for a failed orbax read: the array whose file failed (where
+  TensorStore's key names one) and the first line of the root error."""
   messages = []
   while error is not None:
     messages.append(str(error))
@@ -206,17 +197,15 @@ def differences(saved: Any, now: Any, now_is: str = "now") -> list[str]:
   ]
 
 
-# Factory arguments that older versions recorded and this one no longer has,
-# each with the test, of the value and the factory's name, that the value
-# left the compressor as it is today.
+# Factory arguments older versions recorded and this one lacks, each with a
+# test, of the value and the factory's name, that the value changed nothing.
 _RETIRED = {
     # DeMo-style decay of the residual; 1 (or "none" in older records) kept
     # it whole, as every low-rank compressor now does.
     "error_decay": lambda v, _: v is None or v == "none" or (
         isinstance(v, (int, float)) and not isinstance(v, bool) and v == 1
     ),
-    # The factory's own name, which releases before 0.2.0 recorded among
-    # its arguments by mistake.
+    # The factory's name, recorded among its arguments before 0.2.0.
     "caller": lambda v, name: v == name,
 }
 
@@ -224,11 +213,10 @@ _RETIRED = {
 def current_record(made: Any, path: Any) -> Any:
   """A recorded ``{"name", "args"}`` of a compressor as this version makes
   it: an argument it no longer has is dropped, with a logged note, if its
-  value was the one that changed nothing, and refused otherwise.
+  value changed nothing.
 
   Raises:
-    ValueError: naming ``path``, the argument and its value, if the
-      compressor recorded cannot be made by this version.
+    ValueError: naming ``path``, the argument and its value, otherwise.
   """
   if not isinstance(made, dict) or not isinstance(made.get("args"), dict):
     return made
@@ -314,18 +302,13 @@ def log_abandoned_reads(
   """Sends the errors of the reads that a failed restore abandons to a debug
   log, not the console; call it once, at start-up.
 
-  When one array of a damaged checkpoint cannot be read, orbax's restore
-  raises at once and closes its event loop while TensorStore still reads
-  the others: each of those then fails to hand back its result ("Event loop
-  is closed"), and each unfinished read coroutine raises when it is
-  collected, its error holding TensorStore's whole spec. Python prints
-  every one as an unraisable exception, within a second of the one
-  ``DamagedError`` line that says which checkpoint is damaged and why: a
-  hundred tracebacks for a model of a hundred arrays. This replaces
-  ``sys.unraisablehook`` (which the library leaves alone unless asked) with
-  one that hands those to ``log`` (default: the ``acp_jax.checkpoint``
-  logger at debug level) and every other unraisable exception to the hook
-  before it."""
+  When one array cannot be read, orbax raises and closes its event loop
+  while TensorStore still reads the others; each of those reads then raises
+  ("Event loop is closed", or TensorStore's whole spec) as an unraisable
+  exception: a traceback per array beside the one ``DamagedError`` line.
+  This replaces ``sys.unraisablehook`` with one that hands those to ``log``
+  (default: the ``acp_jax.checkpoint`` logger, at debug level) and every
+  other to the hook before it."""
   before = sys.unraisablehook
   log = log or (lambda text: _LOG.debug("%s", text))
 

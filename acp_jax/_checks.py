@@ -1,10 +1,7 @@
 """The checks of the compressors' arguments and of where their updates run.
 
-A factory checks its hyperparameters once, when it runs, by one call of
-``factory_args``; an update checks what it is given and where it is traced
-(``begin_update``), which costs nothing at run time. One module on
-purpose: every check a compressor makes lives here, once, so that each
-factory and update calls it rather than writing its own.
+Factories call ``factory_args``, updates ``begin_update`` (at trace time);
+every check a compressor makes lives here, once.
 """
 
 from collections.abc import Callable, Iterator, Sequence
@@ -71,9 +68,8 @@ def choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
 
 
 def comm_dtype(value: Any, caller: str) -> Any:
-  """``value``; raises unless it is None or a floating dtype, and warns of
-  one with a narrower exponent than float32's (float16, float8): a sum over
-  the devices of gradients or factors past its largest value is inf."""
+  """``value``; raises unless it is None or a floating dtype. Warns of a
+  narrower exponent than float32's (float16): sums past its max are inf."""
   if value is None:
     return None
   try:
@@ -113,8 +109,7 @@ def bucket_bytes(value: Any, caller: str) -> float:
 
 
 def leaf_order(value: Any, caller: str) -> tuple[int, ...] | None:
-  """``value`` as a tuple, or None; raises unless it is None or a sequence
-  of distinct non-negative ints."""
+  """``value`` as a tuple or None; raises unless None or distinct ints >= 0."""
   if value is None:
     return None
   try:
@@ -177,11 +172,10 @@ _STATIC = (
 
 
 def factory_args(caller: str, **args: Any) -> dict[str, Any]:
-  """A factory's arguments, checked in the order given; returns them with
-  None resolved (``bucket_bytes``: 25 MiB, ``warmup_steps``: 0) and
-  ``leaf_order`` as a tuple. Raises ``ValueError`` naming the argument, the
-  value and the fix. An argument of a name no rule knows (a compressor's of
-  one's own) is returned as it is, for its factory to check."""
+  """A factory's arguments, checked in order, with None resolved
+  (``bucket_bytes``: 25 MiB, ``warmup_steps``: 0) and ``leaf_order`` a tuple;
+  one no rule knows is returned as it is, for its factory to check. Raises
+  ``ValueError`` naming the argument, the value and the fix."""
   _check_static(caller, {k: v for k, v in args.items() if k in _STATIC})
   unchecked = lambda v, _: v
   return {
@@ -203,8 +197,7 @@ class Bucketed(NamedTuple):
 def bucketed_args(
     caller: str, axis_name: str, bucket_bytes: Any, leaf_order: Any, **own
 ) -> Bucketed:
-  """``factory_args`` of such a factory: its own arguments, then
-  ``bucket_bytes`` and ``leaf_order``."""
+  """``factory_args`` of a factory that sends its leaves in buckets."""
   args = factory_args(
       caller, **own, bucket_bytes=bucket_bytes, leaf_order=leaf_order
   )
@@ -218,11 +211,8 @@ def bucketed_args(
 
 
 def _check_static(caller: str, args: dict[str, Any]) -> None:
-  """Raises if a factory argument that fixes shapes arrived as an array.
-
-  ``optax.inject_hyperparams`` turns numeric arguments into arrays; these
-  ones decide what is sent (ranks, k), so they must stay Python numbers.
-  """
+  """Raises if an argument that fixes what is sent (ranks, k) arrived as an
+  array, as ``optax.inject_hyperparams`` makes numeric arguments."""
   arrays = [
       k for k, v in args.items() if isinstance(v, (jax.Array, np.ndarray))
   ]
@@ -263,8 +253,7 @@ def check_float_leaves(params: Any, caller: str) -> None:
 
 
 def check_tree_matches(grads: Any, state_tree: Any, caller: str) -> None:
-  """Raises unless ``grads`` has the structure and shapes of ``state_tree``,
-  a tree that mirrors the params the state was initialized from."""
+  """Raises unless ``grads`` has the structure and shapes of ``state_tree``."""
   state_def = jax.tree.structure(state_tree, is_leaf=state_trees.is_masked)
   grads_def = jax.tree.structure(grads)
   if state_def != grads_def:
@@ -296,12 +285,10 @@ def check_state(state: Any, expected: type, caller: str) -> None:
 
 
 def _varying_axes(x) -> frozenset | None:
-  """Mapped axes over which ``x`` may differ, if JAX tracks them here.
-
-  JAX has no public call for them: its type says, as ``vma`` in jax 0.6
-  and as ``manual_axis_type.varying`` in 0.10. Should both go, the placement
-  checks under ``shard_map`` fail their tests
-  (``tests/test_errors.py::test_gradients_already_reduced_by_grad``)."""
+  """Mapped axes over which ``x`` may differ, if JAX tracks them here: its
+  type's ``vma`` (jax 0.6) or ``manual_axis_type.varying`` (0.10), as no
+  public call gives them. Should both go,
+  ``tests/test_errors.py::test_gradients_already_reduced_by_grad`` fails."""
   aval = jax.typeof(x)
   if hasattr(aval, "manual_axis_type"):
     return aval.manual_axis_type.varying
@@ -311,13 +298,11 @@ def _varying_axes(x) -> frozenset | None:
 def varying_outputs(
     fun: Callable[..., Any], args: tuple, varying: list[bool], axes: tuple
 ) -> list[bool]:
-  """For each output leaf of ``fun(*args)``, whether it provably depends on
-  an argument leaf flagged in ``varying`` (each device's own data) or on
-  the device index, through no reducing collective over ``axes``: then it
-  differs across devices. Read from ``fun``'s jaxpr (``jax.make_jaxpr``),
-  traced where ``axes`` are bound; what it cannot see through (``lax.cond``,
-  ``lax.scan``) counts as the same on every device, so it errs only towards
-  not raising."""
+  """For each output leaf of ``fun(*args)`` (traced where ``axes`` are
+  bound), whether it provably depends on an argument flagged in ``varying``
+  or on the device index through no reducing collective over ``axes``. What
+  its jaxpr hides (``lax.cond``, ``lax.scan``) counts as alike on every
+  device: it errs only towards not raising."""
   jaxpr = jax.make_jaxpr(fun)(*args).jaxpr
   return _dataflow.flow(jaxpr, varying, opaque=False, reduced_over=axes)[0]
 
@@ -325,12 +310,10 @@ def varying_outputs(
 def check_local(grads: Any, axis_name: str, caller: str) -> None:
   """Raises if every gradient is provably identical across ``axis_name``.
 
-  Under ``jax.shard_map`` (check_vma=True), ``jax.grad`` with respect to
-  replicated params all-reduces the gradient densely by itself, and the
-  compressor would then add its own traffic on top of a full S-SGD step.
-  JAX's varying-axis types tell; where it does not track them
-  (``jax.pmap``, ``check_vma=False``) nothing is checked.
-  """
+  Under ``jax.shard_map`` (check_vma=True), ``jax.grad`` of replicated params
+  all-reduces densely by itself, and the compressor would add its traffic on
+  top. Unchecked where JAX tracks no varying axes (``jax.pmap``,
+  ``check_vma=False``)."""
   leaves = jax.tree.leaves(grads)
   varying = _varying_axes(lax.axis_index(axis_name)) or ()
   if not leaves or axis_name not in varying:
@@ -346,14 +329,12 @@ def check_local(grads: Any, axis_name: str, caller: str) -> None:
     )
 
 
-# Set to 1 (an environment variable, read when a step is traced) for the
-# checks of a compressor's placement that optax and JAX give no public way
-# to make at no cost: its update then refuses to run unless a composition
-# that puts it first runs it (``acp_jax.chain``, ``DataParallel``), since
-# optax gives a transform no way to know its place in a chain; and, where
-# JAX does not track varying axes (``jax.pmap``, ``check_vma=False``), the
-# step checks when it runs that the gradients differ across devices, with
-# two collectives more, so identical batches on every device raise too.
+# Set to 1 (read when a step is traced) for the placement checks that cost
+# something: an update refuses to run outside a composition that puts it
+# first (``acp_jax.chain``, ``DataParallel``), as optax tells a transform
+# nothing of its place in a chain; and where JAX tracks no varying axes, the
+# step checks at run time, with two collectives more, that the gradients
+# differ across devices (so identical batches on every device raise too).
 DEBUG_PLACEMENT = "ACP_JAX_DEBUG_PLACEMENT"
 # Whether a placing composition runs the update: a context variable, since
 # optax's ``update(grads, state, params)`` has no argument for it.
@@ -378,11 +359,9 @@ class PlacementWarning(UserWarning):
 
 
 def check_placement(grads: Any, axis_name: str, caller: str) -> None:
-  """Checks that the update runs in a placing composition: where
-  ``DEBUG_PLACEMENT`` is set, raises if not, and where JAX does not track
-  varying axes (``jax.pmap``, ``jax.vmap``, ``check_vma=False``) warns
-  otherwise; with the flag, where JAX does not track them, also raises when
-  the step runs if the gradients are the same on every device."""
+  """Checks that the update runs in a placing composition: as
+  ``DEBUG_PLACEMENT`` describes where it is set, else by a warning where JAX
+  tracks no varying axes (``jax.pmap``, ``jax.vmap``, ``check_vma=False``)."""
   debug = os.environ.get(DEBUG_PLACEMENT) == "1"
   tracked = axis_name in (_varying_axes(lax.axis_index(axis_name)) or ())
   if not _PLACED.get():
@@ -430,7 +409,6 @@ def check_placement(grads: Any, axis_name: str, caller: str) -> None:
 
 
 def _states_of(tree: Any, types: tuple[type, ...]) -> list[Any]:
-  """The nodes of ``tree`` that are instances of ``types``."""
   return [
       x
       for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, types))
@@ -442,14 +420,11 @@ def check_descends(
     tx: optax.GradientTransformation, params: Any, where: str
 ) -> bool:
   """Raises if ``tx``'s update of a gradient of ones is not finite, or
-  climbs it in every leaf that moves: the marks of a NaN, infinite or
-  negative learning rate, which optax's transforms keep in closures that
-  nothing else can read (a leaf that ``optax.masked`` passes through
-  climbs; the others then descend). The probe is one element per leaf, of
-  the leaf's rank, at params of zero, evaluated at once even under a trace.
-  Returns whether it ran: a ``tx`` it cannot run (one that needs extra
-  arguments, or a tree like the params where ``params`` is None, one
-  matrix) is not checked."""
+  climbs in every leaf that moves (one that ``optax.masked`` passes through
+  climbs anyway): a NaN, infinite or negative learning rate, hidden in
+  optax's closures. The probe, one element per leaf at params of zero, runs
+  even under a trace. Returns whether it ran: not for a ``tx`` that needs
+  extra arguments, or the params' tree where ``params`` is None."""
   params = jnp.zeros((1, 1)) if params is None else params
   try:
     with jax.ensure_compile_time_eval():
@@ -458,8 +433,7 @@ def check_descends(
       updates, _ = tx.update(ones, tx.init(zeros), zeros)
       slopes = [float(jnp.sum(u)) for u in jax.tree.leaves(updates)]
   except Exception:  # pylint: disable=broad-except
-    # Not the params' tree or not its shapes, or extra arguments missing:
-    # the step itself reports what is wrong with it.
+    # A wrong tree or shape, or missing arguments: the step reports them.
     return False
   bad = next((s for s in slopes if not math.isfinite(s)), None)
   if bad is not None:
@@ -479,11 +453,9 @@ def check_descends(
 
 
 def check_optimizer_after(inner_state: Any, where: str) -> None:
-  """Raises if the optimizer after the compressor (``DataParallel.chain``'s
-  ``tx``, ``acp_jax.chain``'s transforms) holds ``optax.MultiSteps``, read
-  from its state (an optax transform's state type names it, however deeply
-  it is chained): the compressed exchange runs before it at every
-  micro-step, so a step of k micro-batches would send k times."""
+  """Raises if the optimizer after the compressor holds ``optax.MultiSteps``
+  (its state's type shows it, however deeply chained): the exchange runs
+  before it at every micro-step, so k micro-batches would send k times."""
   if not _states_of(inner_state, (optax.MultiStepsState,)):
     return
   if where.startswith("DataParallel"):

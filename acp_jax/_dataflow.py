@@ -1,11 +1,5 @@
-"""What a traced function's values depend on, read from its jaxpr.
-
-The trace-time checks and the accounting ask a step which of its values
-come from which inputs: an aux value computed from this device's shard of
-the batch, a gradient or a buffer computed from constants only (which XLA
-folds away). They ask it of ``jax.make_jaxpr``'s jaxpr, through JAX's public
-``jax.extend.core`` types, and of nothing else.
-"""
+"""What a traced function's values depend on, read from its jaxpr (through
+the public ``jax.extend.core`` types only)."""
 
 from collections.abc import Sequence
 import functools
@@ -50,22 +44,20 @@ def flow(
 ) -> tuple[list[bool], list[bool]]:
   """Carries a flag per input of ``jaxpr`` to its outputs.
 
-  An equation's results are flagged if one of its operands is, or if it is
+  An equation's results are flagged if an operand is, or if it is
   ``lax.axis_index``; a reducing collective over all of ``reduced_over``
-  clears them (its result is the same on every device). Literals and
-  captured constants are not flagged. A plain call (a nested ``jit``,
-  ``shard_map``) is followed inside; the results of another equation that
-  holds a jaxpr (``lax.cond``, ``lax.scan``) are flagged ``opaque``.
+  clears them. Literals and captured constants are not flagged. A plain
+  call (a nested ``jit``, ``shard_map``) is followed inside; the results of
+  another equation holding a jaxpr (``lax.cond``) are flagged ``opaque``.
 
   Args:
     jaxpr: a ``jax.extend.core.Jaxpr`` (``jax.make_jaxpr(f)(*args).jaxpr``).
     flags: one per input of ``jaxpr``, in the order of its flattened args.
-    opaque: the flag of what cannot be seen through, the one that errs
+    opaque: the flag of what cannot be seen through: the one that errs
       towards not raising (or towards counting).
-    reduced_over: the axes whose reducing collectives clear the flags, or
-      None for no clearing.
-    mark: a function name: the flag of the operand of each ``jax.jit`` of a
-      function of that name is listed, in trace order.
+    reduced_over: the axes whose reducing collectives clear flags, or None.
+    mark: a function name: the flag of the operand of each ``jax.jit`` of
+      that name is listed, in trace order.
 
   Returns:
     The flags of the outputs, and those of the marked calls' operands.
@@ -125,7 +117,6 @@ def _nested(eqn: Any) -> list[Any]:
 
 
 def _reduces_over(eqn: Any, axes: tuple[str, ...] | None) -> bool:
-  """Whether ``eqn`` is a reducing collective over all of ``axes``."""
   over = _collective_axes(eqn.params)
   return (
       axes is not None

@@ -1,11 +1,6 @@
-"""Where a ``DataParallel``'s arrays live on its mesh.
-
-The batch and the local gradients are stacked one slice per device over the
-device axes; the compressor's per-device fields (the residuals) one slice
-per node, over the compressor's axis; everything else (the params, the
-factors, the optimizer's state) is replicated. ``Layout`` holds the mesh's
-axes and the methods that place arrays so; ``DataParallel`` adds the step.
-"""
+"""Where a ``DataParallel``'s arrays live on its mesh: the batch and local
+gradients one slice per device, the compressor's per-device fields (the
+residuals) one per node, everything else replicated."""
 
 from typing import Any, Callable
 
@@ -21,9 +16,8 @@ from acp_jax import compressor as compressor_lib
 
 
 class Layout:
-  """The axes of ``mesh`` that a compressor's data parallelism runs over,
-  and where each array of its step lives (``DataParallel`` documents the
-  arguments)."""
+  """The axes of ``mesh`` a compressor's data parallelism runs over, and
+  where each array of its step lives (``DataParallel`` has the arguments)."""
 
   def __init__(
       self,
@@ -97,11 +91,8 @@ class Layout:
     )
 
   def init_comm(self, params: Any) -> Any:
-    """The compressor's state for ``params`` (or their shapes), on the mesh.
-
-    A compressor's initial state depends on the params' shapes only, so it
-    is made on the devices directly, in its layout.
-    """
+    """The compressor's state for ``params`` (or their shapes), made on the
+    devices directly, in its layout: it depends on the shapes only."""
     return self._comm_init(params)()
 
   def _comm_init(self, params: Any) -> Callable[[], Any]:
@@ -128,7 +119,6 @@ class Layout:
   def _inner_init(
       self, tx: optax.GradientTransformation, params: Any
   ) -> Callable[[Any], Any]:
-    """``tx.init``, jitted to lay its state out replicated."""
     del params
     return jax.jit(tx.init, out_shardings=self._sharding(P()))
 
@@ -157,7 +147,6 @@ class Layout:
     """The compressor's state before each phase's step (abstract where the
     phase is recorded), by the phase names of ``acp_jax.comm_bytes``."""
     return self.compressor.phases(comm_state)
+
   def _warn_if_sharded_elsewhere(self, params: Any) -> None:
-    """Warns if a param is sharded over a mesh axis that is not a device
-    axis: its all-gathers are traffic that ``comm_bytes`` does not count."""
     _accounting.warn_if_sharded_elsewhere(self.mesh, self.device_axes, params)

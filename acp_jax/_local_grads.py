@@ -1,10 +1,7 @@
 """Each device's local gradients: their type, and the program that makes them.
 
-``DataParallel.value_and_grad`` differentiates every device's shard of the
-batch under ``jax.shard_map`` (``check_vma=False``, so ``jax.grad`` inserts
-no dense all-reduce of its own) and returns the gradients stacked on a
-leading device axis, as a ``LocalGrads`` whose guard keeps any transform but
-``DataParallel.chain(tx)`` from taking them for the gradient.
+``jax.shard_map`` runs with ``check_vma=False``, so that ``jax.grad`` adds
+no dense all-reduce of its own.
 """
 
 from collections.abc import Mapping
@@ -33,9 +30,7 @@ _FIX = (
 class LocalGradsError(TypeError, AttributeError):
   """``LocalGrads`` used as an array; the message says how to use them.
 
-  Also an ``AttributeError``, so that a probe such as
-  ``getattr(x, "shape", None)`` finds no such attribute, as before.
-  """
+  An ``AttributeError`` too, so ``getattr(x, "shape", None)`` still works."""
 
 
 def flax_nnx():
@@ -47,22 +42,17 @@ class LocalGrads:
   """Each device's gradients, stacked: what ``DataParallel.value_and_grad``
   returns, and what only ``DataParallel.chain(tx)`` takes.
 
-  Local gradients are not the gradient: a transform applied to them (clipping
-  by their stacked norm, weight decay, a plain optimizer) acts on the wrong
-  object. So they carry a guard, a zero-size PRNG key, and JAX refuses every
-  arithmetic operation on a key while tracing, with an error whose dtype,
-  ``key<...>``, says how to use them and where such a transform goes:
-  inside ``chain``, after the compressor, e.g.
-  ``dp.chain(optax.chain(optax.clip_by_global_norm(1.0), opt))``. An
-  array's method or property on the ``LocalGrads`` themselves (``.mean``,
-  ``.shape``), or ``np.asarray``, raises ``LocalGradsError`` saying the
-  same. A transform that combines them with another tree (a moment, the
-  params, the accumulator of ``optax.MultiSteps``, the mask of
-  ``optax.masked``) meets JAX's own pytree structure error, which names
-  ``LocalGrads``: such a transform goes inside ``chain`` too.
+  Local gradients are not the gradient: a transform applied to them
+  (clipping by their stacked norm, weight decay) acts on the wrong object.
+  So they carry a guard, a zero-size PRNG key: JAX refuses arithmetic on it
+  while tracing, with an error whose dtype, ``key<...>``, says to put such
+  a transform inside ``chain``, after the compressor. Array methods
+  (``.mean``, ``.shape``) and ``np.asarray`` raise ``LocalGradsError``;
+  combining them with another tree (a moment, the params) meets JAX's
+  pytree structure error, which names ``LocalGrads``.
 
-  Add up micro-batches' local gradients with ``+`` (or ``sum``) and scale
-  them with ``*`` and ``/``; read the arrays from ``stacked``.
+  Add up micro-batches' local gradients with ``+`` (or ``sum``), scale them
+  with ``*`` and ``/``, and read the arrays from ``stacked``.
 
   Attributes:
     stacked: the gradients in the params' structure (for a Flax NNX module,
@@ -168,9 +158,8 @@ def _is_guard(x: Any) -> bool:
 
 
 def stacked(updates: Any) -> Any:
-  """The stacked arrays of local gradients that ``chain``'s update gets: a
-  ``LocalGrads``, or the mapping of its fields that ``nnx.Optimizer`` hands
-  on (``nnx.state(grads, wrt)``)."""
+  """The stacked arrays ``chain``'s update gets: of a ``LocalGrads``, or of
+  the mapping of its fields that ``nnx.Optimizer`` hands on."""
   if isinstance(updates, LocalGrads):
     return updates.stacked
   fields = set(updates) if isinstance(updates, Mapping) else set()
@@ -234,7 +223,6 @@ def value_and_grad(
 
 
 def _split_value(value: Any, has_aux: bool) -> tuple[Any, Any]:
-  """``(loss, aux)`` of what the user's loss returns (aux ``()`` without)."""
   return value if has_aux else (value, ())
 
 
@@ -307,9 +295,8 @@ def _module_value_and_grad(
 def _local_value_and_grad(
     loss_fn: Callable[..., Any], axes: tuple, specs: tuple, aux_specs: Any
 ) -> Callable[..., Any]:
-  """One device's step under ``shard_map``: its loss and gradients on its
-  shard, the loss averaged, the gradients (and per-device ``aux``) given a
-  leading axis of one to stack on."""
+  """One device's step under ``shard_map``: the mean loss, and its shard's
+  gradients (and per-device ``aux``) on a leading axis of one to stack."""
 
   def local(params, rest, *batch):
     # A key that every device receives alike would draw the same

@@ -1,8 +1,4 @@
-"""The wrappers ``DataParallel.value_and_grad`` puts around a user's loss:
-naming the arguments it split by assumption when the loss fails on their
-shapes, refusing a per-device ``aux`` returned as one value, global
-BatchNorm on an NNX module, and the global mean of a ``(sum, count)`` loss.
-"""
+"""The wrappers ``DataParallel.value_and_grad`` puts around a user's loss."""
 
 from typing import Any, Callable
 
@@ -20,11 +16,10 @@ from acp_jax import _specs
 def naming_assumed_splits(
     fun: Callable[..., Any], batch: tuple, specs: tuple, given: Any, axis: Any
 ) -> Callable[..., Any]:
-  """``fun``, whose ``TypeError`` or ``ValueError``, when some argument was
-  split along its leading axis for want of a ``batch_specs`` entry, carries
-  a note naming those arguments and ``batch_specs``: an argument that is
-  not a batch (Linen ``batch_stats`` whose channels equal the batch size)
-  splits without an error of ours and fails inside the loss."""
+  """``fun``, whose ``TypeError`` or ``ValueError`` carries a note naming the
+  arguments split along axis 0 by assumption: one that is not a batch
+  (Linen ``batch_stats`` with channels equal to the batch size) splits
+  without an error of ours and fails inside the loss."""
   given = (None,) * len(batch) if given is None else given
   assumed = [
       f"argument {i + 1} {[tuple(np.shape(x)) for x in jax.tree.leaves(arg)]}"
@@ -61,9 +56,8 @@ def naming_assumed_splits(
 def with_replicated_aux_checked(
     fun: Callable[..., Any], aux_specs: Any, specs: tuple, axes: tuple
 ) -> Callable[..., Any]:
-  """``fun``, refusing at trace time an ``aux`` leaf given ``P()`` (one
-  value for all devices) that is computed from this device's shard of the
-  batch (its arguments split by ``specs``) with no collective over
+  """``fun``, refusing at trace time a ``P()`` ``aux`` leaf (one value for
+  all devices) computed from this device's shard with no collective over
   ``axes``: ``shard_map`` would return device 0's value as everyone's."""
 
   def checked(params, *batch):
@@ -108,11 +102,9 @@ def with_replicated_aux_checked(
 def normalising_globally(
     fun: Callable[..., Any], axes: tuple[str, ...]
 ) -> Callable[..., Any]:
-  """``fun(model, *batch)`` with the ``nnx.BatchNorm`` layers of ``model``
-  (if an NNX module) that compute batch statistics over no axis given
-  ``axes``, so that they average them over the devices. ``fun`` runs on the
-  module's copy that the step merges inside its trace; the user's module is
-  not touched."""
+  """``fun(model, *batch)`` with the axis-less ``nnx.BatchNorm`` layers of
+  an NNX ``model`` averaging their batch statistics over ``axes``; on the
+  copy the step merges in its trace, not the user's module."""
 
   def loss(model, *batch):
     nnx = _local_grads.flax_nnx()

@@ -1,10 +1,4 @@
-"""PartitionSpecs: reading them, and the ones of a step's batch arguments.
-
-``DataParallel.value_and_grad`` splits each argument after the params over
-the device axes along one of its axes; ``batch_specs`` says which, from the
-user's ``batch_specs``, from where an array is placed, or by assuming its
-leading axis, and refuses what would not split as data parallelism.
-"""
+"""PartitionSpecs: reading them, and the ones of a step's batch arguments."""
 
 import collections
 from typing import Any
@@ -22,10 +16,10 @@ def is_spec(x) -> bool:
 def batch_specs(
     batch: tuple, batch_specs: Any, device_spec: P, num_devices: int
 ) -> tuple:
-  """Each batch argument's tree of leaf ``PartitionSpec``s (see
-  ``value_and_grad``), checked: split axes divide evenly over the devices,
-  and an assumed split agrees in size with the others. ``device_spec`` is
-  ``DataParallel.device_spec``, over ``num_devices`` devices."""
+  """Each batch argument's tree of leaf ``PartitionSpec``s: the user's, its
+  placement's, or else its leading axis split (assumed). Split axes must
+  divide evenly over the devices, and an assumed split agree in size with
+  the others."""
   if batch_specs is None:
     batch_specs = (None,) * len(batch)
   if not isinstance(batch_specs, (tuple, list)) or len(batch_specs) != len(
@@ -188,15 +182,13 @@ def _check_split_sizes(splits: list, entry: Any) -> None:
 
 
 def _check_not_time_major(unseen: list, entry: Any, num_devices: int) -> None:
-  """Refuses leading-axis splits that could as well be time-major, when
-  nothing shows which axis is the batch: traced arrays whose placement does
-  not show (under ``jit`` on ``Auto`` mesh axes), of two or more axes, whose
-  axis 1 agrees in size and splits evenly, and whose shapes say nothing
-  against a time axis 0: axes 0 and 1 of one size, an axis 0 of one row per
-  device, or arguments that share axes 0 and 1 but differ in rank (x (T, B,
-  F) beside y (T, B) reads as well as x (B, T, F) beside y (B, T)). A 1-D
-  leaf (labels) has no second axis, and arguments of one rank and of other
-  sizes (tokens and targets (B, T)) are taken as batch-major."""
+  """Refuses leading-axis splits that could as well be time-major: traced
+  arrays whose placement does not show (``jit`` on ``Auto`` axes), of two
+  or more axes, axis 1 agreeing in size and splitting evenly, and shapes
+  that allow a time axis 0: axes 0 and 1 of one size, an axis 0 of one row
+  per device, or arguments sharing axes 0 and 1 at other ranks (x (T, B, F)
+  beside y (T, B) reads as well as x (B, T, F) beside y (B, T)). Arguments
+  of one rank and other sizes (tokens, targets (B, T)) are batch-major."""
   shapes = [shape for _, shape in unseen]
   if not shapes or any(len(shape) < 2 for shape in shapes):
     return
@@ -233,10 +225,9 @@ def _check_not_time_major(unseen: list, entry: Any, num_devices: int) -> None:
 def check_explicit_placement(
     batch: tuple, specs: tuple, mesh: jax.sharding.Mesh, device_axes: tuple
 ) -> None:
-  """Refuses, naming the fix, a traced argument to be split over device
-  axes of ``Explicit`` type whose type does not show that split (an
-  unplaced ``jnp`` array under ``jit``): ``shard_map`` would refuse it with
-  its own mismatch of specs, naming neither the argument nor the fix."""
+  """Refuses, naming the fix, a traced argument to be split over
+  ``Explicit`` device axes whose type does not show that split (an unplaced
+  ``jnp`` array under ``jit``): ``shard_map``'s own error names neither."""
   kinds = dict(zip(mesh.axis_names, mesh.axis_types))
   if all(kinds[a] != jax.sharding.AxisType.Explicit for a in device_axes):
     return

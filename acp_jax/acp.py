@@ -24,11 +24,10 @@ class AcpSgdState(NamedTuple):
     error: residual E per compressed leaf, leaf shape and dtype; differs
       across devices (all ``MaskedNode`` without error feedback).
     p: (n, r) mean of the last P-step's all-reduced P, leaf dtype.
-    q: (m, r) mean of the last Q-step's all-reduced Q, leaf dtype (before the
-      first Q-step: random from the seed).
+    q: (m, r) mean of the last Q-step's all-reduced Q, leaf dtype (random
+      from the seed before the first Q-step).
     phase: uint8 zeros whose shape says what the next step does: (1,) a
-      P-step, (2, 2) a Q-step, (3, 3, 3) a dense warm-up step (see
-      ``acp_jax.phase``).
+      P-step, (2, 2) a Q-step, (3, 3, 3) a dense warm-up step.
     count: int32 scalar, the number of steps taken.
   """
 
@@ -66,32 +65,23 @@ def acp_sgd(
     Q-step:  P' = orth(P);  Q = M^T P';  E = M - P' Q^T
              Q = allreduce_sum(Q) / N;  update = P' Q^T
 
-  The factor each step projects onto comes from the previous step, so nothing
-  in a step waits on that step's own communication: its one round of
+  The factor each step projects onto comes from the previous step, so
+  nothing in a step waits on its own communication: its one round of
   all-reduces (factors plus the leaves sent dense) can fuse and overlap like
-  S-SGD's, at about half Power-SGD's volume. The leaves travel in buckets, as
-  S-SGD's do, each factor by its own all-reduce, which waits only for its own
-  leaf's gradient (see ``acp_jax.collectives``). The
-  phase lives in the shape of the state's ``phase`` array: a jitted step
-  compiles once per phase.
-
-  With ``warmup_steps``, the first steps are S-SGD's (every leaf all-reduced
-  whole) and warm the factors on the mean gradient (``lowrank_update.dense_step``);
-  the training loop switches the state out of the warm-up with
-  ``Compressor.at_step`` (``DataParallel.at_step``), the first compressed
-  step being a P-step.
+  S-SGD's, in S-SGD's buckets, at about half Power-SGD's volume. The phase
+  lives in the shape of the state's ``phase`` array: a jitted step compiles
+  once per phase. A warm-up (``warmup_steps``) runs S-SGD's steps first.
 
   Args:
     rank: rank r of the factors, clipped per leaf to min(n, m).
     axis_name: the mapped axis over which devices hold their data shards.
-    options: the settings it shares with ``power_sgd`` (see there), an
+    options: the settings it shares with ``power_sgd``, an
       ``acp_jax.LowRankOptions``; None for their defaults.
     **settings: any of its fields by name, replacing ``options``'.
 
   Returns:
-    A ``Compressor`` whose update, called inside ``jax.shard_map`` or
-    ``jax.pmap`` over ``axis_name`` with this device's gradients, returns the
-    approximate mean gradient over the axis.
+    A ``Compressor`` whose update, under ``shard_map`` or ``pmap`` over
+    ``axis_name``, returns the approximate mean of the devices' gradients.
 
   Example::
 
@@ -102,7 +92,7 @@ def acp_sgd(
     device's own gradients, or use ``acp_jax.DataParallel``. The shape of
     the state's ``phase`` array alternates, so a ``lax.scan`` over steps
     must take two steps per iteration. With ``warmup_steps``, call
-    ``at_step`` before every step, or the warm-up never ends.
+    ``at_step`` before every step.
 
   References:
     Zhang et al., "Evaluation and Optimization of Gradient Compression for
@@ -152,13 +142,12 @@ def exchange(
 
   P-step: the basis is orth(Q), the coordinates F = M orth(Q) (n x r), the
   residual E' = M - F orth(Q)^T. Q-step: the basis is orth(P), the
-  coordinates F^T = orth(P)^T M (r x m, kept transposed, see
-  ``projection.project_transposed``), the residual E' = M - orth(P) F^T.
+  coordinates F^T = orth(P)^T M (r x m, kept transposed), the residual
+  E' = M - orth(P) F^T.
   """
   side, bases, factors, errors = _project(cfg, s, state)
   after = Phase.Q if side is Phase.P else Phase.P
-  # The one round: each bucket's factors and dense leaves together;
-  # packed, in one bucket, where each array would be a message of its own.
+      # Packed, in one bucket, where each array would be its own message.
   packed = collectives.network_sends_each_operand()
   if packed:
     s = s._replace(buckets=buckets.for_packed_rounds(s.buckets))

@@ -1,12 +1,5 @@
-"""Bucket plans: which gradient leaves travel together, in which order.
-
-A compressor's leaves go in buckets, as PyTorch DDP's do (see
-``acp_jax.collectives`` for how a bucket is sent): taken in backward order,
-the order in which backprop produces their gradients (``leaf_order``, read
-from the loss by ``backward_order``; without one, the reverse of the params'
-leaf order), and cut into consecutive buckets of at most ``bucket_bytes`` of
-uncompressed gradient.
-"""
+"""Bucket plans: which gradient leaves travel together, in which order (see
+``acp_jax.collectives`` for how a bucket is sent)."""
 
 from collections.abc import Sequence
 from typing import Any
@@ -30,14 +23,12 @@ def bucket_plan(
   """Leaves grouped into buckets, in backward order.
 
   Args:
-    leaf_bytes: the uncompressed bytes of each leaf, in the params' leaf
-      order.
+    leaf_bytes: the uncompressed bytes of each leaf, in leaf order.
     bucket_bytes: a bucket is closed when the next leaf would take it past
       this many bytes; a larger leaf fills a bucket alone. Empty leaves join
       the current bucket, so they never change the plan of the others.
-    leaf_order: the leaves' indices in the order backprop produces their
-      gradients (``backward_order``), each once; None for the reverse of
-      the leaf order.
+    leaf_order: the leaves' indices in backward order (``backward_order``),
+      each once; None for the reverse of the leaf order.
 
   Returns:
     Tuples of leaf indices, in ``leaf_order``.
@@ -78,9 +69,8 @@ def leaf_plan(
 
 
 def _produced_at(jaxpr, var) -> tuple[int, ...] | None:
-  """Where in ``jaxpr`` (a core.Jaxpr) ``var`` is made: the index of its
-  equation, followed by the place inside a call's own jaxpr; None for an
-  input or a literal."""
+  """Where in ``jaxpr`` ``var`` is made: its equation's index, then its
+  place inside a call's own jaxpr; None for an input or a literal."""
   for index, eqn in enumerate(jaxpr.eqns):
     if any(out is var for out in eqn.outvars):
       inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
@@ -123,11 +113,10 @@ def backward_order(loss, params: Any, *args, **kwargs) -> tuple[int, ...]:
 
 def for_packed_rounds(plan: BucketPlan) -> BucketPlan:
   """The buckets of a method that packs each round into buffers: ``plan``
-  itself, or all in one bucket on the CPU backend. XLA:CPU runs collectives
-  one after another, so a bucket buys no overlap there and costs a message;
-  and where a second round needs the first one's result (Power-SGD), its
-  all-reduce combiner would chain the buckets' rounds (see
-  ``acp_jax.collectives``)."""
+  itself, or all in one bucket on the CPU backend, where a bucket buys no
+  overlap and costs a message, and where the all-reduce combiner would
+  chain the buckets' rounds of a method whose second round needs the
+  first's result (see ``acp_jax.collectives``)."""
   if jax.default_backend() != "cpu" or len(plan) < 2:
     return plan
   return (tuple(i for bucket in plan for i in bucket),)

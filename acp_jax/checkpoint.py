@@ -1,27 +1,16 @@
 """Verified orbax checkpoints of states that hold a compressor, phase included.
 
-``save`` writes the state through orbax with a record in the checkpoint's
-own metadata: a checksum of every array (computed on the devices, so it
-works across processes), the compressor's factory and arguments (a state
-that holds a compressor's state is not saved without them), the types of
-the state's containers, and a digest of the record itself. ``restore``
-refuses a checkpoint of another state, optimizer or compressor, naming
-saved and now, before any array is read, and raises ``DamagedError``
-(naming the path and the array) if a file cannot be read or an array or
-the record no longer matches its checksum.
+``save`` records a checksum of every array (computed on the devices, so it
+works across processes), the compressor's factory and arguments and the
+types of the state's containers; ``restore`` refuses a checkpoint of another
+state, optimizer or compressor before any array is read, and raises
+``DamagedError`` for one that is not as saved. The low-rank compressors
+record their phase in an array's shape (``acp_jax.phase``), so ``restore``
+takes that shape from the checkpoint, not from the fresh state.
 
-The low-rank compressors record their phase in the shape of a small array
-(``acp_jax.phase``), so a restore into a freshly initialized state, which
-is always in its first phase, would ask orbax for the wrong shape.
-``restore`` takes the phase from the checkpoint instead and checks every
-other array against the live state.
-
-Needs ``orbax-checkpoint`` (``pip install acp_jax[checkpoint]``).
-
-The checksums, the sealed record and the compressor's settings compared by
-value live in ``_checkpoint_record``; this module holds their public names,
-which the reference page lists with ``save`` and ``restore`` for
-checkpointers of one's own.
+Needs ``orbax-checkpoint`` (``pip install acp_jax[checkpoint]``). The other
+public names are the pieces of ``save`` and ``restore``, for checkpointers
+of one's own.
 """
 
 from collections.abc import Mapping
@@ -77,8 +66,7 @@ _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
 def _compressor_states() -> tuple[type, ...]:
-  """The states that only their compressor, arguments included, can
-  continue: each registered compressor's, and ``DataParallel``'s."""
+  """The states only their compressor, arguments included, can continue."""
   return (DataParallelState, *registry.state_types())
 
 # ``save``'s compressor when none is passed: distinct from None, which saves
@@ -96,9 +84,8 @@ def layout(tree: Any) -> dict[str, list]:
 
 
 def _structure(tree: Any) -> dict[str, str]:
-  """``{path: "type of n"}`` of each container in ``tree`` (a tuple, a dict,
-  an optimizer's state): what tells an ``optax.adam`` state from an
-  ``optax.adamw`` one, whose arrays are the same."""
+  """``{path: "type of n"}`` of each container in ``tree``: what tells an
+  ``optax.adam`` state from an ``optax.adamw`` one, whose arrays match."""
   nodes = {}
 
   def visit(path, node):
@@ -119,10 +106,9 @@ def _structure(tree: Any) -> dict[str, str]:
 
 
 def _compressor_paths(tree: Any) -> list[str]:
-  """The paths in ``tree`` of the compressors' states: what only the same
-  compressor, with the same arguments, can continue. Under ``nnx.state``,
-  where an optimizer's state keeps its fields but not its types, a state is
-  a mapping of ``nnx.OptState`` leaves with its type's fields as keys."""
+  """The paths in ``tree`` of the compressors' states. Under ``nnx.state``,
+  which keeps an optimizer state's fields but not its type, such a state is
+  a mapping of ``nnx.OptState`` leaves keyed by its type's fields."""
   types = _compressor_states()
   fields = {frozenset(t._fields): t for t in types}
 
@@ -152,9 +138,8 @@ def _compressor_paths(tree: Any) -> list[str]:
 
 
 def _holds_optimizer_state(tree: Any, every: bool = False) -> bool:
-  """Whether ``tree`` holds an NNX optimizer's state (``every``: holds
-  nothing else), which ``nnx.state`` keeps without its types, a
-  compressor's as any other."""
+  """Whether ``tree`` holds an NNX optimizer's state, typeless under
+  ``nnx.state`` and so maybe a compressor's (``every``: nothing else)."""
   nnx = _local_grads.flax_nnx()
   if nnx is None:
     return False
@@ -166,7 +151,6 @@ def _holds_optimizer_state(tree: Any, every: bool = False) -> bool:
 
 
 def _is_fresh(path: Any, fresh: tuple[str, ...]) -> bool:
-  """Whether the array at ``path`` lies under one of the paths ``fresh``."""
   name = jax.tree_util.keystr(path)
   return any(
       name == p or (name.startswith(p) and name[len(p)] in ".[")
@@ -227,11 +211,9 @@ def _shapes(
     fresh: tuple[str, ...] = (),
     compressors: tuple[str, ...] = (),
 ) -> dict[str, tuple[str, tuple[int, ...]]]:
-  """The dtype and shape to restore of each live array: its own, or a phase
-  marker's or a ``fresh`` array's saved one. Raises ``ValueError`` naming
-  missing and extra arrays, or the first that differs in shape or dtype,
-  saved and now (and, for a compressor's state at ``compressors`` saved on
-  another number of devices, the call that restores the rest)."""
+  """The dtype and shape to restore of each live array: its own, or the
+  saved one of a phase marker or a ``fresh`` array; raises ``ValueError``
+  naming what differs, saved and now."""
   missing = sorted(set(live) - set(saved))
   extra = sorted(set(saved) - set(live))
   if missing or extra:
@@ -278,27 +260,24 @@ def target(
   """The abstract restore target for the checkpoint at ``directory``.
 
   Args:
-    directory: a checkpoint written by ``save`` (or orbax's
-      ``StandardSave``; with a ``CheckpointManager``, the item's directory,
-      e.g. ``root/STEP/state``).
-    like: the live state (arrays or ``jax.ShapeDtypeStruct``): its structure,
-      shapes, dtypes and shardings are what the restore produces, except
-      phase markers, whose shape comes from the checkpoint.
-    saved: the ``layout`` of the saved state, from a verified record: then
-      a difference from ``like`` is a ``ValueError``, and orbax's metadata
-      differing from it a ``DamagedError``.
+    directory: a checkpoint of ``save`` or orbax's ``StandardSave`` (under a
+      ``CheckpointManager``, the item's directory, e.g. ``root/STEP/state``).
+    like: the live state (arrays or ``jax.ShapeDtypeStruct``), whose
+      structure, shapes, dtypes and shardings the restore produces, but for
+      phase markers' shapes, taken from the checkpoint.
+    saved: the ``layout`` of the saved state, from a verified record, to
+      check ``like`` and orbax's metadata against.
     fresh: paths in ``like`` (``jax.tree_util.keystr``'s, e.g.
       ``"[1].comm"``) whose arrays are read as saved, whatever their shape,
-      replicated on ``like``'s mesh (``restore`` replaces them by ``like``'s).
+      replicated on ``like``'s mesh.
 
   Returns:
     ``like`` with ``jax.ShapeDtypeStruct`` leaves.
 
   Raises:
-    ValueError: if the checkpoint lacks an array of ``like``, holds another,
-      or one differs in shape or dtype (saved and now both named).
-    DamagedError: if its metadata cannot be read (or differs from
-      ``saved``).
+    ValueError: if an array of ``like`` is missing, extra, or differs in
+      shape or dtype (saved and now named).
+    DamagedError: if its metadata cannot be read, or differs from ``saved``.
   """
   if isinstance(fresh, str):
     raise TypeError(
@@ -356,9 +335,8 @@ def target(
 
 
 def read(directory: Any, restore: Any) -> Any:
-  """``restore()``, an orbax read of the checkpoint at ``directory``, with
-  any failure raised as one ``DamagedError`` line naming the path and the
-  array, not TensorStore's spec."""
+  """``restore()``, an orbax read of ``directory``, any failure raised as one
+  ``DamagedError`` line naming the path and array, not TensorStore's spec."""
   try:
     return restore()
   except Exception as e:  # pylint: disable=broad-except
@@ -370,12 +348,9 @@ def read(directory: Any, restore: Any) -> Any:
 def save(
     directory: str, state: Any, *, compressor: Any = _MISSING
 ) -> None:
-  """Writes ``state`` to ``directory`` (a new path), atomically, with a
-  checksum of every array, the types of its containers and the compressor's
-  factory and arguments.
-
-  Orbax writes to a temporary directory and renames it when complete, so an
-  interrupted save leaves no checkpoint rather than a partial one.
+  """Writes ``state`` to ``directory`` (a new path) with a checksum of every
+  array, the types of its containers and the compressor's factory and
+  arguments; atomically: an interrupted save leaves no checkpoint.
 
   Args:
     directory: where the checkpoint goes; it must not exist.
@@ -383,12 +358,11 @@ def save(
       ``nnx.state((model, optimizer))``).
     compressor: the compressor the state is for (e.g.
       ``DataParallel.compressor``), recorded so that ``restore`` refuses
-      another one. Required when ``state`` holds a compressor's state (or an
+      another. Required when ``state`` holds a compressor's state (or an
       NNX optimizer's, which may be one); None saves it unchecked.
 
   Raises:
-    ValueError: if ``state`` holds a compressor's state and ``compressor`` is
-      not given.
+    ValueError: if ``state`` holds a compressor's state but no ``compressor``.
   """
   if compressor is _MISSING:
     paths = _compressor_paths(state)
@@ -424,8 +398,7 @@ def save(
 
 
 def _no_checkpoint(directory: str) -> str | None:
-  """Why ``directory`` holds no completed checkpoint, with the fix, or None
-  if it holds one."""
+  """Why ``directory`` holds no completed checkpoint, with the fix; or None."""
   path = os.path.abspath(directory)
   parent, name = os.path.split(path)
   partial = sorted(
@@ -498,9 +471,8 @@ def restore(
 ) -> Any:
   """The state saved at ``directory``, laid out like ``like``, verified.
 
-  ``like`` is typically a freshly initialized state (``tx.init(params)``,
-  ``nnx.state(optimizer)``); a Q-phase ACP-SGD checkpoint comes back in
-  phase Q. See ``target`` for the checks of shapes and dtypes.
+  ``like`` is typically a fresh state (``tx.init(params)``,
+  ``nnx.state(optimizer)``); a Q-phase checkpoint comes back in phase Q.
 
   Onto another number of devices, the params and the optimizer's state are
   restored and the compressor's starts afresh (its residuals are one per
@@ -521,10 +493,9 @@ def restore(
 
   Raises:
     FileNotFoundError: if ``directory`` holds no completed checkpoint.
-    ValueError: if the checkpoint holds another state or was saved with
-      another compressor (saved and now named); nothing is read from it.
-    DamagedError: if a file cannot be read, or an array or the record
-      differs from its checksum (the path and the array named).
+    ValueError: if the state or the compressor differs from the saved one
+      (both named); nothing is then read.
+    DamagedError: if the checkpoint is not as saved (path and array named).
   """
   directory = str(directory)
   record = _record(directory)

@@ -1,87 +1,52 @@
 """Collectives over a named mapped axis, in buckets of gradient leaves.
 
-Every compressor exchanges its leaves in buckets, as PyTorch DDP does: the
-leaves are taken in backward order, the order in which backprop produces
-their gradients (``leaf_order``, read from the loss by
-``buckets.backward_order``; without one, the reverse of the params' leaf
-order, a proxy: a model's last layer is usually its last leaf, but a tied
-embedding, a model's first leaf, gets its gradient last), and cut into
-consecutive buckets of at most ``bucket_bytes`` of *uncompressed* gradient (a
-leaf larger than that fills a bucket alone; ``acp_jax.buckets`` makes the
-plans).
+Every compressor exchanges its leaves in buckets, as PyTorch DDP does: taken
+in backward order (``leaf_order``; without one, the reverse of the leaf
+order, a proxy that a tied embedding defeats) and cut into consecutive
+buckets of at most ``bucket_bytes`` of *uncompressed* gradient
+(``acp_jax.buckets``). So a compressor's buckets are S-SGD's, each sending
+its compressed share: for the low-rank factors, the paper's 25 MB fusion
+buffer scaled by the compression ratio, and one plan for ACP-SGD's P-steps
+and Q-steps.
 
-The threshold counts uncompressed bytes for every compressor, so a bucket
-holds the same leaves whatever is sent of them (dense, signs, top-k, either
-low-rank factor): a compressor's buckets are S-SGD's buckets, each sending
-its compressed share. For the low-rank factors this is the paper's fusion
-buffer of 25 MB scaled by the compression ratio, and ACP-SGD's P-steps and
-Q-steps keep one plan although their factors differ in size.
-
-An all-reduce round sends each array of a bucket by its own all-reduce (a
-``lax.psum`` of the bucket's arrays, which jax lowers to one all-reduce per
-operand), not packed into one buffer: packing copies every byte sent (the
-whole gradient, for S-SGD: on one CPU device ResNet-50's update took 153 ms
-packed against 23 ms), and makes each bucket wait for its last leaf. Which
-all-reduces then travel together is the compiler's choice: XLA:GPU merges
-independent all-reduces up to ``--xla_gpu_all_reduce_combine_threshold_bytes``
-(the bucket size there), and XLA:CPU's all-reduce combiner
-(``cpu-all-reduce-combiner``) has no threshold and merges every set of
-all-reduces that do not wait on each other, which loses no overlap on
-XLA:CPU, since it does not overlap a collective with compute anyway. A
-method whose second round needs its first one's result (Power-SGD) packs
-each bucket's round into one buffer instead (``packed``), its factors being
-small: with one all-reduce per array the combiner would merge one leaf's Q
-with another's P, and chain the rounds (measured on a small ResNet in 13
-buckets: 11 all-reduces in 11 rounds; 23 in 2 rounds with the combiner off;
-2 in 2 with one bucket per round). Since XLA:CPU runs collectives after one
-another anyway, buckets buy a dependent method nothing there, so Power-SGD
-sends one bucket per round where the default backend is a CPU
-(``buckets.for_packed_rounds``). Compile with
-``--xla_disable_hlo_passes=cpu-all-reduce-combiner`` to see the all-reduces
+An all-reduce round sends each array of a bucket by its own all-reduce, not
+packed into one buffer: packing copies every byte sent (on one CPU device
+ResNet-50's S-SGD update took 153 ms packed against 23 ms) and makes each
+bucket wait for its last leaf. XLA merges independent all-reduces (XLA:GPU
+up to ``--xla_gpu_all_reduce_combine_threshold_bytes``; XLA:CPU's
+``cpu-all-reduce-combiner`` all of them, losing no overlap, as XLA:CPU
+overlaps none). A method whose second round needs its first one's result
+(Power-SGD) packs each bucket's round instead (``packed``): the combiner
+would merge one leaf's Q with another's P and chain the rounds (a small
+ResNet in 13 buckets: 11 all-reduces in 11 rounds; 23 in 2 with the
+combiner off; 2 in 2 with one bucket per round). Buckets buy such a method
+nothing on XLA:CPU, so it sends one bucket per round there
+(``buckets.for_packed_rounds``);
+``--xla_disable_hlo_passes=cpu-all-reduce-combiner`` shows the all-reduces
 one by one. All-gathers (Sign-SGD's, Top-k's) are packed per bucket and
-dtype: XLA:CPU does not combine all-gathers, so they stay apart there.
+dtype; XLA:CPU does not combine them.
 
 Across processes, XLA:CPU's collectives (gloo) send each operand of a tuple
-all-reduce as a message of its own, each with its ring's latency. A round
-of small arrays, a low-rank method's factors, is then bound by their number,
-not their bytes, and packing them copies little: ACP-SGD packs its round
-there (``network_sends_each_operand``), in one bucket, as Power-SGD does on
-any CPU. S-SGD's leaves stay apart, their bytes dwarfing the messages'
-latency and their copies dwarfing its step.
+all-reduce as a message of its own, with its ring's latency: a round of small
+factors is bound by their number, not their bytes, so ACP-SGD packs its
+round there, in one bucket (``network_sends_each_operand``). S-SGD's leaves
+stay apart, their bytes dwarfing the messages' latency.
 
-Split over a second axis (``split_over``): in hierarchical data parallelism
-every device of a node holds the same gradients (their dense mean over the
-node's devices), so every buffer is identical on the L devices of a node,
-and every round is packed per bucket and dtype, one buffer to split. Sent as
-it is, each of them would carry the whole buffer over the slow network
-between nodes: L times the compressed bytes on the node's link.
-Within ``split_over(local_axis)``, device ``i`` of a node instead takes chunk
-``i`` of the buffer (zero-padded to a multiple of L elements), runs the
-collective over the node axis on that chunk only, and a tiled all-gather over
-``local_axis`` puts the chunks back together; the padding is cut. The result
-is the unsplit collective's: for an all-gather, entry ``j`` of its leading
-axis is still node ``j``'s whole buffer. Each device then sends
-``ceil(elements / L)`` elements per buffer across nodes, and the reassembly
-moves the rest over the fast local axis. The compressors do not know about
-it: ``DataParallel`` enters the context while it traces their update.
+``split_over``: in hierarchical data parallelism every buffer is identical
+on the L devices of a node, and every round is packed. Sent whole, each
+buffer would cross the slow network L times; instead device ``i`` runs the
+collective over the node axis on chunk ``i`` of it (zero-padded to a
+multiple of L), and a tiled all-gather over ``local_axis`` reassembles the
+unsplit collective's result.
 
-Rows sharded over a second axis (``row_shards``): in sharded data
-parallelism each device of a node holds its own block of rows of every leaf
-(and of its gradient, already summed over the node). A buffer of such
-blocks differs from device to device and is sent whole, each device's
-blocks being its own share. The sums over the rows of a matrix (``row_sum``:
-a low-rank compressor's M^T P, a Gram matrix) are identical on the node's
-devices once summed over ``row_shards``'s axis; those that a compressor
-sends across nodes are split over it as ``split_over`` splits buffers
-(``bucketed_psum``'s ``row_sums``).
+``row_shards``: in sharded data parallelism each device of a node holds its
+own block of rows of every leaf, so its buffers differ and are sent whole.
+Sums over a matrix's rows (``row_sum``: M^T P, a Gram matrix) are identical
+on the node's devices once summed over that axis; those sent across nodes
+are split over it (``bucketed_psum``'s ``row_sums``).
 
-``recording`` lists the collectives that buffers go through while a
-function is traced (under ``jax.eval_shape``, nothing runs), by axis: the
-exact bytes per device of a step, however its buffers were split.
-
-One module, since sending a bucket, splitting it over a node, its rows'
-sums and its recording are one mechanism that every compressor calls;
-which leaves a bucket holds is ``acp_jax.buckets``.
+``recording`` lists the collectives that buffers go through while a function
+is traced, by axis: the exact bytes per device of a step.
 """
 
 from collections.abc import Callable, Iterator, Sequence
@@ -96,16 +61,12 @@ import jax.numpy as jnp
 
 from acp_jax import _dataflow
 
-# Leaf indices, bucket by bucket, in the order the buckets are sent (made by
-# ``acp_jax.buckets``).
+# Leaf indices, bucket by bucket, in the order the buckets are sent.
 BucketPlan = Sequence[Sequence[int]]
 
-# The context below is set by the runtime (``DataParallel``,
-# ``ShardedDataParallel``, the byte counts) around a compressor's update,
-# whose signature optax fixes as ``update(grads, state, params)``: a
-# context variable carries how the runtime lays out the exchange without
-# changing the transform's signature. Each is read only while a step is
-# traced, and each defaults to the plain data-parallel exchange.
+# Set by the runtime around a compressor's update, whose signature optax
+# fixes: context variables carry the exchange's layout. Each is read only
+# while a step is traced and defaults to the plain data-parallel exchange.
 
 # The axis over which packed buffers are split, or None (see ``split_over``).
 _SPLIT_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -125,8 +86,7 @@ _RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 _MARK_SENDS: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "mark_sends", default=False
 )
-# Where the buffers that the collectives return are kept (see
-# ``receiving``).
+# Where the buffers the collectives return are kept (see ``receiving``).
 _RECEIVED: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "received", default=None
 )
@@ -137,10 +97,8 @@ class Sent(NamedTuple):
 
   Attributes:
     kind: ``"all_reduce"`` or ``"all_gather"``.
-    axis_name: the mapped axis it runs over.
-    axis_size: the size of that axis.
-    size: elements each device contributes.
-    dtype: their dtype.
+    axis_name, axis_size: the mapped axis it runs over, and its size.
+    size, dtype: the elements each device contributes, and their dtype.
   """
 
   kind: str
@@ -160,11 +118,8 @@ class Sent(NamedTuple):
 @contextlib.contextmanager
 def split_over(axis_name: str | None) -> Iterator[None]:
   """Within it, packed buffers are sent in chunks, one per device of
-  ``axis_name``, and reassembled over it (see the module's docstring).
-
-  Only for buffers identical on every device of ``axis_name`` (e.g. computed
-  from gradients already averaged over it): device ``i`` sends chunk ``i`` of
-  its own copy. ``None`` sends buffers whole.
+  ``axis_name``, and reassembled over it: only for buffers identical on
+  every device of ``axis_name``. ``None`` sends buffers whole.
 
   Args:
     axis_name: a mapped axis other than the collectives' own, or None.
@@ -181,9 +136,8 @@ def row_shards(
     axis_name: str, parts: int, rows: Sequence[int] | None = None
 ) -> Iterator[None]:
   """Within it, every leaf a compressor is handed is one device's block of
-  rows: its leading axis is sharded over ``axis_name`` (see the module's
-  docstring). A compressor's matrix view is then decided on the whole leaf,
-  ``parts`` blocks stacked (``global_shape``); sums over rows go through
+  rows, its leading axis sharded over ``axis_name``. Matrix views are
+  decided on the whole leaf (``global_shape``); sums over rows go through
   ``row_sum``, and buffers marked ``row_sums`` are split over the axis.
 
   Args:
@@ -209,8 +163,7 @@ def row_axis() -> tuple[str, int] | None:
 
 
 def global_shape(shape: Sequence[int]) -> tuple[int, ...]:
-  """The whole leaf's shape for a block of ``shape`` (``shape`` itself
-  outside ``row_shards``)."""
+  """The whole leaf's shape for a block of ``shape`` within ``row_shards``."""
   rows = _ROW_AXIS.get()
   if rows is None or not shape:
     return tuple(shape)
@@ -261,17 +214,14 @@ def leaf_mean(
     block_sum: jax.Array, block: jax.Array, index: int
 ) -> jax.Array:
   """The mean of leaf ``index``'s elements, from the sum of this device's
-  ``block`` (computed by the caller, in whichever pass suits it):
-  ``block_sum / block.size`` outside ``row_shards``; within it the blocks'
-  sums summed over its axis, over the unpadded size. Padding rows must be
-  zero."""
+  ``block``; within ``row_shards``, over the unpadded whole leaf. Padding
+  rows must be zero."""
   return row_sum(block_sum) / leaf_size(block, index)
 
 
 def network_sends_each_operand() -> bool:
   """Whether an all-reduce of several arrays crosses the network as one
-  message per array: on XLA:CPU across processes (see the module's
-  docstring)."""
+  message per array: on XLA:CPU across processes."""
   return jax.default_backend() == "cpu" and jax.process_count() > 1
 
 
@@ -298,10 +248,9 @@ def recording() -> Iterator[list[Sent]]:
 
 
 def recorded_unless_folded(fun: Callable[..., Any], *args: Any) -> list[Sent]:
-  """What ``recording`` lists of ``fun(*args)`` (traced on ``args``'s
-  shapes), less the collectives that XLA folds away: of values computed
-  from constants only (e.g. the zero gradient of a param the loss never
-  reads), told by ``fun``'s jaxpr."""
+  """What ``recording`` lists of ``fun(*args)``, less the collectives that
+  XLA folds away, of values computed from constants only (the zero gradient
+  of a param the loss never reads), told by ``fun``'s jaxpr."""
   token = _MARK_SENDS.set(True)
   try:
     with recording() as sent:
@@ -320,20 +269,14 @@ def recorded_unless_folded(fun: Callable[..., Any], *args: Any) -> list[Sent]:
 @contextlib.contextmanager
 def receiving() -> Iterator[list[jax.Array]]:
   """Lists, within it, the whole buffer that each collective of these
-  helpers returns (packed or not; reassembled, when split over a second
-  axis): what every device of the collective receives, identical on all of
-  them.
-
-  Yields:
-    The list that the received buffers are appended to, in tracing order.
-  """
+  helpers returns (reassembled, when split; the same on every device), in
+  tracing order."""
   with _listing(_RECEIVED) as received:
     yield received
 
 
 @contextlib.contextmanager
 def _listing(var: contextvars.ContextVar) -> Iterator[list]:
-  """A fresh list in ``var`` for the duration of the block."""
   listed = []
   token = var.set(listed)
   try:
@@ -358,8 +301,7 @@ def axis_size(axis_name: str, caller: str) -> int:
 def _collective(
     kind: str, x: jax.Array, axis_name: str, axis: int = 0, tiled: bool = False
 ) -> jax.Array:
-  """``lax.psum`` (kind ``"all_reduce"``) or ``lax.all_gather`` of ``x``,
-  listed where ``recording``."""
+  """``lax.psum`` or ``lax.all_gather`` of ``x``, listed where ``recording``."""
   record = _RECORD.get()
   if record is None:
     return _lax_collective(x, kind, axis_name, axis, tiled)
@@ -394,7 +336,7 @@ def _send(
     kind: str, flat: jax.Array, axis_name: str, local: str | None
 ) -> jax.Array:
   """The ``kind`` collective of a flat buffer, in chunks over the axis
-  ``local`` if not None (see the module's docstring)."""
+  ``local`` if not None."""
   if local == axis_name:
     raise ValueError(
         f"split_over: axis_name={local!r} is the collectives' own axis; a"
@@ -420,8 +362,7 @@ def _packed(
     local: str | None = None,
 ) -> list[jax.Array]:
   """The ``kind`` collective of one flat buffer per dtype, split back into
-  arrays (an all-gather prepends the axis size). A buffer with no elements
-  is not sent."""
+  arrays (an all-gather prepends the axis size); an empty one is not sent."""
   lead = () if kind == "all_reduce" else (axis_size(axis_name, kind),)
   by_dtype: dict[jnp.dtype, list[int]] = {}
   for i, x in enumerate(arrays):
@@ -446,8 +387,8 @@ def _packed(
 
 
 def _each(arrays: Sequence[jax.Array], axis_name: str) -> list[jax.Array]:
-  """``lax.psum`` of the arrays together, one all-reduce per array (an
-  empty one is not sent): nothing is copied into a buffer."""
+  """``lax.psum`` of the arrays together, one all-reduce per non-empty
+  array, copied into no buffer."""
   sent = [x for x in arrays if x.size]
   record = _RECORD.get()
   if record is not None and _MARK_SENDS.get():
@@ -475,12 +416,10 @@ def _bucketed(
     row_sums: Sequence[bool | Sequence[bool]] | None = None,
 ) -> list[list[jax.Array]]:
   """The ``kind`` collective of each bucket's arrays (``_packed``, or
-  ``_each`` for an all-reduce that is not ``packed``, not split and not
-  within ``row_shards``);
-  ``per_leaf[i]`` are the arrays leaf ``i`` sends (any number, none
-  included). Within ``row_shards``, a bucket's arrays marked in
-  ``row_sums`` (a leaf's all, or one flag per array) and the others go as
-  two groups, each split its own way."""
+  ``_each`` for an all-reduce not ``packed``, split or within
+  ``row_shards``); ``per_leaf[i]`` are the arrays leaf ``i`` sends. Within
+  ``row_shards``, arrays marked in ``row_sums`` and the others go as two
+  groups, each split its own way."""
   flags = [(False,) * len(arrays) for arrays in per_leaf]
   if row_sums is not None and _ROW_AXIS.get() is not None:
     flags = [
@@ -518,8 +457,7 @@ def bucketed_psum(
 ) -> list[list[jax.Array]]:
   """``lax.psum`` of every array, bucket by bucket: one all-reduce per
   array, or with ``packed`` (or within ``split_over``) one per bucket and
-  dtype, of a buffer that the arrays are copied into (see the module's
-  docstring).
+  dtype, of a buffer that the arrays are copied into.
 
   Args:
     per_leaf: for each leaf, the arrays it sends (none, one, or several).
@@ -527,9 +465,8 @@ def bucketed_psum(
     axis_name: the mapped axis to sum over.
     packed: pack each bucket into one buffer per dtype.
     row_sums: None, or for each leaf whether its arrays are sums over rows
-      (``row_sum``), identical over the axis of ``row_shards`` (one flag,
-      or one per array): within it, they are split over that axis. Ignored
-      outside it.
+      (``row_sum``), one flag or one per array: within ``row_shards``, they
+      are split over its axis.
 
   Returns:
     The summed arrays, nested like ``per_leaf``.
@@ -546,10 +483,9 @@ def bucketed_all_gather(
 ) -> list[list[jax.Array]]:
   """``lax.all_gather`` of every array, one all-gather per bucket and dtype.
 
-  Like ``bucketed_psum``; each result has a new leading axis of the axis
-  size, whose entry ``j`` holds device ``j``'s array. ``row_sums`` marks
-  the leaves whose arrays are identical over the axis of ``row_shards``
-  (computed from all the blocks), split over it.
+  Like ``bucketed_psum``; each result has a new leading axis whose entry
+  ``j`` holds device ``j``'s array. ``row_sums`` marks the arrays identical
+  over the axis of ``row_shards``, split over it.
   """
   axis_size(axis_name, "bucketed_all_gather")
   return _bucketed("all_gather", per_leaf, plan, axis_name, row_sums=row_sums)
@@ -565,8 +501,7 @@ def bucketed_pmean(
   by bucket: S-SGD's exchange.
 
   Each device divides by the axis size before the sum, so that low-precision
-  sums do not overflow, and sends in ``comm_dtype`` (None: each array's own
-  dtype); the means come back in the arrays' dtypes.
+  sums do not overflow, and sends in ``comm_dtype`` (None: each array's own).
   """
   n = axis_size(axis_name, "bucketed_pmean")
   sent = [[(x / n).astype(comm_dtype or x.dtype)] for x in leaves]

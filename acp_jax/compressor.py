@@ -21,8 +21,7 @@ class CommVolume(NamedTuple):
   Attributes:
     all_reduce: size of the buffers each device contributes to all-reduces.
     all_gather: bytes each device receives from all-gathers (the axis size
-      times what it contributes, its own part included), which is the size of
-      the gathered result.
+      times its contribution): the size of the gathered result.
   """
 
   all_reduce: int = 0
@@ -49,33 +48,26 @@ class Spec:
   compressor, beside its ``init`` and ``update``.
 
   Attributes:
-    volume: the bytes one step sends per device, by phase (what
-      ``comm_bytes`` returns).
+    volume: the bytes one step sends per device, by phase (``comm_bytes``).
     axis_name: the mapped axis its update communicates over.
-    local_fields: names of the state's fields that differ across devices
-      (the residuals); every other field is identical on every replica, so
-      it is stored once.
-    phases: a state (or its abstract shapes) -> ``{phase name: the state
-      before that phase's step}``, with the names of ``comm_bytes`` (one
-      ``"step"``, or ACP-SGD's ``"p"`` and ``"q"``); for lowering each
-      phase's step, so its leaves may be abstract.
+    local_fields: the state's fields that differ across devices (the
+      residuals); every other field is stored once.
+    phases: a state (or its shapes) -> ``{phase name: the state before that
+      phase's step}``, for lowering each phase's step.
     bucket_bytes: at most this many bytes of uncompressed gradient go into
       a bucket, unless a leaf alone is larger (see ``collectives``).
-    leaf_order: the order in which the buckets take the leaves (see
-      ``buckets.bucket_plan``), or None.
-    packed_rounds: whether each round goes packed into buffers, which
-      puts every leaf in one bucket on a CPU (``buckets.for_packed_rounds``):
-      True (Power-SGD), or a function of nothing that says it at trace time
-      (ACP-SGD: ``collectives.network_sends_each_operand``).
-    cycle: the names of the phases a compressing step runs through, in
-      order (``("step",)``, or ACP-SGD's ``("p", "q")``).
-    warmup_steps: how many dense steps (S-SGD, phase ``"dense"``) come
-      before the first compressed one; see ``Compressor.at_step``.
+    leaf_order: the order in which the buckets take the leaves, or None.
+    packed_rounds: whether each round goes packed into buffers, every leaf
+      in one bucket on a CPU: True (Power-SGD), or a function of nothing
+      that says it at trace time (ACP-SGD).
+    cycle: the phases a compressing step runs through, in order
+      (``("step",)``, or ACP-SGD's ``("p", "q")``).
+    warmup_steps: how many dense steps (phase ``"dense"``) come before the
+      first compressed one; see ``Compressor.at_step``.
     to_phase: ``(state, dense) -> state`` switched into the dense phase or
       out of it (``phase.switch_to``); None without a warm-up.
-    made_by: ``(factory name, {argument: value})``, what made it: recorded
-      in a checkpoint so that a restore into another compressor, or the same
-      one with other arguments, is refused (``acp_jax.checkpoint``), and
+    made_by: ``(factory name, {argument: value})``: recorded in a
+      checkpoint so that a restore into another compressor is refused, and
       what a pickled compressor is made again from (``acp_jax.registry``).
   """
 
@@ -99,32 +91,27 @@ class Spec:
 
 
 _SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(Spec))
-# The settings that a factory's update closes over: ``_replace`` remakes
-# the compressor through its factory to change them, or refuses.
+# Settings the update closes over: ``_replace`` remakes the compressor
+# through its factory to change them, or refuses.
 _CAPTURED = ("axis_name", "bucket_bytes", "leaf_order")
 
 
 class Compressor(optax.GradientTransformation):
   """An ``optax.GradientTransformation`` that knows what it communicates.
 
-  It is a plain ``GradientTransformation`` to optax (``optax.chain`` and
-  friends take it as is): the pair ``(init, update)``. Beside it, ``spec``
-  (a frozen ``Spec``) holds every setting that the data-parallel layer and
-  the accounting read, each also readable as an attribute of the
-  compressor (``compressor.axis_name``, ``compressor.cycle``).
+  To optax it is the plain pair ``(init, update)``. Beside it, ``spec`` (a
+  frozen ``Spec``) holds the settings that the data-parallel layer and the
+  accounting read, each also an attribute (``compressor.cycle``).
 
   It is immutable. ``_replace`` takes ``init``, ``update`` and any field of
-  ``Spec``. A change of an argument that ``made_by`` records (``axis_name``,
-  ``bucket_bytes``, ``warmup_steps``) makes the compressor again through its
-  factory with it; of ``axis_name``, ``bucket_bytes`` or ``leaf_order``
-  otherwise, which the update closes over, it is refused unless ``init`` or
-  ``update`` come with it. Any other change keeps ``made_by`` only if
-  ``made_by`` is given too, since it no longer says what made the result.
-  ``copy.copy`` and ``copy.deepcopy`` give an equal compressor. Compressors made by a factory
-  are equal when ``made_by`` is, and pickle as their ``made_by``, from which
-  ``acp_jax.registry`` makes them again; others are equal when their
-  functions and ``spec`` are, and do not pickle. It prints as the call
-  that made it, ``acp_sgd(rank=4, axis_name='data', ...)``.
+  ``Spec``. A change of an argument that ``made_by`` records makes the
+  compressor again through its factory; a change of ``axis_name``,
+  ``bucket_bytes`` or ``leaf_order`` otherwise, which the update closes
+  over, is refused unless ``init`` or ``update`` come with it. Any other
+  change drops ``made_by`` unless it is given too. Compressors made by a
+  factory are equal when ``made_by`` is, pickle as it, and print as the
+  call that made them; others are equal when their functions and ``spec``
+  are, and do not pickle.
   """
 
   def __new__(
@@ -167,7 +154,7 @@ class Compressor(optax.GradientTransformation):
     return self
 
   def __getattr__(self, name: str) -> Any:
-    # Reached only for names that are not found otherwise: the settings.
+    # Reached only for names not found otherwise: the settings.
     if name in _SPEC_FIELDS and "spec" in self.__dict__:
       return getattr(self.spec, name)
     raise AttributeError(
@@ -232,9 +219,8 @@ class Compressor(optax.GradientTransformation):
     return tuple(self) == tuple(other) and self.spec == other.spec
 
   def __repr__(self) -> str:
-    """The call that made it, ``acp_sgd(rank=4, axis_name='data', ...)``,
-    every argument in the factory's order; else its functions and
-    settings."""
+    """The call that made it, every argument in the factory's order; else
+    its functions and settings."""
     if self.made_by is not None:
       name, args = self.made_by
       shown = ", ".join(f"{k}={_shown(v)}" for k, v in args.items())
@@ -263,25 +249,21 @@ class Compressor(optax.GradientTransformation):
     """``state``, set to run step ``step`` (counted from 0).
 
     A compressor with ``warmup_steps`` records in its state whether the next
-    step is dense, and a jitted step compiles one program for each, neither
-    with a collective under a run-time conditional. The training loop calls
-    this before every step, with the number of steps taken, and passes on
-    what it returns: it switches the state to the dense phase before
-    ``warmup_steps`` and out of it from then on (into the cycle's first
-    phase), and returns ``state`` itself otherwise, without touching a
-    device. Without a warm-up it is the identity.
+    step is dense, so that a jitted step compiles one program for each, with
+    no collective under a run-time conditional. Call this before every
+    step, with the number of steps taken, and pass on what it returns.
+    Without a warm-up it is the identity.
 
-    At a switch it reads the state's step count (it waits for the last
-    step) and follows it: the warm-up ends once the state has taken
-    ``warmup_steps`` steps (a step skipped for a non-finite gradient does not
-    count), and a switch back into the warm-up of a state past it is
-    refused. A dense step run after the warm-up (this call forgotten, or its
-    result dropped) raises when it runs; a warm-up state given to a
-    compressor without ``warmup_steps`` is refused when the step is traced.
+    At a switch it reads the state's step count (waiting for the last step)
+    and follows it: the warm-up ends once the state has taken
+    ``warmup_steps`` steps (skipped steps do not count), and a switch back
+    into it is refused. A dense step run after the warm-up raises when it
+    runs; a warm-up state given to a compressor without ``warmup_steps``,
+    when traced.
 
     ``state`` may be stacked on a leading device axis, as ``jax.pmap`` keeps
     it. A ``jax.pmap`` loop with a warm-up, the compressor first in its
-    chain (so ``state[0]`` is the compressor's state)::
+    chain::
 
       compressor = acp_jax.acp_sgd(4, warmup_steps=100)
       tx = acp_jax.chain(compressor, optax.sgd(0.1))
@@ -295,9 +277,8 @@ class Compressor(optax.GradientTransformation):
     )
 
   def buckets(self, params: Any) -> buckets.BucketPlan:
-    """The buckets in which ``update`` sends the gradients of ``params``
-    (or of their shapes): tuples of indices into ``jax.tree.leaves(params)``,
-    in the order they are sent (``leaf_order``, else the last leaf first)."""
+    """The buckets in which ``update`` sends the gradients of ``params``:
+    tuples of leaf indices, in the order they are sent."""
     plan = buckets.leaf_plan(
         jax.tree.leaves(params), self.bucket_bytes, self.leaf_order
     )
@@ -316,11 +297,9 @@ def from_parts(
     local_fields: Sequence[str] = ("error",),
 ) -> Compressor:
   """The compressor of a factory that sends its leaves in buckets (S-SGD,
-  Sign-SGD, Top-k), from its checked ``args`` and what is its own:
-  ``init(params)`` and ``update(updates, state)``, here checked first (real
-  floating-point leaves; where the update runs and what it is given, a
-  state of ``state_type``). ``made_by`` records ``args.own`` with the axis,
-  the bucket size and the leaf order."""
+  Sign-SGD, Top-k), from its checked ``args``, its ``init(params)`` and
+  ``update(updates, state)``, here wrapped with the input checks.
+  ``made_by`` records ``args.own`` with the axis, bucket size and order."""
   name, axis_name = args.caller, args.axis_name
 
   def init_fn(params):
@@ -372,8 +351,7 @@ def plain_setting(value: Any) -> Any:
 
 
 def _shown(value: Any) -> str:
-  """A setting as ``__repr__`` writes it: a dtype by its name, a function
-  by its qualified name, anything else as its own repr."""
+  """A setting as ``__repr__`` writes it."""
   if value is None or isinstance(value, (bool, int, float, str, tuple, list)):
     return repr(value)
   return repr(plain_setting(value))
@@ -403,15 +381,12 @@ def chain(
   """``optax.chain(compressor, *transforms)``, the compressor first, for a
   loop of one's own under ``jax.shard_map`` or ``jax.pmap``.
 
-  Everything after the compressor sees the mean gradient that its update
-  returns, as a loop without compression sees the all-reduced one:
-  clipping, weight decay and Adam's moments go in ``transforms``. The state
-  is ``optax.chain``'s, a tuple whose first element is the compressor's
-  (``compressor.at_step(state[0], step)``). ``DataParallel.chain`` places
-  the compressor so by itself. Where JAX tracks no varying axes
-  (``jax.pmap``, ``jax.vmap``, ``shard_map`` with ``check_vma=False``), a
-  compressor's update that neither runs warns once with a
-  ``PlacementWarning``: nothing there shows that it comes first.
+  Everything after the compressor (clipping, weight decay, Adam's moments)
+  sees the mean gradient it returns; the state is ``optax.chain``'s. Where
+  JAX tracks no varying axes (``jax.pmap``, ``jax.vmap``, ``shard_map``
+  with ``check_vma=False``), a compressor's update run by neither this nor
+  ``DataParallel`` warns once with a ``PlacementWarning``: nothing there
+  shows that it comes first.
 
   Example::
 
@@ -420,13 +395,11 @@ def chain(
     updates, state = tx.update(grads, state, params)
 
   Args:
-    compressor: made by one of this package's factories (or a
-      ``Compressor`` of one's own).
+    compressor: a ``Compressor``, from a factory or one's own.
     *transforms: the optax transforms that follow it; none a compressor,
       none holding ``optax.MultiSteps`` (refused by ``init``: the exchange
-      before it would send at every micro-step), and none with a NaN,
-      infinite or negative learning rate (refused where their update of a
-      gradient of ones shows it).
+      would send at every micro-step), none with a NaN, infinite or
+      negative learning rate.
 
   Returns:
     The chained transformation.

@@ -1,41 +1,25 @@
 """Compressed data parallelism over a device mesh, beside the user's optimizer.
 
 The JAX counterpart of PyTorch DDP with a communication hook: the compressor
-and its state live beside whatever optimizer the user already has, not
-inside it. ``DataParallel`` owns the three things a compressed data-parallel
-step needs and a plain ``jit`` + ``NamedSharding`` loop does not have:
+and its state live beside the user's optimizer, not inside it.
+``DataParallel`` owns what a plain ``jit`` + ``NamedSharding`` loop lacks:
+each device's own gradient (``value_and_grad``, under ``jax.shard_map`` with
+``check_vma=False`` so that ``jax.grad`` inserts no dense all-reduce,
+returned stacked on a leading device axis as a ``LocalGrads`` that only
+``chain(tx)`` accepts); the state layout (the residuals stacked on that
+axis, everything else replicated); and the one compressed exchange
+(``chain(tx)``). It works on any mesh that has the compressor's axis, across
+processes too, for pytrees of params and for Flax NNX modules.
 
-- each device's own gradient: ``value_and_grad`` differentiates every
-  device's shard of the batch under ``jax.shard_map`` (``check_vma=False``,
-  so ``jax.grad`` inserts no dense all-reduce of its own) and returns the
-  local gradients stacked on a leading device axis, sharded, moved nowhere,
-  as a ``LocalGrads`` that no transform but ``chain(tx)`` accepts;
-- the state layout: the compressor's per-device fields (the residuals) are
-  stacked on that axis, everything else (its factors, the ACP-SGD phase, the
-  optimizer's state) is stored once, replicated;
-- the one compressed exchange: ``chain(tx)`` runs the compressor on the local
-  gradients under ``jax.shard_map`` and hands their mean to ``tx``.
+Hierarchical (``local_axis``, nodes x devices per node): the gradients are
+first averaged densely within each node, then compressed across nodes. The
+residuals, then identical within a node, are stored once per node; so is
+every buffer sent, so each device sends its own chunk of it across nodes
+(``collectives.split_over``): a node's link carries the compressed bytes
+once, not once per device.
 
-It works on any mesh that has the compressor's axis, across processes under
-``jax.distributed`` too, for pytrees of params and for Flax NNX modules.
-
-Hierarchical: with ``local_axis``, the mesh is nodes x devices per node, as
-in a cluster of multi-GPU hosts on a slow network. The batch is split over
-both axes; the exchange first averages the gradients densely within each
-node (``lax.pmean`` over ``local_axis``: NVLink or PCIe, cheap), then runs
-the compressor across nodes over its ``axis_name`` (the slow network). The
-residuals are then identical within a node, so they are stored once per
-node: sharded over the node axis, replicated over the local one. So is every
-buffer the compressor sends, so the node's devices share the sending: each
-runs the collective across nodes on its own chunk of each buffer, and the
-chunks are gathered back over the local axis (``collectives.split_over``).
-A node's link then carries the compressed bytes once, not once per device.
-
-This module is the one class ``DataParallel``, about half of it docstrings;
-the pieces it is made of live apart: ``_layout`` (where each array lives on
-the mesh), ``_local_grads`` (the ``LocalGrads`` type and the per-device
-gradient program), ``_specs`` (how the batch arguments split over the
-devices) and ``_accounting`` (what ``comm_bytes`` records).
+The pieces live apart: ``_layout``, ``_local_grads``, ``_specs`` (how the
+batch arguments split) and ``_accounting`` (``comm_bytes``).
 """
 
 from typing import Any, Callable, NamedTuple
@@ -63,9 +47,9 @@ class DataParallelState(NamedTuple):
   """State of ``DataParallel.chain(tx)``.
 
   Attributes:
-    comm: the compressor's state. Its ``local_fields`` (the residuals) carry
+    comm: the compressor's state; its ``local_fields`` (the residuals) carry
       a leading axis of one slice per device (per node, when hierarchical),
-      sharded over the compressor's axis; its other fields are replicated.
+      sharded; its other fields are replicated.
     inner: the state of the optimizer ``tx`` it feeds, replicated.
   """
 
@@ -96,27 +80,20 @@ class DataParallel(_layout.Layout):
     compressor: made by an ``acp_jax`` factory; its ``axis_name`` must be an
       axis of ``mesh``.
     mesh: the device mesh; batches are split along ``compressor.axis_name``
-      (and ``local_axis``). Other axes (model parallelism) are not data
-      axes: params sharded over them are gathered whole for each step, by
-      collectives that ``comm_bytes`` does not count (it warns).
+      (and ``local_axis``). Params sharded over other axes (model
+      parallelism) are gathered whole for each step, by collectives that
+      ``comm_bytes`` does not count (it warns).
     local_axis: None, or an axis of ``mesh`` over which gradients are first
-      averaged densely, before the compressor runs over its ``axis_name``
-      (then the node axis): hierarchical compression, dense within a host
-      and compressed across hosts.
-    nonfinite: what a step does whose mean gradient is not finite (a
-      non-finite gradient on any device makes it so on every device).
-      ``"keep"``: the compressor's state stays as it was (residuals, factors,
-      step count; ACP-SGD's phase, a shape, still advances, and the next
-      step projects on the factor of the last step taken), and the mean goes
-      on to ``tx`` as S-SGD's would: ``dp.chain(optax.apply_if_finite(tx,
-      n))`` then skips it as it does without compression. ``"skip"``: the
-      whole step is skipped, ``tx``'s state kept too and the updates zero,
-      without ``optax.apply_if_finite``. ``"propagate"``: no check, the
-      residuals take the non-finite values (and every later step's).
-      Each is a select on every replica alike, no conditional, no byte sent;
-      on XLA:CPU, keeping a low-rank residual costs one copy of it per step
-      (two passes over each compressed matrix, ``tests/
-      test_lowrank_arithmetic.py``); ``"propagate"`` saves them.
+      averaged densely: dense within a host, compressed across hosts.
+    nonfinite: what a step does whose mean gradient is not finite.
+      ``"keep"``: the compressor's state stays as it was (ACP-SGD's phase,
+      a shape, still advances) and the mean goes on to ``tx``:
+      ``dp.chain(optax.apply_if_finite(tx, n))`` then skips it. ``"skip"``:
+      the whole step is skipped, ``tx``'s state kept and the updates zero.
+      ``"propagate"``: no check; the residuals take the non-finite values.
+      Each is a select, no conditional, no byte sent; on XLA:CPU keeping a
+      low-rank residual costs a copy of it per step
+      (``tests/test_lowrank_arithmetic.py``).
 
   Example (pure params; ``loss_fn(params, batch)`` returns a scalar)::
 
@@ -164,37 +141,24 @@ class DataParallel(_layout.Layout):
     Args:
       params: the parameters, or a tree of ``jax.ShapeDtypeStruct`` like
         them, or a Flax NNX module (its ``nnx.Param`` variables).
-      fun: None, or the loss as given to ``value_and_grad``; then with
-        ``batch`` (arrays or their shapes) it tells which params the loss
-        never reads. Their gradient is a zero that XLA knows at compile
-        time, and it folds away a collective that sends only such values
-        (the dense all-reduce of an unused layer under S-SGD, or of its
-        bias under Power-SGD and ACP-SGD), so they are left out where the
-        compiled step leaves them out; their compressed factors, computed
-        from a residual, are still sent and counted. Without ``fun``,
-        every param counts as read.
-        With ``fun``, the step's other all-reduces count too, on the
-        compressor's axis: those of ``value_and_grad(fun)`` but the loss's
-        mean (BatchNorm's statistics and their gradient, a module's state
-        averaged after the step, collectives of ``fun``'s own).
+      fun: None, or the loss as given to ``value_and_grad``; with ``batch``
+        (arrays or their shapes) it tells which params the loss never reads,
+        whose zero gradient's collectives XLA folds away (factors computed
+        from a residual still count), and adds the step's other all-reduces
+        on the compressor's axis (BatchNorm's statistics, a module's state,
+        ``fun``'s own collectives), but not the loss's mean.
       *batch: the arguments after the params of ``fun``.
       has_aux: whether ``fun`` returns ``(loss, aux)``.
       batch_norm: as given to ``value_and_grad``; ``"global"`` sends the
         statistics of each ``nnx.BatchNorm``.
 
     Returns:
-      ``{axis name: {phase: CommVolume}}`` with the phase names of
-      ``acp_jax.comm_bytes``. Without ``local_axis``, the compressor's own
-      accounting among ``num_devices`` participants. With it, on the
-      compressor's axis what each device sends of its chunks of the
-      compressor's buffers among ``num_nodes`` nodes, and on ``local_axis``
-      the dense all-reduce of every gradient plus the all-gathers that put
-      the chunks back together: the collectives that the step's trace
-      makes (``collectives.recording``), traced on shapes only. The loss
-      that ``value_and_grad`` averages (4 bytes, over all axes) is not
-      counted, nor are collectives over the mesh's other axes: params
-      sharded over one (model parallelism) are all-gathered whole for the
-      step, which warns here.
+      ``{axis name: {phase: CommVolume}}``, phases named as by
+      ``acp_jax.comm_bytes``, traced on shapes only. With ``local_axis``,
+      the compressor's axis carries each device's chunks of the compressed
+      buffers, and ``local_axis`` the dense all-reduce of every gradient and
+      the all-gathers of the chunks. Neither the loss's mean nor collectives
+      over the mesh's other axes count (params sharded over one warn here).
     """
     _checks.choice("batch_norm", batch_norm, BATCH_NORMS)
     return _accounting.step_volumes(
@@ -203,9 +167,8 @@ class DataParallel(_layout.Layout):
 
   def at_step(self, opt_state: Any, step: int) -> Any:
     """``opt_state`` set to run step ``step`` (counted from 0): for a
-    compressor with a dense warm-up (``warmup_steps``), the loop calls it
-    before every step (see ``Compressor.at_step``); otherwise it is the
-    identity.
+    compressor with a dense warm-up, call it before every step (see
+    ``Compressor.at_step``); otherwise it is the identity.
 
     Args:
       opt_state: the state of ``chain(tx)`` (a ``DataParallelState``), or an
@@ -251,8 +214,7 @@ class DataParallel(_layout.Layout):
     Jitted with ``comm_state`` donated, give ``jit`` the results' shardings
     (``out_shardings=compress_shardings(params)``): without them XLA pairs
     the donated residuals with the first outputs of their size, the mean's,
-    and copies them first. A step that donates the params with the state
-    pairs them rightly.
+    and copies them first.
 
     Args:
       local_grads: each device's gradient, stacked on a leading axis sharded
@@ -260,10 +222,9 @@ class DataParallel(_layout.Layout):
       comm_state: the compressor's state, from ``init_comm``.
 
     Returns:
-      ``(mean, comm_state)``: the (approximate) mean gradient, replicated, and
-      the compressor's next state (``comm_state`` itself, but for ACP-SGD's
-      phase, where the mean is not finite, unless ``nonfinite`` is
-      ``"propagate"``).
+      ``(mean, comm_state)``: the (approximate) mean gradient, replicated,
+      and the compressor's next state (unchanged but for ACP-SGD's phase
+      where the mean is not finite, unless ``nonfinite="propagate"``).
     """
     mean, comm_state, _ = self._compress(local_grads, comm_state)
     return mean, comm_state
@@ -272,9 +233,8 @@ class DataParallel(_layout.Layout):
       self, local_grads: Any, comm_state: Any, unused: Any = None
   ) -> tuple[Any, Any, Any]:
     """``compress``, and whether the mean is finite (a replicated bool).
-    ``unused``: None, or a flag per leaf whose gradient is then taken as
-    zero, a constant, as XLA sees a param that the loss never reads
-    (``comm_bytes`` traces it so)."""
+    ``unused``: None, or a flag per leaf whose gradient is taken as a
+    constant zero, as XLA sees a param the loss never reads."""
     specs = self.comm_specs(comm_state)
 
     def body(grads, blocks):
@@ -286,8 +246,7 @@ class DataParallel(_layout.Layout):
             [jnp.zeros_like(g) if u else g for g, u in zip(leaves, unused)]
         )
       if self.local_axis is not None:
-        # A node's devices then hand the compressor the same gradient, so
-        # their residuals stay identical: one copy per node.
+        # Then the node's residuals stay identical: one copy per node.
         grads = lax.pmean(grads, self.local_axis)
       mean, state, _, finite = self._device_update(
           grads, blocks, collectives.split_over(self.local_axis)
@@ -313,15 +272,10 @@ class DataParallel(_layout.Layout):
   def _device_update(
       self, grads: Any, blocks: Any, split: Any
   ) -> tuple[Any, Any, Any, jax.Array]:
-    """The compressor's update on one device under ``shard_map``: of its
-    ``grads``, from its ``[1, ...]`` blocks of the state, its collectives
-    split as the context manager ``split`` says. Returns the mean, the new
-    state and the old one (unstacked), and whether every float received is
-    finite: a non-finite gradient on any device makes what it sends
-    non-finite (its dense values, its factors, its top-k values, its sign
-    scales), and so what every device receives: the same verdict on every
-    replica, with not a byte more sent, from buffers much smaller than the
-    mean for a compressor."""
+    """The compressor's update on one device, its collectives split as
+    ``split`` says: the mean, the new and old (unstacked) states, and
+    whether every float received is finite, which a non-finite gradient on
+    any device spoils on every replica alike, with no byte more sent."""
     old = self._map_local(lambda x: x[0], blocks)
     with split, collectives.receiving() as received, _checks.placed():
       mean, state = self.compressor.update(grads, old)
@@ -333,19 +287,13 @@ class DataParallel(_layout.Layout):
   ) -> optax.GradientTransformation:
     """``tx`` fed with the compressed mean of the devices' gradients.
 
-    The returned transformation's ``update`` takes the ``LocalGrads`` of
-    ``value_and_grad``; its state is a ``DataParallelState``. Any other
-    transform (clipping, weight decay) goes inside, in ``tx``: it then sees
-    the compressed mean, as DDP users' clipping sees the all-reduced one.
-    Use it where ``tx`` was used: ``tx.update`` in a jitted step, or
-    ``nnx.Optimizer(model, dp.chain(tx), wrt=nnx.Param)``.
-
-    A ``tx`` whose update of a gradient of ones is not finite or climbs it
-    (a NaN, infinite or negative learning rate) is refused here, or by
-    ``init`` where the probe needs the params' tree.
-    ``init`` refuses a ``tx`` that holds ``optax.MultiSteps`` (the exchange
-    before it would send at every micro-step: add micro-batches' local
-    gradients with ``+`` instead).
+    ``update`` takes the ``LocalGrads`` of ``value_and_grad``; the state is
+    a ``DataParallelState``. Other transforms (clipping, weight decay) go in
+    ``tx`` and see the compressed mean. Refused: a ``tx`` whose update of a
+    gradient of ones is not finite or climbs it (here, or by ``init`` where
+    the probe needs the params), and by ``init`` one that holds
+    ``optax.MultiSteps`` (the exchange would send at every micro-step: add
+    micro-batches' local gradients with ``+`` instead).
     """
 
     where = "DataParallel.chain(tx)"
@@ -382,9 +330,8 @@ class DataParallel(_layout.Layout):
       params: Any,
       extra_args: dict[str, Any],
   ) -> tuple[Any, DataParallelState]:
-    """``chain(tx)``'s update after the exchange: ``tx`` on the compressed
-    ``mean``, and with ``nonfinite="skip"`` the whole step undone where the
-    mean is not finite. ``comm`` is the compressor's next state."""
+    """``chain(tx)``'s update after the exchange; with ``nonfinite="skip"``
+    the whole step is undone where the mean is not finite."""
     updates, inner = tx.update(mean, state.inner, params, **extra_args)
     if self.nonfinite == "skip":
       inner = phase_lib.where(finite, inner, state.inner)
@@ -403,42 +350,30 @@ class DataParallel(_layout.Layout):
     ``step(params, opt_state, *batch) -> (params, opt_state, loss)``, with
     ``opt_state`` from ``chain(tx).init(params)`` and ``loss`` the mean of
     the devices' losses. Each batch argument is split over the devices along
-    its leading axis. ``params`` and ``opt_state`` are donated: use the ones
-    the step returns.
+    its leading axis. ``params`` and ``opt_state`` are donated.
 
-    Overlapped (``acp_jax.overlap``), the backward pass runs block by block
-    and each block's gradients are exchanged by the compressor as soon as
-    they are complete, on a communication thread, while the next block's
-    backward pass runs: the overlap of wait-free backpropagation, which
-    XLA:CPU gives no collective within one program. Fused, it is one jitted
-    program of ``value_and_grad`` and ``chain(tx)``'s update. Both give the
-    same result to float32 rounding, from the same state: checkpoints,
-    ``at_step`` and the compressor's phase are the same either way.
+    Overlapped (``acp_jax.overlap``), each block's gradients are exchanged
+    on a communication thread while the next block's backward pass runs,
+    an overlap XLA:CPU gives no collective within one program; fused, it is
+    one jitted program. Both give the same result to float32 rounding.
 
     Args:
       tx: the optimizer fed with the compressed mean, as in ``chain(tx)``.
       blocks: the model as a sequence of functions ``block(params, carry,
         *batch) -> carry`` of the whole params tree: the first takes
-        ``carry=None``, the last returns this device's scalar loss. The
-        overlapped step exchanges each block's params once its backward
-        pass has completed their gradient.
+        ``carry=None``, the last returns this device's scalar loss.
       overlap: True for the overlapped step, False (the default) for the
-        fused one. Overlap pays where XLA gives none itself, in multi-process
-        runs with one CPU device per process, and where both the exchange
-        and the backward pass are a good part of the step; where compute
-        dominates, the extra programs and the communication thread make the
-        step slower (``benchmarks/results/REPORT.md``, section 4, measures
-        both on shaped links; ``python -m benchmarks overlap_step`` measures
-        yours). On GPUs XLA overlaps the fused step's collectives itself,
-        and simulated devices of one process run their programs in
-        lockstep. Where the blocks cannot be split (one block holds every
-        param, or the compressor draws random factors for all leaves at
-        once), the step is fused, with a one-line warning on the
+        fused one. Overlap pays in multi-process runs with one CPU device
+        per process where both the exchange and the backward pass are a
+        good part of the step; elsewhere it is slower
+        (``benchmarks/results/REPORT.md``, section 4; ``python -m
+        benchmarks overlap_step`` measures yours). Where the blocks cannot
+        be split, the step is fused, with a warning on the
         ``acp_jax.overlap`` logger.
     """
     return overlap_lib.make_step(self, tx, blocks, overlap)
 
-  # -- gradients ----------------------------------------------------------------
+  # -- gradients ---------------------------------------------------------------
 
   def value_and_grad(
       self,
@@ -453,57 +388,38 @@ class DataParallel(_layout.Layout):
     """Like ``jax.value_and_grad(fun)``, each device on its own batch shard.
 
     ``fun(params, *batch)`` is the loss of one device's shard. ``params`` is
-    a pytree, or a Flax NNX module (then ``fun(model, *batch)``; gradients
-    are taken of its ``nnx.Param`` variables and its other state, e.g.
-    BatchNorm statistics, is updated with floating values averaged over the
-    devices).
+    a pytree, or a Flax NNX module (then gradients are taken of its
+    ``nnx.Param`` variables, and its other state, e.g. BatchNorm
+    statistics, is updated with floating values averaged over the devices).
 
-    Each argument after the first is split over the mesh's device axes along
-    the axis that its ``batch_specs`` entry names. Without one, an array
-    placed with a ``NamedSharding`` over the device axes is split along the
-    axis that sharding splits (JAX shows it for concrete arrays, and under
-    ``jit`` on ``Explicit`` mesh axes only), a scalar goes whole to every
-    device, and any other array is split along its leading axis. Where
-    such assumed leading axes disagree in size with the other split axes
-    (BatchNorm statistics beside a batch, a time-major sequence beside its
-    labels), which axis is the batch is ambiguous, and the call is refused;
-    so is it where nothing shows the placement (under ``jit`` on ``Auto``
-    mesh axes) and the shapes read as well time-major: every split
-    argument's axis 1 of one size that splits evenly, and axes 0 and 1 of
-    one size, or an axis 0 of one row per device, or arguments of several
-    ranks sharing axes 0 and 1 (a ``(T, B, F)`` batch beside ``(T, B)``
-    labels). Arguments of one rank and of other sizes (tokens and targets
-    ``(B, T)``) split along axis 0.
+    Each argument after the first is split over the device axes along the
+    axis its ``batch_specs`` entry names. Without one, an array placed with
+    a ``NamedSharding`` over the device axes splits as placed (seen for
+    concrete arrays, and under ``jit`` on ``Explicit`` axes only), a scalar
+    goes whole to every device, and any other array splits along axis 0.
+    The call is refused where such assumed axes 0 disagree in size with the
+    other split axes (BatchNorm statistics beside a batch), or where no
+    placement shows and the shapes read as well time-major (a ``(T, B, F)``
+    batch beside ``(T, B)`` labels); ``(B, T)`` tokens and targets split
+    along axis 0.
 
-    Randomness differs per device, as in a loop over the whole batch: the
-    device's index (over the device axes, as it stacks) is folded into every
-    PRNG key that all devices receive alike, the keys of an NNX module's
-    ``Rngs`` streams and key arguments that go whole to every device (e.g.
-    ``fun(params, x, key)``), so that dropout masks and noise are drawn
-    independently for every shard. The module keeps the unfolded key, and
-    its streams' counts advance alike: the replicas stay identical. A batch
-    of keys split over the devices is passed as it is, and a key that
+    Randomness differs per device: the device's index is folded into every
+    PRNG key all devices receive alike (an NNX module's ``Rngs`` streams,
+    key arguments given whole), and the module keeps the unfolded key. A
+    batch of keys split over the devices is passed as it is; a key that
     ``fun`` closes over is not seen: pass it as an argument.
 
-    The loss is averaged over the devices, as DDP does: a loss that is a
-    mean over its shard's rows gives the plain loop's mean over the global
-    batch. A mean over a count that differs per shard (a mask of padding,
-    tokens of a language model, weights) does not: each shard's mean
-    counts as much whatever its count. For the global one, have ``fun``
-    return the sum and the count, ``(sum, count)``, and pass
-    ``normalize="global"``: the loss is then ``psum(sum) / psum(count)``,
-    exactly the plain loop's (one more scalar all-reduce).
+    The loss is averaged over the devices, as DDP does: wrong for a mean
+    over a count that differs per shard (padding masks, tokens, weights).
+    Then have ``fun`` return ``(sum, count)`` and pass
+    ``normalize="global"``: the loss is ``psum(sum) / psum(count)``,
+    exactly the plain loop's.
 
-    BatchNorm normalises over the global batch, as in the plain loop: an
-    ``nnx.BatchNorm`` of the module given without an ``axis_name`` (and
-    not ``use_running_average``) takes the device axes as its
-    ``axis_name`` for the call, so that its statistics are averaged over
-    the devices (the mean and the mean of squares, and their gradient:
-    256 B for 16 features in float32, which ``comm_bytes`` given the loss
-    counts). ``batch_norm="local"`` keeps each
-    device's own statistics, as PyTorch DDP does without
-    ``SyncBatchNorm``. A Flax Linen ``nn.BatchNorm`` is not seen: give it
-    ``axis_name``.
+    An ``nnx.BatchNorm`` without an ``axis_name`` (and not
+    ``use_running_average``) takes the device axes for the call, so it
+    normalises over the global batch; ``batch_norm="local"`` keeps each
+    device's own statistics, as DDP does without ``SyncBatchNorm``. A Flax
+    Linen ``nn.BatchNorm`` is not seen: give it ``axis_name``.
 
     Args:
       fun: the loss, returning a scalar (or ``(loss, aux)`` with
@@ -511,34 +427,25 @@ class DataParallel(_layout.Layout):
         of the scalar.
       has_aux: whether ``fun`` returns ``(loss, aux)``.
       aux_specs: the layout of ``aux``: a prefix tree of ``device_spec``
-        (stacked per device on a leading axis, nothing sent; the default)
-        and ``P()`` (a value identical on every device, e.g. statistics
-        synchronized by a collective inside ``fun``, returned once). A
-        ``P()`` value that is computed from the device's batch shard with
-        no collective over the device axes is refused at trace time.
-      batch_specs: None, or one entry per argument after the params: None
-        (split as above) or a ``PartitionSpec`` prefix tree of the argument
-        naming the device axes on the axis to split (``device_spec`` for
-        the leading one, ``P(None, "data")`` for a time-major ``(T, B, ...)``
-        batch) or none at all (``P()``: every device gets it whole, e.g. a
+        (stacked per device; the default) and ``P()`` (identical on every
+        device, returned once; refused at trace time where computed from
+        the device's shard with no collective over the device axes).
+      batch_specs: None, or per argument after the params: None (split as
+        above), a ``PartitionSpec`` prefix tree naming the device axes on
+        the axis to split (``P(None, "data")`` for a time-major
+        ``(T, B, ...)`` batch), or ``P()`` (whole to every device, e.g. a
         Linen ``batch_stats`` argument).
-      normalize: ``"device"``: ``fun`` returns the loss of its shard, and
-        the loss is their mean over the devices; ``"global"``: ``fun``
-        returns ``(sum, count)`` of its shard (the count is not
-        differentiated), and the loss is the sum over all devices divided
-        by the count over all devices.
-      batch_norm: ``"global"``: an NNX module's ``nnx.BatchNorm`` layers
-        without an ``axis_name`` normalise over the global batch;
-        ``"local"``: over each device's shard.
+      normalize: ``"device"`` (the mean of the devices' losses) or
+        ``"global"`` (``fun`` returns ``(sum, count)``, the count not
+        differentiated), as above.
+      batch_norm: ``"global"`` or ``"local"``, as above.
 
     Returns:
-      A function returning ``(value, local_grads)``. ``value`` is the loss
-      averaged over devices (one scalar all-reduce), or ``(loss, aux)`` with
-      ``has_aux``. ``local_grads`` is a ``LocalGrads``: each device's
-      gradients, stacked on a leading axis, sharded, not communicated. Hand
-      them to ``chain(tx)`` (any other transform, clipping included, goes
-      inside it and so sees their compressed mean), or add up several
-      micro-batches' first with ``+`` (one compressed send for all).
+      A function returning ``(value, local_grads)``: ``value`` is the loss
+      averaged over devices, or ``(loss, aux)`` with ``has_aux``;
+      ``local_grads`` is a ``LocalGrads``, each device's gradients stacked
+      on a leading axis, not communicated. Hand them to ``chain(tx)``, or add
+      up several micro-batches' first with ``+`` (one compressed send).
     """
     _checks.choice("normalize", normalize, NORMALIZATIONS)
     _checks.choice("batch_norm", batch_norm, BATCH_NORMS)
@@ -571,9 +478,9 @@ class DataParallel(_layout.Layout):
 
 def _all_finite(arrays: list[jax.Array]) -> jax.Array:
   """Whether every element of ``arrays`` is finite: the sum of ``x - x`` is 0
-  then, and NaN otherwise, and never overflows. XLA keeps ``x - x`` for
-  floats (it is not 0 for inf and NaN) and reduces it in one pass that only
-  reads ``x``, where ``jnp.isfinite(x).all()`` also writes a mask (and
-  ``x * 0`` reads a broadcast zero array beside it on XLA:CPU)."""
+  then, NaN otherwise, and never overflows. XLA keeps ``x - x`` for floats
+  and reduces it in one pass that only reads ``x``, where
+  ``jnp.isfinite(x).all()`` also writes a mask (and ``x * 0`` reads a
+  broadcast zero array beside it on XLA:CPU)."""
   zeros = [jnp.sum((x - x).astype(jnp.float32)) for x in arrays]
   return jnp.isfinite(sum(zeros, jnp.float32(0)))

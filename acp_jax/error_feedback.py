@@ -29,9 +29,8 @@ def apply(grads, errors, compress: CompressFn, caller: str):
   _checks.check_tree_matches(grads, errors, caller)
   leaves, treedef = jax.tree.flatten(grads)
   ps = [g + e for g, e in zip(leaves, jax.tree.leaves(errors))]
-  # A zero-size leaf has nothing to send, so it passes through and
-  # ``compress`` never sees one (top_k cannot pick from it, and the mean
-  # magnitude of nothing is NaN).
+  # A zero-size leaf passes through: ``compress`` never sees one (top_k
+  # cannot pick from it, and the mean magnitude of nothing is NaN).
   sized = [i for i, p in enumerate(ps) if p.size]
   sent, mean = list(ps), list(ps)
   for i, s, m in zip(sized, *compress([ps[i] for i in sized])):

@@ -1,12 +1,11 @@
 """The threads of the LAPACK calls in XLA:CPU's programs.
 
-On a CPU, jaxlib runs QR, Cholesky and triangular solves through the LAPACK
-that SciPy exports (``scipy.linalg.cython_lapack``): in SciPy's wheels, a
-bundled OpenBLAS that starts one thread per core. The low-rank compressors
-orthogonalize many tall n x r factors, each far too small to share among
-threads, and OpenBLAS's threads spin against XLA's own thread pool: on 2
-cores, QR of a 768 x 32 factor took 0.70 ms at 2 threads against 0.18 ms at 1
-(BERT-Base's 75 rank-32 factors, 92 ms against 19 ms).
+On a CPU, jaxlib runs QR, Cholesky and triangular solves through SciPy's
+LAPACK, in SciPy's wheels a bundled OpenBLAS that starts one thread per
+core. The low-rank factors are far too small to share among threads, and
+OpenBLAS's threads spin against XLA's own pool: on 2 cores, QR of a 768 x 32
+factor took 0.70 ms at 2 threads against 0.18 ms at 1 (BERT-Base's 75
+rank-32 factors, 92 ms against 19 ms).
 """
 
 import threadpoolctl
@@ -20,11 +19,10 @@ def limit_lapack_threads(
   """Runs every BLAS library loaded in the process, the one behind jaxlib's
   LAPACK calls included, on at most ``num_threads`` threads.
 
-  This is a process-wide setting of the BLAS libraries (NumPy's too), made
-  through ``threadpoolctl``; XLA's own thread pool, which runs everything
-  else in a program, is untouched. The trainer and the benchmarks call it
-  once at start (``python -m train --lapack_threads``); a user's own loop
-  calls it, or uses its result as a context manager to limit only a block.
+  A process-wide setting of the BLAS libraries (NumPy's too), made through
+  ``threadpoolctl``; XLA's own thread pool is untouched. The trainer and the
+  benchmarks call it once at start (``python -m train --lapack_threads``);
+  a user's own loop calls it, or uses its result as a context manager.
 
   Example::
 

@@ -1,10 +1,6 @@
-"""Pieces shared by the low-rank compressors (Power-SGD and ACP-SGD).
-
-Their settings and plan (which leaves are compressed, at what rank), their
-state trees, an update's leaves split into compressed and dense, and their
-bytes. Their update, built on these, is ``lowrank_update``'s; its
-arithmetic lives in ``orthogonalize`` and ``projection``.
-"""
+"""Pieces shared by the low-rank compressors (Power-SGD and ACP-SGD): their
+settings and plan, state trees, an update's leaves split into compressed and
+dense, and their bytes. Their update is ``lowrank_update``'s."""
 
 from collections.abc import Callable
 import dataclasses
@@ -27,8 +23,8 @@ from acp_jax import projection
 
 
 class LowRank(NamedTuple):
-  """Settings of a low-rank compressor; build it with ``settings``. The
-  functions of this module take it as ``cfg``."""
+  """Settings of a low-rank compressor (``cfg``); build it with
+  ``settings``."""
 
   rank: int
   min_compression_rate: float
@@ -44,11 +40,9 @@ class LowRank(NamedTuple):
   leaf_order: tuple[int, ...] | None = None  # see buckets.bucket_plan
 
   def plan(self, tree: Any) -> list[projection.MatrixSpec | None]:
-    """``matrix_spec`` of every leaf of ``tree``, honouring ``keep_dense``.
-
-    Within ``collectives.row_shards`` the leaves are blocks of rows: the
-    view is decided on the whole leaf, and ``n`` is the block's rows.
-    """
+    """``matrix_spec`` of every leaf of ``tree``, honouring ``keep_dense``;
+    within ``collectives.row_shards``, decided on the whole leaf, with ``n``
+    the block's rows."""
     dense = compressor.keep_dense_leaves(self.keep_dense, tree)
     specs = []
     for x, d in zip(jax.tree.leaves(tree), dense):
@@ -77,39 +71,35 @@ class Options:
   """The settings Power-SGD and ACP-SGD share (``acp_jax.LowRankOptions``).
 
   Either factory takes them as ``options=`` or as keywords of the same
-  names, which replace ``options``' (``acp_sgd(4, warmup_steps=100)``).
+  names, which replace them (``acp_sgd(4, warmup_steps=100)``).
 
   Attributes:
     min_compression_rate: a matrix is compressed only if the factors are at
       least this many times smaller than it (PyTorch's default, 2).
     seed: seed of the initial Q, the same on every replica.
-    keep_dense: a tree of bools like the params, or a function of the params
-      returning one, marking leaves to send uncompressed.
-    bucket_bytes: uncompressed gradient bytes per bucket, so a bucket's
-      factors take about this divided by the compression ratio (the paper's
+    keep_dense: a tree of bools like the params, or a function of the
+      params returning one, marking leaves to send uncompressed.
+    bucket_bytes: uncompressed gradient bytes per bucket (the paper's
       scaled fusion buffer); None for 25 MiB (PyTorch DDP's default),
       ``math.inf`` for one all-reduce per round and dtype.
-    use_error_feedback: keep each device's residual E and add it to the next
-      gradient (PyTorch's name); without it M = G and no residual is stored.
-    warm_start: start each projection on Q from the last Q that was
-      all-reduced (PyTorch's name); without it, from a fresh random Q drawn
-      from ``seed`` and the step count, the same on every replica.
-      ACP-SGD's Q-step always projects on the P-step's P: that is the
-      alternation itself.
+    use_error_feedback: keep each device's residual E and add it to the
+      next gradient; without it M = G and no residual is stored.
+    warm_start: start each projection on Q from the last all-reduced Q;
+      without it, from a fresh random Q drawn from ``seed`` and the step
+      count. ACP-SGD's Q-step always projects on the P-step's P: that is
+      the alternation itself.
     comm_dtype: floating dtype the factors are all-reduced in (e.g.
-      ``jnp.bfloat16``), or None for the leaves' dtype. The residual stays in
-      the gradient's dtype and takes the rounding too; leaves sent dense go
-      in their own dtype.
-    warmup_steps: number of dense S-SGD steps before compression starts
-      (PyTorch's ``start_powerSGD_iter``); None (so that
-      ``optax.inject_hyperparams`` leaves it static) or 0 compresses from the
-      first step.
+      ``jnp.bfloat16``), or None for the leaves' dtype. The residual takes
+      the rounding too; leaves sent dense go in their own dtype.
+    warmup_steps: dense S-SGD steps before compression starts (PyTorch's
+      ``start_powerSGD_iter``); None (so that ``optax.inject_hyperparams``
+      leaves it static) or 0 compresses from the first step.
     warmup_factors: during the warm-up, take a power-iteration step on the
       mean gradient for each Q (no extra bytes), so that compression starts
       from the gradient's leading subspace rather than a random one.
-    leaf_order: the leaves' indices in the order backprop produces their
-      gradients, from ``acp_jax.backward_order(loss, params, batch)``; the
-      buckets are cut in that order. None for the reverse of the leaf order.
+    leaf_order: the leaves in the order backprop produces their gradients,
+      from ``acp_jax.backward_order(loss, params, batch)``; None for the
+      reverse of the leaf order.
   """
 
   min_compression_rate: float = 2.0
@@ -161,9 +151,8 @@ def settings(
 
 
 def made_by(cfg: LowRank, axis_name: str) -> dict[str, Any]:
-  """The factory's arguments that made ``cfg``, as ``Compressor.made_by``
-  records them: in the factory's order, ``rank``, ``axis_name``, then the
-  options in ``Options``' order."""
+  """The factory's arguments that made ``cfg``, in the factory's order, as
+  ``Compressor.made_by`` records them."""
   return {
       "rank": cfg.rank,
       "axis_name": axis_name,
@@ -176,11 +165,10 @@ def matrix_spec(
 ) -> projection.MatrixSpec | None:
   """The matrix view of a leaf, or None if the leaf is sent dense.
 
-  A leaf with two or more dims is an n x m matrix, m its last dim and n the
-  product of the others, so a flax conv kernel (kh, kw, in, out) becomes
-  (kh * kw * in, out). The rank is clipped to min(n, m). Vectors, scalars and
-  matrices that the factors would not shrink by ``min_compression_rate`` are
-  sent dense.
+  A leaf with two or more dims is an n x m matrix, m its last dim, so a
+  flax conv kernel (kh, kw, in, out) becomes (kh * kw * in, out). The rank
+  is clipped to min(n, m). Vectors, scalars and matrices that the factors
+  would not shrink by ``min_compression_rate`` are sent dense.
   """
   if len(shape) < 2:
     return None
@@ -197,12 +185,9 @@ def _warn_if_nothing_compressed(
     specs: list[projection.MatrixSpec | None],
     params: Any,
 ) -> None:
-  """Warns if no leaf is compressed although there are matrices.
-
-  Matrices in ``keep_dense`` do not count. A rank too large for every matrix
-  would otherwise turn the compressor into S-SGD silently; it only warns, as
-  a small model may have nothing worth compressing.
-  """
+  """Warns if no leaf outside ``keep_dense`` is compressed although there
+  are matrices: a rank too large for all would silently make it S-SGD, but
+  a small model may have nothing worth compressing."""
   if any(spec is not None for spec in specs):
     return
   dense = compressor.keep_dense_leaves(cfg.keep_dense, params)
@@ -242,8 +227,7 @@ def init_trees(cfg: LowRank, params: Any) -> tuple[Any, Any, Any]:
 
   Each tree holds ``optax.MaskedNode()`` at the leaves sent dense (and the
   residuals everywhere without error feedback). The Q factors are drawn
-  from ``seed``, so every replica starts from the same factors wherever
-  ``init`` runs.
+  from ``seed``, the same on every replica wherever ``init`` runs.
   """
   _checks.check_float_leaves(params, cfg.caller)
   specs = cfg.plan(params)
@@ -348,7 +332,7 @@ def errors_tree(cfg: LowRank, s: Split, errors: list[jax.Array]) -> Any:
 def leaves(
     s: Split, low_rank: list[Any], dense: list[Any], *, reshape: bool
 ) -> list[Any]:
-  """``merge``'s leaves, in the tree's order, before they are a tree."""
+  """``merge``'s leaves, before they are a tree."""
   low_rank, dense = iter(low_rank), iter(dense)
   out = []
   for shape, spec in zip(s.shapes, s.specs):
@@ -380,8 +364,8 @@ def leaves_of(s: Split, tree: Any) -> list[jax.Array]:
 
 
 def check_factors(cfg: LowRank, s: Split, factors: Any, rows: str) -> None:
-  """Raises unless the state's factors (``rows`` x r per compressed leaf, rows
-  "n" or "m") have this compressor's rank."""
+  """Raises unless the state's factors (``rows`` "n" or "m" x r per
+  compressed leaf) have this compressor's rank."""
   for x, spec in zip(leaves_of(s, factors), (p for p in s.specs if p)):
     expected = (getattr(spec, rows), spec.rank)
     if tuple(x.shape) != expected:
@@ -397,9 +381,8 @@ def volume(
     params: Any,
     factor_rows: Callable[[projection.MatrixSpec], int],
 ) -> int:
-  """Bytes of one all-reduce carrying a factor of each compressed leaf (with
-  ``factor_rows(spec)`` x rank elements, in ``comm_dtype``) and every dense
-  leaf."""
+  """Bytes of one all-reduce carrying a ``factor_rows(spec)`` x rank factor
+  of each compressed leaf, in ``comm_dtype``, and every dense leaf."""
   specs = cfg.plan(params)
   total = 0
   for x, spec in zip(jax.tree.leaves(params), specs):

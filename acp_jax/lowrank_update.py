@@ -1,10 +1,9 @@
 """The update of the low-rank compressors (Power-SGD and ACP-SGD).
 
-``factory_compressor`` makes the ``Compressor`` a low-rank factory returns;
-its update is ``step``: a dense warm-up step (``dense_step``), or the
-factory's own exchange, a sequence of ``psum_round``s that ends in a
-``Round`` (bases and coordinates), expanded to the approximate mean by
-``applied``. Settings, plan and state trees are ``lowrank``'s.
+``factory_compressor`` makes the ``Compressor``; its update is ``step``: a
+dense warm-up step (``dense_step``), or the factory's own exchange, a
+sequence of ``psum_round``s ending in a ``Round``, expanded to the
+approximate mean by ``applied``.
 """
 
 from collections.abc import Callable
@@ -26,12 +25,9 @@ from acp_jax import projection
 
 def check_dense_step(cfg: lowrank.LowRank, count: jax.Array) -> None:
   """Refuses a dense warm-up step that should not run: when tracing, if the
-  compressor has no warm-up at all (a state saved during another one's
-  warm-up would then run dense forever); when running, if the state has
-  already taken ``warmup_steps`` steps (``at_step`` was not called, or its
-  result not used). The run-time check is a host callback of the dense
-  programs only: the compressing ones, which make up the training, carry
-  none."""
+  compressor has no warm-up (the state would run dense forever); when
+  running, if the state has already taken ``warmup_steps`` steps, by a host
+  callback that only the dense programs carry."""
   if not cfg.warmup_steps:
     raise ValueError(
         f"{cfg.caller}: the state is in the dense warm-up phase"
@@ -70,11 +66,9 @@ def factory_compressor(
     phases: compressor.PhasesFn,
     **spec: Any,
 ) -> compressor.Compressor:
-  """What a low-rank factory returns: the ``Compressor`` whose state is a
-  ``state_type`` (its fields among error, p, q, phase and count, started by
-  ``lowrank.init_trees`` and ``cfg.first_phase``), whose update is ``update_fn``'s
-  and whose settings are ``cfg``'s; ``spec`` adds the factory's own fields
-  of ``Compressor`` (``packed_rounds``, ``cycle``)."""
+  """The ``Compressor`` a low-rank factory returns: state a ``state_type``
+  (its fields among error, p, q, phase and count), update ``update_fn``'s,
+  settings ``cfg``'s; ``spec`` adds the factory's own fields (``cycle``)."""
 
   def init_fn(params):
     error, p, q = lowrank.init_trees(cfg, params)
@@ -127,9 +121,8 @@ def step(
     state: Any,
     exchange: Callable[..., tuple["Round", Any]],
 ) -> tuple[Any, Any]:
-  """A low-rank compressor's update of ``grads``: a dense warm-up step
-  (``dense_step``) or a compressing one, ``exchange(cfg, axis_name, split,
-  state, n)``, expanded to the approximate mean."""
+  """A low-rank compressor's update of ``grads``: a dense warm-up step or
+  ``exchange(cfg, axis_name, split, state, n)``, expanded to the mean."""
   s = lowrank.split_state(cfg, grads, state)
   if phase_lib.phase_of(state.phase) is phase_lib.Phase.DENSE:
     check_dense_step(cfg, state.count)
@@ -142,11 +135,11 @@ def step(
 class Round(NamedTuple):
   """A compressing step's exchange, before its factors are expanded: for
   each compressed leaf an orthonormal basis, the same on every replica, and
-  the mean over devices of M's coordinates in it.
+  the mean of M's coordinates in it.
 
   On ``side`` P the coordinates are n x r on a right basis (m x r), and the
-  approximate mean is C B^T (ACP-SGD's P-step); on side Q they are r x m on
-  a left basis (n x r), and it is B C (ACP-SGD's Q-step, Power-SGD's step).
+  mean is C B^T (ACP-SGD's P-step); on side Q they are r x m on a left
+  basis (n x r), and it is B C (ACP-SGD's Q-step, Power-SGD's step).
   """
 
   split: lowrank.Split
@@ -157,8 +150,7 @@ class Round(NamedTuple):
 
 
 def expand(side: phase_lib.Phase, basis: jax.Array, coords: jax.Array):
-  """The n x m matrix that ``coords`` on ``basis`` stand for (see
-  ``Round``)."""
+  """The n x m matrix that ``coords`` on ``basis`` stand for."""
   return coords @ basis.T if side is phase_lib.Phase.P else basis @ coords
 
 
@@ -189,18 +181,16 @@ def dense_step(
 ) -> tuple[Any, Any, Any]:
   """A warm-up step: S-SGD's exchange, and the factors warmed on its result.
 
-  Every leaf is sent whole (M = G + E for a compressed one, so whatever
-  residual the state holds goes out too), in S-SGD's buckets, and the mean
-  comes back exact. With ``warmup_factors``, each compressed leaf's Q then
-  takes one step of power iteration on the mean M: P = M orth(Q), Q =
-  M^T orth(P). Every replica computes it from the same mean, so the factors
-  stay identical without a byte more, and the first compressed step
-  projects on the mean gradient's leading subspace, not on a random one.
+  Every leaf is sent whole (M = G + E, so any residual goes out too), in
+  S-SGD's buckets, and the mean comes back exact. With ``warmup_factors``,
+  each compressed leaf's Q then takes one step of power iteration on the
+  mean: P = M orth(Q), Q = M^T orth(P). Every replica computes it from the
+  same mean, so the factors stay identical without a byte more, and the
+  first compressed step projects on the mean's leading subspace.
 
   Returns:
-    ``(mean, errors, q)``: the mean gradient tree, the residual tree (zero:
-    nothing is left unsent), and the new tree of Q factors (``q``, the
-    state's, if not warmed).
+    ``(mean, errors, q)``: the mean tree, the (zero) residual tree, and the
+    new Q factors (the state's, if not warmed).
   """
   leaves = lowrank.leaves(
       s, [m.dense() for m in s.matrices], s.dense, reshape=True
@@ -230,11 +220,10 @@ def psum_round(
 ) -> tuple[list[jax.Array], list[jax.Array]]:
   """One round of all-reduces, a bucket at a time: a factor of each
   compressed leaf (in ``comm_dtype``, if given) and, unless ``dense`` is
-  None, each dense leaf, riding in its own leaf's bucket; ``packed`` into
-  one buffer per bucket and dtype (see ``collectives.bucketed_psum``).
-  ``row_sums``: the factors are sums over the matrices' rows (r x m), not
-  factors with a row per row (n x r). Returns the summed factors, in their
-  own dtype, and dense leaves."""
+  None, each dense leaf, in its own leaf's bucket; ``packed`` as for
+  ``collectives.bucketed_psum``. ``row_sums``: the factors are sums over
+  the matrices' rows (r x m). Returns the summed factors, in their own
+  dtype, and dense leaves."""
   dtypes = [f.dtype for f in factors]
   factors = iter([f.astype(comm_dtype or f.dtype) for f in factors])
   dense_in = iter(dense or ())

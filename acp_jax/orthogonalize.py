@@ -35,11 +35,8 @@ def _cholesky_qr2(x: jax.Array) -> jax.Array:
   """Q of ``x`` by two passes of Cholesky-QR, guarded: Householder's Q where
   the r x r check fails (R^-1 not finite, or the first pass's Q too far from
   orthonormal for the second to correct), as on zero, rank-deficient or
-  ill-conditioned inputs, on which plain Cholesky-QR gives NaN.
-
-  The fallback is a conditional around compute only, per leaf, never around
-  a collective.
-  """
+  ill-conditioned inputs, on which plain Cholesky-QR gives NaN. The
+  fallback's conditional is around compute only, never a collective."""
   q, ok, _ = _checked_two_passes(x, lambda a: a.T @ a)
   return jax.lax.cond(ok, lambda q, x: q, lambda q, x: _householder(x), q, x)
 
@@ -47,10 +44,8 @@ def _cholesky_qr2(x: jax.Array) -> jax.Array:
 def _checked_two_passes(
     x: jax.Array, gram_of: Callable[[jax.Array], jax.Array]
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Cholesky-QR2 of ``x``, each pass's Gram matrix formed by ``gram_of``:
-  its Q, whether the check passes (both R^-1 finite, the first pass's Q
-  within ``_CHOLESKY_MAX_DEFECT`` of orthonormal), and the first Gram
-  matrix."""
+  """Cholesky-QR2 of ``x``, each Gram matrix formed by ``gram_of``: its Q,
+  whether the check passes, and the first Gram matrix."""
   gram = gram_of(x)
   first = _inverse_cholesky_factor(gram)
   q1 = x @ first
@@ -67,9 +62,8 @@ def _checked_two_passes(
 
 def uses_cholesky_qr(n: int, r: int) -> bool:
   """Whether ``orthogonalize`` takes Cholesky-QR2 for an n x r input: for
-  tall factors at large rank, where it is faster, and on the CPU backend
-  only (elsewhere its fallback's conditional would cost a host round trip
-  per leaf)."""
+  tall factors at large rank, on the CPU backend only (elsewhere its
+  fallback's conditional would cost a host round trip per leaf)."""
   return (
       r >= _CHOLESKY_MIN_RANK
       and n >= max(_CHOLESKY_MIN_ROWS, r)
@@ -81,15 +75,12 @@ def orthogonalize(x: jax.Array) -> jax.Array:
   """Orthonormal basis of the columns of ``x`` (n x r, n >= r).
 
   In float32, whatever the input dtype, so bf16 and fp16 factors stay well
-  conditioned: Householder QR, or for tall factors at large rank on a CPU
-  (``uses_cholesky_qr``) Cholesky-QR2 with a fallback to Householder where
-  it would lose orthogonality. Either way a rank-deficient input, zero
-  columns included, still gives orthonormal columns. (PyTorch's hook
-  orthogonalizes by Householder QR too, ``torch.linalg.qr``, in float32 at
-  rank > 2; by Gram-Schmidt at rank <= 2 and in half precision, where it
-  needs its ``orthogonalization_epsilon`` against zero columns.) The result
-  has the input's dtype; its columns may differ from Householder's in sign,
-  which no compressor's result depends on.
+  conditioned: Householder QR, or (``uses_cholesky_qr``) Cholesky-QR2 with
+  a fallback to Householder where it would lose orthogonality. Either way a
+  rank-deficient input, zero columns included, gives orthonormal columns
+  (PyTorch's Gram-Schmidt at rank <= 2 needs an epsilon for that). The
+  result has the input's dtype; its columns may differ from Householder's
+  in sign, which no compressor's result depends on.
   """
   x32 = x.astype(jnp.float32)
   if uses_cholesky_qr(*x.shape):
@@ -99,9 +90,8 @@ def orthogonalize(x: jax.Array) -> jax.Array:
 
 def orthogonalize_rows(x: jax.Array) -> jax.Array:
   """``orthogonalize`` for an n x r factor with a row per row of a matrix:
-  within ``collectives.row_shards``, ``x`` is this device's block of rows,
-  and the result is its block of the whole factor's basis (``_row_sharded_qr``).
-  """
+  within ``collectives.row_shards``, of this device's block of rows, giving
+  its block of the whole factor's basis."""
   if collectives.row_axis() is None:
     return orthogonalize(x)
   return _row_sharded_qr(x.astype(jnp.float32)).astype(x.dtype)
@@ -112,14 +102,12 @@ def _row_sharded_qr(x: jax.Array) -> jax.Array:
   matrix, r x r, is summed over the blocks (``collectives.row_sum``), so
   every device forms the same R and takes its own rows of Q = X R^-1.
 
-  Guarded like ``_cholesky_qr2``, where the fallback may not communicate
-  (it sits in a conditional): where the check fails, the basis comes from
-  the eigendecomposition of the first Gram matrix, X V diag(w)^-1/2 on the
-  eigenvalues w above float32's rounding of the largest, and zero columns
-  for the others. So an all-zero input gives zeros, and a rank-deficient
-  one an orthonormal basis of its span padded with zero columns, which
-  every compressor takes as a projection on that span; Householder's
-  fallback completes the basis with arbitrary columns instead.
+  Guarded like ``_cholesky_qr2``, but the fallback, in a conditional, may
+  not communicate: the basis comes from the eigendecomposition of the first
+  Gram matrix, X V diag(w)^-1/2 on the eigenvalues w above float32's
+  rounding of the largest, and zero columns for the others. So an all-zero
+  input gives zeros, a rank-deficient one an orthonormal basis of its span
+  padded with zero columns: to every compressor, a projection on that span.
   """
   q, ok, gram = _checked_two_passes(x, lambda a: collectives.row_sum(a.T @ a))
 

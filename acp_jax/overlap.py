@@ -1,50 +1,33 @@
 """The overlapped step: each segment's exchange beside the rest of backprop.
 
-The fused step (``DataParallel.value_and_grad``, then ``chain(tx)``'s
-update, in one jitted program) leaves overlap to XLA. On GPUs, XLA's
-asynchronous collectives and its latency-hiding scheduler do it within the
-program. XLA:CPU does not: its all-reduce blocks, a program's collectives
-run one after another, and its combiner merges them into one that waits for
-every gradient. Programs dispatched apart, though, run side by side. This
-module splits a step into such programs, as PyTorch DDP's reducer splits
-backprop with its hooks:
+The fused step, one jitted program, leaves overlap to XLA. On GPUs, XLA's
+asynchronous collectives and latency-hiding scheduler do it. XLA:CPU does
+not: its all-reduce blocks, a program's collectives run one after another,
+and its combiner merges them into one that waits for every gradient.
+Programs dispatched apart, though, run side by side, so this module splits
+a step into programs, as PyTorch DDP's reducer splits backprop:
 
-- one forward program runs the model's blocks and keeps what their backward
-  passes need (``jax.vjp``'s residuals);
+- one forward program runs the blocks and keeps ``jax.vjp``'s residuals;
 - one backward program per block, last block first, returns the gradients
-  of the params whose gradient is then complete: a segment;
-- as each segment's gradients are dispatched, its compressor work and
-  collectives (``DataParallel.compress`` of its leaves and their share of
-  the compressor's state) go to the communication thread, which dispatches
-  its programs one by one, in the same order on every process, while the
-  next block's backward pass runs;
+  of the params it completes: a segment;
+- each segment's exchange (``DataParallel.compress`` of its leaves and their
+  share of the compressor's state) goes to the communication thread, which
+  dispatches in the same order on every process, while the next block's
+  backward pass runs;
 - one update program waits for them all and runs ``tx`` on the mean.
 
-The state is ``chain(tx)``'s, so a checkpoint, ``at_step`` and the phase
-behave as with the fused step, and the result is the fused step's to
-float32 rounding: every compressor treats each leaf on its own (its
-factors, residuals, scales and top-k are per leaf), so the leaves can be
-exchanged in any grouping. S-SGD's segments are its fused buckets sent as
-backprop frees them (wait-free backpropagation); Power-SGD's P all-reduce,
-Q compute and Q all-reduce of one segment follow each other on the
-communication thread while the next segment's gradients are computed;
-ACP-SGD sends one all-reduce per segment.
+The state is ``chain(tx)``'s, and the result is the fused step's to float32
+rounding: every compressor treats each leaf on its own, so the leaves can be
+exchanged in any grouping.
 
-What the model must offer: a sequence of blocks, ``block(params, carry,
-*batch) -> carry``, each reading the params it needs from the whole tree;
-the first takes ``carry=None`` and the last returns this device's scalar
-loss, so that ``loss(params, *batch)`` is the blocks applied in turn. A
-param read by several blocks (tied embeddings) is exchanged with the
-segment of the first block that reads it, whose backward pass completes
-its gradient. Every batch argument is split over the devices along its
-leading axis, as ``batch_specs=(dp.device_spec, ...)`` would.
+The blocks are ``DataParallel.step``'s. A param read by several blocks (tied
+embeddings) is exchanged with the segment of the first block that reads it.
 
 It relies on two things of the runtime, which ``tests/test_overlap_step.py``
 checks by name: that ``jax.jit`` dispatch from a second Python thread runs
 beside the first thread's programs on XLA:CPU, and
-``jaxlib.xla_client.execution_stream_id``, the context under which the
-communication thread dispatches (PJRT orders a launch only after the
-earlier launches of its device and stream).
+``jaxlib.xla_client.execution_stream_id`` (PJRT orders a launch only after
+the earlier launches of its device and stream).
 """
 
 from collections.abc import Callable, Sequence
@@ -151,17 +134,15 @@ def unsegmentable(dp: Any, plan_: Plan) -> str | None:
 
 
 def placed_like_inputs(fn: Callable, donate: tuple[int, ...], outputs: Callable):
-  """``fn`` jitted with the arrays of the arguments ``donate`` donated and
-  its results placed where ``outputs(*args)`` says (a tree of the arguments'
-  shardings and its other results'), made again for each placement of the
-  arguments.
+  """``fn`` jitted with the arguments ``donate`` donated and its results
+  placed where ``outputs(*args)`` says, for each placement of the arguments.
 
   Without the results' shardings, XLA pairs each donated buffer with the
   first result of its size: results then trade buffers through copies, and
   on XLA:CPU each call faults fresh pages for them (a segmented step's
   update took 0.2-0.7 s, against 0.04 s placed, in two processes). A
   low-rank phase marker is not donated: its shape changes with the phase,
-  so no result could take its buffer and JAX would warn of it every step.
+  so no result could take its buffer and JAX would warn every step.
   """
   programs: dict[Any, Callable] = {}
 
@@ -192,14 +173,12 @@ def placed_like_inputs(fn: Callable, donate: tuple[int, ...], outputs: Callable)
 
 
 def sharding_of(tree: Any) -> Any:
-  """The sharding of each array of ``tree``."""
   return jax.tree.map(lambda x: x.sharding, tree)
 
 
 def fused_step(dp: Any, tx: optax.GradientTransformation, blocks) -> Callable:
-  """The step of ``blocks`` in one jitted program: ``value_and_grad`` of
-  their composition, then ``dp.chain(tx)``'s update; params and state
-  donated, and returned where they were given."""
+  """The step of ``blocks`` in one jitted program; params and state donated
+  and returned where they were given."""
   chained = dp.chain(tx)
 
   def loss_fn(params, *batch):
@@ -238,8 +217,8 @@ class _Segmented:
     compressor = dp.compressor
     if compressor.leaf_order is not None:
       compressor = compressor._replace(leaf_order=None)
-    # Each segment is exchanged in full by the same compressor, with the
-    # state's policy on non-finite means applied by the update, over all.
+    # Each segment runs with "propagate"; the update applies the policy
+    # on non-finite means over all segments.
     self.segment_dp = type(dp)(
         compressor, dp.mesh, local_axis=dp.local_axis, nonfinite="propagate"
     )
@@ -317,10 +296,9 @@ class _Segmented:
     )
 
   def _backward_program(self, k: int, stack, unstack) -> Callable:
-    """Block ``k``'s backward pass: from the cotangent of its output (its
-    loss, for the last) and the partial gradients of the leaves it shares
-    with later blocks, the gradients it completes, those it passes on, and
-    the cotangent of its input carry."""
+    """Block ``k``'s backward pass: from its output's cotangent and the
+    partial gradients of the leaves it shares with later blocks, the
+    gradients it completes, those it passes on, and its carry's cotangent."""
     dp, spec = self.dp, self.dp.device_spec
     read = self.plan.reads[k]
     last = k == len(self.blocks) - 1
@@ -337,8 +315,7 @@ class _Segmented:
       grads = {i: g for i, g in pending.items() if i not in read}
       for i, g in zip(read, d_own):
         grads[i] = g + pending[i] if i in pending else g
-      # Block 0 completes the leaves no block reads: zeros, as in the fused
-      # step's gradient.
+      # Block 0 completes the leaves no block reads: zeros, as fused.
       done = [
           grads.pop(i) if i in grads else jnp.zeros_like(leaves[i])
           for i in self.plan.segments[k]
@@ -366,8 +343,8 @@ class _Segmented:
     return exchange
 
   def _update_program(self, params, state, means, new_comm, finites):
-    """The mean and the compressor's state put back together, ``tx`` run on
-    the mean and applied: ``chain(tx)``'s update after the exchanges."""
+    """``chain(tx)``'s update after the exchanges, on the merged mean and
+    state."""
     mean = self._merge_leaves(means)
     new_comm = self._merge_state(new_comm, state.comm)
     finite = jnp.all(jnp.stack(finites))
@@ -378,7 +355,7 @@ class _Segmented:
     )
     return optax.apply_updates(params, updates), state
 
-  # -- the state, by segment ------------------------------------------------------
+  # -- the state, by segment ---------------------------------------------------
 
   def _per_leaf(self, value: Any) -> list | None:
     """A state field's leaves, one per param (``MaskedNode`` at those it
@@ -481,9 +458,8 @@ class OverlappedStep:
 
   @property
   def exchange_order(self) -> tuple[int, ...]:
-    """The blocks whose segments the last call exchanged, in the order it
-    dispatched them (every process dispatches the same order); () for the
-    fused step."""
+    """The blocks whose segments the last call exchanged, in dispatch order
+    (the same on every process); () for the fused step."""
     return tuple(getattr(self._last, "dispatched", ()))
 
   def _programs(self, params, batch) -> Callable:

@@ -1,21 +1,15 @@
 """The phase of a low-rank compressor, recorded in the shape of its state's
 ``phase`` array (the marker).
 
-The marker's shape is static to jit, which compiles one variant per phase,
-each holding only its own all-reduce, so no collective sits inside a run-time
-conditional. Being an array, it survives every path that keeps only array
-values (``nnx.Optimizer``, orbax), and paths that need a fixed state type
-(``lax.scan`` carries, ``lax.cond``) refuse it when tracing instead of
-training something else. Orbax cannot save zero-size arrays, hence sizes from
-1. Each phase has a rank of its own, (1,), (2, 2), (3, 3, 3): a plain orbax
-restore into a target of another phase then fails even with strict=False,
-which pads or truncates an array of one rank into another shape of that rank.
-A ``jax.pmap``-ed state stacks the marker on leading device axes.
-
-This module is the one place that reads a marker's shape, and it owns the
-phases' names, by which ``comm_bytes``, ``Compressor.phases`` and
-``Compressor.cycle`` key them, and the schedule: which phase a step runs
-(``phase_at``) and the switch into and out of the warm-up (``at_step``).
+The shape is static to jit, which compiles one variant per phase, each with
+only its own all-reduce: no collective sits inside a run-time conditional.
+Being an array, the marker survives every path that keeps only array values
+(``nnx.Optimizer``, orbax), and paths that need a fixed state type
+(``lax.scan`` carries, ``lax.cond``) refuse it when tracing. Orbax cannot
+save zero-size arrays, hence sizes from 1. Each phase has a rank of its
+own, (1,), (2, 2), (3, 3, 3): a plain orbax restore into a target of another
+phase then fails even with strict=False, which pads or truncates within a
+rank. This module is the one place that reads a marker's shape.
 """
 
 from collections.abc import Callable, Sequence
@@ -28,24 +22,21 @@ import numpy as np
 
 from acp_jax import _checks
 
-# The name of a single-phase compressor's one step (S-SGD's, Sign-SGD's,
-# Top-k's and Power-SGD's, whose step computes and all-reduces both
-# factors while its state holds the P marker).
+# The name of a single-phase compressor's one step (Power-SGD's computes and
+# all-reduces both factors while its state holds the P marker).
 STEP = "step"
 
 
 class Phase(enum.Enum):
-  """What a low-rank compressor's next step does: compute and all-reduce
-  the P factors (Power-SGD's one compressing phase, ACP-SGD's P-step), the
-  Q factors (ACP-SGD's Q-step), or, during a warm-up, S-SGD's dense
-  all-reduce."""
+  """What a low-rank compressor's next step does: all-reduce the P factors
+  (Power-SGD's one compressing phase, ACP-SGD's P-step), the Q factors
+  (ACP-SGD's Q-step), or, during a warm-up, S-SGD's dense all-reduce."""
 
   P = "p"
   Q = "q"
   DENSE = "dense"
 
 
-# The name of the dense warm-up steps' phase.
 DENSE = Phase.DENSE.value
 
 _SHAPE = {Phase.P: (1,), Phase.Q: (2, 2), Phase.DENSE: (3, 3, 3)}
@@ -59,8 +50,7 @@ def marker(phase: Phase) -> jax.Array:
 
 def phase_of(marker_: Any) -> Phase:
   """The phase that a state's ``phase`` array (or its abstract shape)
-  records; a marker stacked on leading axes (a ``jax.pmap``-ed state, one
-  per device) records it in its trailing axes."""
+  records, in its trailing axes if stacked (a ``jax.pmap``-ed state)."""
   return _phase_and_lead(marker_)[0]
 
 
@@ -85,23 +75,22 @@ def is_marker(dtype: Any, shape: tuple[int, ...]) -> bool:
 
 
 def next_marker(marker_: jax.Array, phase: Phase) -> jax.Array:
-  """The marker of ``phase``, inside a step. It is made from the old marker,
-  so that the step always reads one of its inputs (a shard_map whose inputs
+  """The marker of ``phase``, inside a step, made from the old marker so
+  that the step always reads one of its inputs (a shard_map whose inputs
   are all unused or empty fails to compile under Shardy, jax 0.10.2)."""
   return jnp.broadcast_to(marker_.reshape(-1)[0], _SHAPE[phase])
 
 
-# The sharding of a jax.pmap-ed array in older jax, which jit takes as no
-# out_shardings and which holds the array's rank; newer jax gives pmap's
-# arrays a NamedSharding and has no such type.
+# Older jax's sharding of a jax.pmap-ed array, which jit takes as no
+# out_shardings and which holds the array's rank; newer jax has none.
 _PMAP_SHARDING = getattr(jax.sharding, "PmapSharding", ())
 
 
 def marker_as(marker_: Any, phase: Phase) -> Any:
-  """The marker of ``phase`` where ``marker_`` lives, outside a step, with its
-  leading device axes if any: an abstract one for an abstract marker, else
-  made on ``marker_``'s devices with its sharding (which works across
-  processes and for ``jax.pmap``-ed states too)."""
+  """The marker of ``phase`` where ``marker_`` lives, outside a step, with
+  its leading device axes: abstract for an abstract marker, else made on
+  ``marker_``'s devices with its sharding (across processes and for
+  ``jax.pmap``-ed states too)."""
   lead = _phase_and_lead(marker_)[1]
   own = _SHAPE[phase]
   shape = lead + own
@@ -130,9 +119,8 @@ def marker_as(marker_: Any, phase: Phase) -> Any:
 
 
 def phase_at(step: int, warmup_steps: int, cycle: Sequence[str]) -> str:
-  """The name of the phase that step ``step`` (counted from 0) runs:
-  ``"dense"`` during the first ``warmup_steps``, then ``cycle``'s, starting
-  with its first."""
+  """The phase that step ``step`` (counted from 0) runs: ``"dense"`` during
+  the first ``warmup_steps``, then ``cycle``'s, starting with its first."""
   _checks.integer("step", step, 0, numpy=True)
   if step < warmup_steps:
     return DENSE
@@ -181,8 +169,8 @@ def at_step(
 
 
 def _steps_taken(state: Any) -> int | None:
-  """The step count of a state (its ``count``; the first device's when
-  stacked on device axes), read from the device; None when abstract."""
+  """A state's ``count`` (the first device's when stacked), read from the
+  device; None when abstract."""
   count = state.count
   if not isinstance(count, jax.Array):
     return None
@@ -191,9 +179,8 @@ def _steps_taken(state: Any) -> int | None:
 
 
 def switch_to(compressing: Phase) -> Callable[[Any, bool], Any]:
-  """``Compressor.at_step``'s switch of a state with a ``phase`` marker: into
-  the dense phase, or out of it into ``compressing``; ``state`` itself if it
-  is in that phase already."""
+  """``Compressor.at_step``'s switch of a state's marker into the dense
+  phase, or out of it into ``compressing``."""
 
   def switch(state, dense):
     current = phase_of(state.phase)
@@ -221,10 +208,9 @@ def abstract_states(state: Any, phases: dict[str, Phase]) -> dict[str, Any]:
 
 
 def where(keep_new: jax.Array, new: Any, old: Any) -> Any:
-  """``new`` where ``keep_new``, else ``old``, leaf by leaf, for two trees
-  of states a step apart. A marker whose shape changed is ``new``'s: the
-  phase advances with every step taken or kept, as its shape cannot be
-  selected at run time."""
+  """``new`` where ``keep_new``, else ``old``, leaf by leaf, for two states
+  a step apart. A marker whose shape changed is ``new``'s: its shape cannot
+  be selected at run time, so the phase advances with every step."""
   return jax.tree.map(
       lambda n, o: jnp.where(keep_new, n, o) if n.shape == o.shape else n,
       new,

@@ -22,8 +22,8 @@ class PowerSgdState(NamedTuple):
   Attributes:
     error: residual E per compressed leaf, leaf shape and dtype; differs
       across devices (all ``MaskedNode`` without error feedback).
-    q: warm-start factor Q per compressed leaf, (m, r), leaf dtype: the mean
-      of the last step's all-reduced Q, identical on every device.
+    q: warm-start factor Q per compressed leaf, (m, r), leaf dtype: the
+      mean of the last step's all-reduced Q.
     phase: uint8 zeros whose shape says what the next step does: (1,)
       compress, (3, 3, 3) a dense warm-up step (see ``acp_jax.phase``).
     count: int32 scalar, the number of steps taken.
@@ -58,30 +58,23 @@ def power_sgd(
     Q = allreduce_sum(M^T P) / N
     update = P Q^T;  E = M - update
 
-  The leaves travel in buckets (see ``acp_jax.collectives``): each bucket
-  packs its P factors, with its leaves sent dense (vectors, scalars, small
-  matrices, ``keep_dense``), into one all-reduce, then its Q factors into a
-  second one. A bucket's second round needs its first one's result, so the
-  two can neither be fused nor overlapped with backprop. On a CPU backend
-  all leaves share one bucket (``buckets.for_packed_rounds``).
-
-  With ``warmup_steps``, the first steps are S-SGD's and warm the factors on
-  the mean gradient (``lowrank_update.dense_step``); the training loop switches the
-  state out of the warm-up with ``Compressor.at_step``
-  (``DataParallel.at_step``).
+  Each bucket packs its P factors, with its leaves sent dense, into one
+  all-reduce, then its Q factors into a second one, which needs the first
+  one's result: the two can neither be fused nor overlapped with backprop.
+  On a CPU backend all leaves share one bucket
+  (``buckets.for_packed_rounds``). A warm-up (``warmup_steps``) runs
+  S-SGD's steps first.
 
   Args:
     rank: rank r of the factors, clipped per leaf to min(n, m).
     axis_name: the mapped axis over which devices hold their data shards.
-    options: the settings Power-SGD and ACP-SGD share
-      (``acp_jax.LowRankOptions``: error feedback, warm start, dense warm-up,
-      buckets, the factors' dtype...); None for their defaults.
-    **settings: any of those settings by name, replacing ``options``'.
+    options: the settings Power-SGD and ACP-SGD share, an
+      ``acp_jax.LowRankOptions``; None for their defaults.
+    **settings: any of its fields by name, replacing ``options``'.
 
   Returns:
-    A ``Compressor`` whose update, called inside ``jax.shard_map`` or
-    ``jax.pmap`` over ``axis_name`` with this device's gradients, returns the
-    approximate mean gradient over the axis.
+    A ``Compressor`` whose update, under ``shard_map`` or ``pmap`` over
+    ``axis_name``, returns the approximate mean of the devices' gradients.
 
   Example::
 
@@ -90,7 +83,7 @@ def power_sgd(
   .. warning::
     Put it first in the chain (``acp_jax.chain`` does): it must see each
     device's own gradients. With ``warmup_steps``, call ``at_step`` before
-    every step, or the warm-up never ends.
+    every step.
 
   References:
     Vogels et al., "PowerSGD: Practical Low-Rank Gradient Compression for
@@ -137,10 +130,9 @@ def exchange(
   s = s._replace(buckets=buckets.for_packed_rounds(s.buckets))
   previous = lowrank.start_factors(cfg, s, state.q, state.count)
   # The warm-start Q, a mean of M^T P, carries the gradient's scale, so
-  # M Q carries its square: in float16 that overflows (inf, then NaN) on a
-  # 512 x 512 leaf with entries near 3. Only the span of Q matters, since P
-  # is orthogonalized next; an orthonormal basis of it keeps M Q at the
-  # scale of M, as PyTorch's powerSGD_hook does.
+  # M Q carries its square: in float16 that overflows on a 512 x 512 leaf
+  # with entries near 3. Only Q's span matters, so an orthonormal basis of
+  # it keeps M Q at M's scale, as PyTorch's powerSGD_hook does.
   qs = [orthogonalize.orthogonalize(q) for q in previous]
   ps, dense = lowrank_update.psum_round(
       s,
@@ -151,8 +143,8 @@ def exchange(
       packed=True,
   )
   ps = [orthogonalize.orthogonalize_rows(p) for p in ps]
-  # Q needs the reduced P: a second all-reduce per bucket that can neither
-  # fuse with the bucket's first nor start before it ends.
+  # Q needs the reduced P: a second round that can neither fuse with the
+  # first nor start before it ends.
   qts, _ = lowrank_update.psum_round(
       s,
       [

@@ -23,13 +23,12 @@ def project_transposed(m: jax.Array, b: jax.Array) -> jax.Array:
   factor M^T B, r x m.
 
   It stays transposed on purpose: XLA:CPU's dot runs about 8 times slower
-  when it has to lay out its result as m x r (4.5 ms against 0.57 ms for a
-  4608 x 512 M at rank 4, jax 0.10.2), and the consumers take it as it is
-  (an all-reduce, the product B F^T). On a CPU the small transpose B^T is
-  made apart (an optimization barrier keeps XLA from folding it into the
-  dot): a dot whose left operand contracts its minor dimension goes to
-  XLA:CPU's fast YNNPACK path, one that contracts dimension 0 of both does
-  not (30522 x 768 at rank 32: 26 ms against 41).
+  when it lays out its result as m x r (4.5 ms against 0.57 ms for a
+  4608 x 512 M at rank 4, jax 0.10.2), and the consumers take it as it is.
+  On a CPU the small B^T is made apart (an optimization barrier keeps XLA
+  from folding it into the dot): a dot whose left operand contracts its
+  minor dimension goes to XLA:CPU's fast YNNPACK path, one that contracts
+  dimension 0 of both does not (30522 x 768 at rank 32: 26 ms against 41).
   """
   bt = b.T
   if jax.default_backend() == "cpu":
@@ -38,15 +37,13 @@ def project_transposed(m: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def transposed_rows(b: jax.Array) -> jax.Array:
-  """B^T for an m x r ``b``, written out as an r x m row-major array, for
-  ``residual``'s ``vt``.
+  """B^T for an m x r ``b``, written out as an r x m row-major array.
 
   A plain ``b.T`` is only a layout to XLA:CPU, which reads it inside the
-  residual's fusion with a stride of r between neighbouring elements of a
-  row: 5 times the fusion's time (30522 x 768 at rank 32: 590 ms against
-  108 with a row-major ``vt``, jax 0.10.2). A product is never fused into
-  that loop, so the r x r identity times B^T (r * r * m multiply-adds, under
-  a millisecond) makes XLA write it out; an optimization barrier does not,
+  residual's fusion with a stride of r: 5 times the fusion's time
+  (30522 x 768 at rank 32: 590 ms against 108, jax 0.10.2). A product is
+  never fused into that loop, so the r x r identity times B^T (under a
+  millisecond) makes XLA write it out; an optimization barrier does not,
   as XLA:CPU removes it before choosing layouts.
   """
   if jax.default_backend() != "cpu":
@@ -87,15 +84,13 @@ def project_terms_transposed(mat: Matrix, b: jax.Array) -> jax.Array:
 
 
 # From this rank, a residual whose product U V^T is written anyway (Power-SGD's
-# update) reads it back rather than recomputing its r rank-one terms, which at
-# rank 32 cost more per element than the read. On XLA:CPU, residual and
-# product alone (minimum of 25 runs): 3072 x 768 in 2.1 ms against 4.6 at
-# rank 32 and 1.3 against 1.9 at rank 16; at ranks 8 and 4, 0.88 to 1.2
-# times, 30522 x 768 10 % slower at rank 4. BERT-Base's whole Power-SGD step
-# at rank 32: 644 ms against 763 (medians of 9, interleaved). ACP-SGD's
-# residual takes the local factor, not the all-reduced one its update takes,
-# so it has no such product; writing one for it gained under 6 % there,
-# within the noise.
+# update) reads it back rather than recomputing its r rank-one terms. On
+# XLA:CPU, residual and product alone (minimum of 25 runs): 3072 x 768 in
+# 2.1 ms against 4.6 at rank 32 and 1.3 against 1.9 at rank 16; at ranks 8
+# and 4, 0.88 to 1.2 times, 30522 x 768 10 % slower at rank 4. BERT-Base's
+# Power-SGD step at rank 32: 644 ms against 763 (medians of 9, interleaved).
+# ACP-SGD's residual takes the local factor, so it has no such product;
+# writing one for it gained under 6 %, within the noise.
 _REUSE_PRODUCT_MIN_RANK = 16
 
 
@@ -109,13 +104,12 @@ def residual(
   ``vt``: one pass that reads G and E and writes E'.
 
   The product is spelled as its r rank-one terms so that XLA fuses it with
-  the sum, instead of writing U V^T to an n x m temporary for a second pass
-  to subtract. Where the step writes U V^T anyway, pass it as ``product``
-  (n x m): from rank ``_REUSE_PRODUCT_MIN_RANK`` the pass reads it instead.
-  E' is formed with a leading axis of one, the block shape in which
-  ``DataParallel`` holds a device's residual, which lets XLA write it in
-  place of E; formed in the leaf's shape and reshaped, it costs a copy of
-  the whole matrix.
+  the sum instead of writing U V^T to an n x m temporary. Where the step
+  writes U V^T anyway, pass it as ``product`` (n x m): from rank
+  ``_REUSE_PRODUCT_MIN_RANK`` the pass reads it instead. E' is formed with
+  a leading axis of one, the block shape in which ``DataParallel`` holds a
+  device's residual, which lets XLA write it in place of E; formed in the
+  leaf's shape and reshaped, it costs a copy of the whole matrix.
   """
   if product is not None and u.shape[1] >= _REUSE_PRODUCT_MIN_RANK:
     approx = product

@@ -1,10 +1,8 @@
-"""The compressors by name: each factory and what the rest of the project
-knows of it.
+"""The compressors by name: each factory and what the project knows of it.
 
-The package, ``ShardedDataParallel``, the trainer's configs and the
-benchmarks read this table, and a pickled compressor is made again from it
-(``Compressor.made_by``). A compressor added here with ``register`` is one
-that all of them take.
+The package, ``ShardedDataParallel``, the trainer's configs, the benchmarks
+and unpickling (``Compressor.made_by``) read this table: a compressor added
+with ``register`` is one that all of them take.
 """
 
 from collections.abc import Callable
@@ -38,23 +36,19 @@ class Entry:
       default) of that type, so that an override parses. Readers copy it.
     low_rank: whether it has a ``rank`` and a dense warm-up
       (``warmup_steps``), as Power-SGD and ACP-SGD do.
-    rounds: the dependent all-reduce rounds of one step, each waiting for
-      the one before (``acp_jax_tools.hlo.collective_rounds`` of its
-      compiled update): 2 for Power-SGD, whose second projection needs the
-      first's all-reduced factor; the cost model fuses its all-reduces into
-      that many.
-    pipelined: whether its one all-reduce a step can overlap backprop: each
-      leaf's depends on that leaf's gradient alone (and, for ACP-SGD, on a
-      factor all-reduced the step before), as S-SGD's and ACP-SGD's do; a
-      selection over a whole tensor or a second round cannot. The cost
-      model hides such a step's communication behind backward.
+    rounds: the dependent all-reduce rounds of one step
+      (``acp_jax_tools.hlo.collective_rounds`` of its compiled update): 2
+      for Power-SGD, whose second projection needs the first's all-reduced
+      factor. The cost model fuses its all-reduces into that many.
+    pipelined: whether its one all-reduce a step can overlap backprop, each
+      leaf's needing only that leaf's gradient (and, for ACP-SGD, a factor
+      of the step before); the cost model then hides it behind backward.
     row_sharded: whether ``ShardedDataParallel`` can run it on blocks of
       rows: it sums over a leaf only through ``collectives.leaf_mean`` and
       selects through ``collectives.row_gather``.
-    state: the type of its state (a NamedTuple), or None for a state that
-      holds nothing it alone can continue; a checkpoint of a state of this
-      type records the compressor and its arguments, and a restore refuses
-      another one.
+    state: the type of its state (a NamedTuple), or None for one that holds
+      nothing only it can continue; a checkpoint of such a state records the
+      compressor and its arguments, and a restore refuses another.
   """
 
   name: str
@@ -99,8 +93,7 @@ def names() -> tuple[str, ...]:
 
 
 def low_rank() -> tuple[str, ...]:
-  """The low-rank compressors' names (``Entry.low_rank``), in the order
-  they were registered."""
+  """The low-rank compressors' names, in the order they were registered."""
   return tuple(name for name, e in _ENTRIES.items() if e.low_rank)
 
 

@@ -1,62 +1,40 @@
 """Sharded data parallelism: ZeRO-3 within a node, compression across nodes.
 
-``ShardedDataParallel`` is hierarchical ``DataParallel`` (a mesh of nodes x
-devices per node, the compressor over the node axis) whose devices hold
-only their share of the model. Within a node, as in FSDP or ZeRO-3, every
-device keeps about 1/L of each param, of the optimizer's state and of the
-compressor's residuals (L the devices per node); across nodes, any
-compressor sends what it would send in the hierarchical mode.
+``ShardedDataParallel`` is hierarchical ``DataParallel`` (nodes x devices
+per node, the compressor over the node axis) whose devices hold only their
+share of the model: within a node, as in FSDP or ZeRO-3, every device keeps
+about 1/L of each param, of the optimizer's state and of the compressor's
+residuals (L the devices per node); across nodes, any compressor sends what
+it would send in the hierarchical mode.
 
-Layouts. A param of shape (d0, ...) lives sharded over the local axis on its
-first axis that L divides (``param_shardings``; replicated if none does), and
-so does every array of the optimizer's state of the same shape. The
-compressor works on blocks of rows: each leaf is zero-padded along its
-leading axis to a multiple of L, and device i of a node holds block i of
-rows of its residual (and of ACP-SGD's P factor, n x r); the m x r factors
-are replicated. For a leaf whose leading axis L divides, both layouts agree
-and the mean gradient comes out where the param lives; for another one, the
-step moves it between the two (collectives that ``comm_bytes`` does not
-count).
+Layouts. A param lives sharded over the local axis on its first axis that L
+divides (``param_shardings``; replicated if none does), and so does every
+array of the optimizer's state of its shape. The compressor works on blocks
+of rows: each leaf is zero-padded along its leading axis to a multiple of L,
+and device i holds block i of rows of its residual (and of ACP-SGD's P
+factor); the m x r factors are replicated. Where L divides the leading axis
+both layouts agree; otherwise the step moves the mean between them
+(collectives that ``comm_bytes`` does not count).
 
-A step. ``value_and_grad`` is the hierarchical mode's: XLA gathers the
-sharded params whole over the local axis for the forward and backward, as
-``jit`` does for any sharded input (counted, as all-gathers over the local
-axis), and each device returns its own gradient. The exchange then
-(``compress``):
+A step. ``value_and_grad`` is the hierarchical mode's (XLA gathers the
+sharded params whole over the local axis, counted as all-gathers there).
+The exchange then (``compress``):
 
-1. sums each gradient densely over the node's devices (an all-reduce over
-   the fast local axis) and keeps its own block of rows;
+1. sums each gradient densely over the node's devices and keeps its own
+   block of rows;
 2. runs the compressor across nodes on the blocks, within
-   ``collectives.row_shards``: a block of rows of an n x m matrix M is all a
-   device needs for P = M Q (its rows of P), and for the residual's rows;
-   the sums over rows, Q = M^T P (r x m) and the Gram matrices P^T P (r x r)
-   of the orthogonalization, are all-reduced over the local axis
-   (``collectives.row_sum``), so every device of a node takes the same
-   Q. The orthogonalization of row-sharded P is Cholesky-QR2 on the summed
-   Gram matrices (``orthogonalize.orthogonalize_rows``), with a fallback that
-   sends nothing. Up to rounding, the result is what one device computes
-   for the whole matrix: the basis may differ from Householder's in the
-   signs of its columns, which no update depends on. Sign-SGD's scale, a
-   leaf's mean magnitude, is the blocks' sums summed over the local axis,
-   over the leaf's unpadded size (``collectives.leaf_mean``), and rows that
-   only pad send nothing. Top-k's selection is the node's: each device's k
-   largest are gathered over the local axis (``collectives.row_gather``)
-   and the k largest of those kept, so every device of the node holds the
-   same k values and indices into the whole leaf;
-3. sends across nodes each device's blocks (its rows of P, its share of the
-   leaves sent dense, its packed signs) whole, and the r x m sums and
-   Top-k's selection, identical within the node, in L chunks gathered back
-   over the local axis, as the hierarchical mode splits every buffer. ACP-SGD keeps its one round across nodes a step;
-   each device sends about 1/L of the node's compressed bytes, as in the
-   hierarchical mode;
-4. returns each device's block of the mean gradient, so that the
-   optimizer's update runs on the shards.
-
-``comm_bytes`` reports the bytes of a step by axis from the same recording
-of the traced exchange as the hierarchical mode (``collectives.recording``),
-with the all-gathers of the params on the local axis.
-``memory_per_device`` reports what a device holds, from the arrays'
-shardings.
+   ``collectives.row_shards``: a block of rows of M is all a device needs
+   for its rows of P = M Q and of the residual; the sums over rows
+   (Q = M^T P, the Gram matrices of ``orthogonalize.orthogonalize_rows``)
+   are all-reduced over the local axis. Up to rounding and the signs of
+   its columns, which no update depends on, the result is one device's on
+   the whole matrix. Sign-SGD's scale is ``collectives.leaf_mean``'s;
+   Top-k's selection is the node's (``collectives.row_gather``);
+3. sends across nodes each device's blocks whole, and the sums and Top-k's
+   selection, identical within the node, in L chunks: each device sends
+   about 1/L of the node's compressed bytes, ACP-SGD still in one round;
+4. returns each device's block of the mean, so that the optimizer's update
+   runs on the shards.
 """
 
 from typing import Any, NamedTuple
@@ -76,10 +54,9 @@ from acp_jax import phase as phase_lib
 from acp_jax import registry
 
 
-
 class ShardedDataParallel(data_parallel.DataParallel):
   """``DataParallel`` with params, optimizer state and residuals sharded
-  within each node (see the module's docstring).
+  within each node.
 
   Args:
     compressor: made by a registered factory that is ``row_sharded``
@@ -88,8 +65,8 @@ class ShardedDataParallel(data_parallel.DataParallel):
     mesh: nodes x devices per node.
     local_axis: the axis of a node's devices, over which the model is
       sharded and gradients are summed densely.
-    nonfinite: as for ``DataParallel``; the verdict is agreed on within the
-      node by a 4-byte all-reduce over ``local_axis``.
+    nonfinite: as for ``DataParallel``; the node agrees on the verdict by a
+      4-byte all-reduce over ``local_axis``.
 
   Example (2 hosts of 4 devices; the loop is ``DataParallel``'s, with the
   params placed by ``param_shardings``)::
@@ -214,13 +191,13 @@ class ShardedDataParallel(data_parallel.DataParallel):
     )
     return jax.jit(make, out_shardings=shardings)
 
-  # -- the exchange -------------------------------------------------------------
+  # -- the exchange ------------------------------------------------------------
 
   def _compress(
       self, local_grads: Any, comm_state: Any
   ) -> tuple[Any, Any, Any]:
-    """``compress``, each device's block of rows of the mean, put where the
-    params live; and whether the mean is finite."""
+    """``compress``: each device's block of rows of the mean, placed as the
+    params; and whether the mean is finite."""
     params = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), local_grads
     )
@@ -284,9 +261,9 @@ class ShardedDataParallel(data_parallel.DataParallel):
       ``{axis name: {phase: CommVolume}}``: on the compressor's axis what a
       device sends of its blocks across nodes; on ``local_axis``, the dense
       sum of every gradient, the sums over rows and the chunks gathered
-      back, traced (``collectives.recording``), plus the all-gather of the
-      sharded params for the forward. As ``DataParallel.comm_bytes``, the
-      loss's mean is not counted, nor are collectives over other axes.
+      back (``collectives.recording``), plus the all-gather of the sharded
+      params. As for ``DataParallel.comm_bytes``, the loss's mean and other
+      axes' collectives are not counted.
     """
     self._warn_if_sharded_elsewhere(params)
     gathered = sum(
@@ -294,8 +271,7 @@ class ShardedDataParallel(data_parallel.DataParallel):
         for x in jax.tree.leaves(params)
         if self.param_spec(tuple(x.shape)) != P()
     )
-    # The gradient's dense sum within the node is traced; the forward's
-    # all-gather of the params is not.
+    # The gradient's dense sum is traced; the params' all-gather is not.
     return _accounting.hierarchical(
         self, params, compressor_lib.CommVolume(all_gather=gathered)
     )

@@ -23,8 +23,7 @@ class SignSgdState(NamedTuple):
 
   Attributes:
     error: residual e per leaf, leaf shape and dtype, differing across
-      devices; ``MaskedNode`` at every leaf under majority vote, which keeps
-      none.
+      devices; ``MaskedNode`` at every leaf under majority vote.
   """
 
   error: optax.Updates
@@ -41,11 +40,10 @@ def _pack_signs_and_sum_magnitudes(
   """``_pack_signs(x)`` and the sum of ``|x|`` in float32, in one pass.
 
   One variadic reduce over groups of eight elements gives each group's byte
-  and its magnitudes' sum; the sums, an eighth of ``x``, are added after.
-  Apart, XLA:CPU (jax 0.10.2) hands the magnitudes' reduce of ``x = g + e``
-  to a YNNPACK fusion that reads ``x`` from a temporary, written by a pass
-  of its own over g and e: four passes more over the leaf, 12 against 8 in
-  an error-feedback step (``tests/test_sign_arithmetic.py``).
+  and its magnitudes' sum. Apart, XLA:CPU (jax 0.10.2) hands the
+  magnitudes' reduce of ``x = g + e`` to a YNNPACK fusion that reads ``x``
+  from a temporary written by a pass of its own: 12 passes over the leaf
+  against 8 in an error-feedback step (``tests/test_sign_arithmetic.py``).
   """
   flat = x.ravel()
   pad = -flat.size % 8
@@ -74,13 +72,12 @@ def _sum_of_signs(
 ) -> jax.Array:
   """Sum over devices j of ``scales[j]`` times device j's signs, float32.
 
-  ``all_bits`` is (N, bytes), gathered; without ``scales`` the signs are
-  summed as they are. The sum is a chain of N - 1 adds in device order, not
-  a reduce over the gathered axis: XLA:CPU (jax 0.10.2) hands such a reduce
-  to a YNNPACK fusion that runs it about 10 times slower than its own loops,
-  and about 1000 times slower when the fusion also multiplies by a
-  per-device scale (5.3 s against 5 ms for N = 2 and a 2048 x 2048 leaf).
-  The adds fuse with the unpacking into one loop that reads each byte once.
+  ``all_bits`` is (N, bytes), gathered. The sum is a chain of N - 1 adds,
+  not a reduce over the gathered axis: XLA:CPU (jax 0.10.2) hands such a
+  reduce to a YNNPACK fusion that runs it about 10 times slower than its own
+  loops, and about 1000 times slower with a per-device scale (5.3 s against
+  5 ms for N = 2 and a 2048 x 2048 leaf). The adds fuse with the unpacking
+  into one loop that reads each byte once.
   """
   terms = [_unpack_signs(bits, like) for bits in all_bits]
   if scales is not None:
@@ -104,21 +101,19 @@ def sign_sgd(
     update = mean over devices of (c s);  e = p - c s
 
   Majority vote: ``update = sign(sum over devices of sign(g))``, no residual
-  (0 where the vote ties); scale the step with the learning rate.
-  Signs travel packed eight per byte by one all-gather, since an all-reduce
-  cannot sum them without widening; the per-leaf scales c (float32) by a
-  second one, in buckets of leaves (see ``acp_jax.collectives``). A zero
-  element is sent as +1; an empty leaf sends nothing.
+  (0 where the vote ties); scale the step with the learning rate. Signs
+  travel packed eight per byte by one all-gather, since an all-reduce
+  cannot sum them without widening; the scales c (float32) by a second one,
+  in buckets of leaves. A zero element is sent as +1.
 
   Args:
     axis_name: the mapped axis over which devices hold their data shards.
     majority_vote: vote instead of averaging scaled signs.
     bucket_bytes: uncompressed gradient bytes per bucket, each bucket
-      all-gathered on its own (its signs and its scales); None for 25 MiB
-      (PyTorch DDP's default), ``math.inf`` for one bucket.
-    leaf_order: the leaves' indices in the order backprop produces their
-      gradients, from ``acp_jax.backward_order(loss, params, batch)``; the
-      buckets are cut in that order. None for the reverse of the leaf order.
+      all-gathered on its own; None for 25 MiB (PyTorch DDP's default),
+      ``math.inf`` for one bucket.
+    leaf_order: the leaves in backward order, from
+      ``acp_jax.backward_order``; None for the reverse of the leaf order.
 
   Returns:
     A ``Compressor``; its update runs inside ``jax.shard_map`` or ``jax.pmap``
@@ -198,9 +193,8 @@ def _vote(
 def _compress(
     args: _checks.Bucketed, ps: list[jax.Array]
 ) -> tuple[list[jax.Array], list[jax.Array]]:
-  """Error feedback's exchange of the p = g + e of each leaf: each device's
-  signs scaled by its mean magnitude (what it sent, in its own rows) and the
-  mean over devices of what they sent."""
+  """Error feedback's exchange of each leaf's p = g + e: each device's
+  signs scaled by its mean magnitude, and the mean of what all sent."""
   packed = [_pack_signs_and_sum_magnitudes(p) for p in ps]
   # Within ``collectives.row_shards`` a p is a block of rows of its leaf:
   # the scale is the whole leaf's, and rows that only pad send nothing.

@@ -20,21 +20,18 @@ def ssgd(
   """S-SGD: the mean gradient over the axis by a dense all-reduce.
 
   ``update = allreduce_sum(G / N)``, sent in ``comm_dtype`` if given (each
-  device divides by N first, so fp16 sums do not overflow) and returned in the
-  gradient's dtype. The gradients travel in buckets of about
-  ``bucket_bytes``, in backward order, as in PyTorch DDP, each leaf by its
-  own all-reduce (see ``acp_jax.collectives``).
+  device divides by N first, so fp16 sums do not overflow), in buckets in
+  backward order as in PyTorch DDP, and returned in the gradient's dtype.
 
   Args:
     axis_name: the mapped axis over which devices hold their data shards.
     comm_dtype: floating dtype to communicate in (e.g. ``jnp.bfloat16``), or
       ``None`` for the gradients' own dtype.
     bucket_bytes: gradient bytes (in the gradients' dtype) per bucket; None
-      for 25 MiB (PyTorch DDP's default), ``math.inf`` for one all-reduce per
-      dtype.
-    leaf_order: the leaves' indices in the order backprop produces their
-      gradients, from ``acp_jax.backward_order(loss, params, batch)``; the
-      buckets are cut in that order. None for the reverse of the leaf order.
+      for 25 MiB (PyTorch DDP's default), ``math.inf`` for one all-reduce
+      per dtype.
+    leaf_order: the leaves in backward order, from
+      ``acp_jax.backward_order``; None for the reverse of the leaf order.
 
   Returns:
     A stateless ``Compressor``; its update runs inside ``jax.shard_map`` or

@@ -32,9 +32,8 @@ def _k(numel: int, density: float) -> int:
 
 
 def _block_start(flat: jax.Array) -> jax.Array | int:
-  """The index in its whole leaf of ``flat``'s first element: 0, or within
-  ``collectives.row_shards`` that of this device's block of rows (the
-  padding rows come last, so a real element's index is the unpadded one)."""
+  """The index in its whole leaf of ``flat``'s first element (within
+  ``row_shards``, the padding rows come last, so it is the unpadded one)."""
   rows = collectives.row_axis()
   if rows is None:
     return 0
@@ -44,9 +43,8 @@ def _block_start(flat: jax.Array) -> jax.Array | int:
 def _largest(flat: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """The k entries of largest magnitude of the whole leaf and their int32
   indices in it, largest first, from ``flat``, its elements (within
-  ``collectives.row_shards``, this device's block of rows: each block's
-  own k largest are gathered over the node and the k largest of those
-  kept, so every device of the node takes the node's selection)."""
+  ``collectives.row_shards``, this device's block of rows: the k largest
+  of each block, gathered over the node, are cut to the node's k)."""
   kept = min(k, flat.size)
   index = lax.top_k(jnp.abs(flat), kept)[1]
   value = flat[index]
@@ -62,8 +60,7 @@ def _scatter(
     flat: jax.Array, index: jax.Array, value: jax.Array, how: str
 ) -> jax.Array:
   """``flat.at[index].set(value)`` or ``.add``, ``index`` into the whole
-  leaf: within ``collectives.row_shards``, where ``flat`` is one block of
-  rows, the entries of other blocks are dropped."""
+  leaf (within ``row_shards``, other blocks' entries are dropped)."""
   if collectives.row_axis() is not None:
     index = index - _block_start(flat)
     inside = (index >= 0) & (index < flat.size)
@@ -85,10 +82,9 @@ def topk_sgd(
     p = g + e;  I = indices of the k largest |p|
     update = scatter_add over devices of (I, p[I]) / N;  e = p with p[I] = 0
 
-  Values (leaf dtype) and int32 indices travel by all-gather, in buckets of
-  leaves (see ``acp_jax.collectives``), so a device receives N k (itemsize +
-  4) bytes per leaf: less than a dense all-reduce only when the density is
-  below about 1 / N.
+  Values (leaf dtype) and int32 indices travel by all-gather, in buckets, so
+  a device receives N k (itemsize + 4) bytes per leaf: less than a dense
+  all-reduce only when the density is below about 1 / N.
 
   Args:
     density: fraction of each leaf's elements to send, in (0, 1].
