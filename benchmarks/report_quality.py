@@ -140,7 +140,7 @@ def rows(run: list[dict[str, Any]]) -> list[dict[str, Any]]:
         "mb": None if r.get("composed_only") else r["bytes_sent"] / 1e6,
         "seconds": _span(round_seconds(r), ".0f"),
         "sooner": _span(ratios, ".2f") if ratios else "",
-        "of_medians": f"{of_medians(r, base):.2f}" if ratios else "",
+        "of_medians": _span([of_medians(r, base)], ".2f") if ratios else "",
         # Records made before the rule priced a dense warm-up's steps
         # apart timed every step alike: their composition is left out.
         **(

@@ -286,6 +286,7 @@ def test_the_report_pairs_rounds_and_names_only_a_method_first_in_every_one():
   run[4] = _quality_row("power_sgd_warm", "1gbit", [math.inf] * 3)
   assert "| not reached |" in report_quality.summary_table(run)
   assert "0.00×" not in report_quality.summary_table(run)
+  assert report_quality.rows(run)[4]["of_medians"] == "not reached"
 
 
 def test_the_readme_table_takes_one_run():
