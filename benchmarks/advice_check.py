@@ -153,7 +153,8 @@ def quality_points(rows, curves, links, advice) -> list[dict[str, Any]]:
   out = []
   for run in records.by_run(report_quality.with_startup(rows, curves)):
     points = {}
-    for r in run:
+    # The advice picks among acp_jax's methods, not PyTorch DDP's.
+    for r in (r for r in run if r["variant"] in convergence.VARIANTS):
       warmups = [convergence.VARIANTS[r["variant"]].warmup]
       if r["variant"] == "ssgd":
         warmups = {convergence.VARIANTS[x["variant"]].warmup for x in run}

@@ -27,7 +27,6 @@ compressor across nodes), the same with the model sharded within the node
 """
 
 import importlib.util
-import os
 import signal
 import statistics
 import sys
@@ -240,20 +239,11 @@ def _jax_record(results, model, idle, busy) -> dict[str, Any]:
 
 
 def _torch_run(network, model, name, steps, warmup, timeout):
-  workers = len(network.names)
   return launch.on_network(
       network,
       lambda i: [sys.executable]
       + _torch_args(model, name, warmup + steps, warmup)
-      + [
-          f"--master_addr={network.address(0)}",
-          "--master_port=29500",
-          f"--world_size={workers}",
-          f"--process_id={i}",
-          # As torchrun: one thread per process when the cores are shared
-          # (torch's spinning threads oversubscribe).
-          f"--threads={max(1, os.cpu_count() // workers)}",
-      ],
+      + launch.torch_distributed(network, i),
       timeout,
   )
 

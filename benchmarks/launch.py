@@ -26,6 +26,7 @@ BANDWIDTHS = {
     "unshaped": None,
 }
 COORDINATOR_PORT = 8476
+TORCH_PORT = 29500
 
 
 def launch(commands: list[list[str]], timeout: float) -> list[dict[str, Any]]:
@@ -88,6 +89,21 @@ def distributed(network: links.Network, worker: int) -> list[str]:
       f"--coordinator_address={network.address(0)}:{COORDINATOR_PORT}",
       f"--num_processes={len(network.names)}",
       f"--process_id={worker}",
+  ]
+
+
+def torch_distributed(network: links.Network, worker: int) -> list[str]:
+  """The flags of a PyTorch peer (``torch_peer``, ``torch_quality``): its
+  gloo group's address and its place in it, and one thread per process
+  where the cores are shared, as torchrun sets (torch's spinning threads
+  oversubscribe)."""
+  workers = len(network.names)
+  return [
+      f"--master_addr={network.address(0)}",
+      f"--master_port={TORCH_PORT}",
+      f"--world_size={workers}",
+      f"--process_id={worker}",
+      f"--threads={max(1, os.cpu_count() // workers)}",
   ]
 
 

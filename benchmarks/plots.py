@@ -110,7 +110,8 @@ def convergence(curves, path) -> None:
 def quality(points, target: float, path) -> None:
   """Held-out loss against training seconds, a panel per (task, workers,
   link), a line per variant and round (its colour its ``compressor``'s,
-  thick where ``thick``), and the target as a horizontal line."""
+  thick where ``thick``, dashed where ``dashed``), and the target as a
+  horizontal line."""
   panels = list(
       dict.fromkeys((p["task"], p["workers"], p["bandwidth"]) for p in points)
   )
@@ -128,6 +129,7 @@ def quality(points, target: float, path) -> None:
           [p["eval_loss"] for p in line],
           color=COLORS[line[0]["compressor"]],
           linewidth=2.5 if line[0]["thick"] else 1.2,
+          linestyle="--" if line[0].get("dashed") else "-",
           marker=".",
           label=variant if round_ == 1 else None,
       )

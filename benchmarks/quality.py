@@ -26,6 +26,7 @@ and this run's step time, and whether it lies within
 only the composed one, whose rule the direct runs of other links check.
 """
 
+import importlib.util
 import math
 import signal
 import statistics
@@ -42,6 +43,20 @@ from benchmarks import records
 from benchmarks import time_to_quality
 
 HELP = "time to a held-out loss on shaped links, one trainer per worker"
+
+# PyTorch DDP's methods (``benchmarks.torch_quality``), for the char LM:
+# its all-reduce of buckets while backprop runs (the paper's optimized
+# S-SGD), and its PowerSGD hook at the config's rank.
+TORCH_VARIANTS = {
+    "torch_ssgd": convergence.Variant("ssgd", None, 0, False),
+    "torch_power_sgd": convergence.Variant("power_sgd", 1, 0, False),
+}
+TORCH_TASKS = ("char_lm", "char_lm_sgd")
+
+
+def variant(name: str) -> convergence.Variant:
+  """A variant of ``--variants``: a convergence variant, or PyTorch's."""
+  return TORCH_VARIANTS.get(name) or convergence.VARIANTS[name]
 
 COLUMNS = {
     "workers": "workers",
@@ -105,22 +120,40 @@ def target_loss(target: str, curves: dict[str, Any]) -> float:
 
 
 def _run(
-    network, args, variant, seed, target, workdir
+    network, args, variant_, seed, target, workdir
 ) -> list[dict[str, Any]]:
-  steps = args.compose_steps if variant in args.compose else args.steps
+  steps = args.compose_steps if variant_ in args.compose else args.steps
+  flags = [
+      f"--task={args.task}",
+      f"--seed={seed}",
+      f"--data_path={getattr(args, convergence.data_flag(args.task))}",
+      f"--steps={steps}",
+      f"--eval_every={min(args.eval_every, steps)}",
+      f"--target={target}",
+      *(["--quick"] if args.quick else []),
+  ]
+  if variant_ in TORCH_VARIANTS:
+    v = TORCH_VARIANTS[variant_]
+    return launch.on_network(
+        network,
+        lambda i: [
+            sys.executable,
+            "-m",
+            "benchmarks.torch_quality",
+            f"--method={v.compressor}",
+            f"--rank={convergence.rank(args.task, 'power_sgd')}",
+            *flags,
+            *launch.torch_distributed(network, i),
+        ],
+        args.timeout,
+    )
   return launch.on_network(
       network,
       lambda i: launch.jax_cmd(
           "quality",
-          f"--task={args.task}",
-          f"--variant={variant}",
-          f"--seed={seed}",
-          f"--data_path={getattr(args, convergence.data_flag(args.task))}",
+          f"--variant={variant_}",
           f"--workdir={workdir}",
-          f"--steps={steps}",
-          f"--eval_every={min(args.eval_every, steps)}",
-          f"--target={target}",
-          *(["--quick"] if args.quick else []),
+          *flags,
           *launch.distributed(network, i),
       ),
       args.timeout,
@@ -272,7 +305,9 @@ def measure(args) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]
                 results,
                 targets[p],
                 curves[p].get(variant),
-                convergence.warmup_steps(variant, args.quick),
+                0
+                if variant in TORCH_VARIANTS
+                else convergence.warmup_steps(variant, args.quick),
                 seeds,
             ),
         })
@@ -290,9 +325,13 @@ def add_arguments(parser) -> None:
   )
   parser.add_argument(
       "--variants",
-      type=cli.names(tuple(convergence.VARIANTS), "variant"),
+      type=cli.names(
+          tuple(convergence.VARIANTS) + tuple(TORCH_VARIANTS), "variant"
+      ),
       default="ssgd,power_sgd_warm,acp_sgd_2r_warm",
-      help="comma-separated convergence variants (default: %(default)s)",
+      help="comma-separated convergence variants, and PyTorch DDP's"
+      f" ({', '.join(TORCH_VARIANTS)}; the char LM only, with the torch"
+      " extra installed) (default: %(default)s)",
   )
   parser.add_argument("--workers", type=cli.ints_at_least(2), default="2")
   parser.add_argument(
@@ -346,6 +385,17 @@ def main(args) -> None:
   stray = sorted(set(args.compose) - set(args.variants))
   if stray:
     raise SystemExit(f"error: --compose names {stray}, not in --variants")
+  torch = [v for v in args.variants if v in TORCH_VARIANTS]
+  if torch and args.task not in TORCH_TASKS:
+    raise SystemExit(
+        f"error: --variants={','.join(torch)} trains the char LM only"
+        f" (--task=char_lm or char_lm_sgd), not --task={args.task}"
+    )
+  if torch and importlib.util.find_spec("torch") is None:
+    raise SystemExit(
+        f"error: --variants={','.join(torch)} needs PyTorch: pip install"
+        ' -e ".[torch]"'
+    )
   if len(args.seeds) > args.repeats:
     raise SystemExit(
         f"error: --seeds names {len(args.seeds)} seeds, more than"

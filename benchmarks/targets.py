@@ -13,6 +13,7 @@ import statistics
 from typing import Any, NamedTuple
 
 from benchmarks import advice_check
+from benchmarks import convergence
 from benchmarks import convergence_summary
 from benchmarks import plots
 from benchmarks import project
@@ -495,10 +496,11 @@ def _quality(records: Records) -> list[Row]:
       ssgd = next((r for r in here if r["variant"] == "ssgd"), None)
       if goal is None or ssgd is None:
         continue
+      # acp_jax's compressed methods (not PyTorch DDP's).
       ratios = {
           r["variant"]: report_quality.sooner(r, ssgd)
           for r in here
-          if r is not ssgd
+          if r is not ssgd and r["variant"] in convergence.VARIANTS
       }
       if not ratios:
         continue

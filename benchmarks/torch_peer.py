@@ -10,7 +10,7 @@ the final parameters (equal on every worker if they stayed in sync).
 
 The model has the parameter shapes of `train.models.Bert` (torch's Linear
 weights are flax's kernels transposed), so PowerSGD sees the same matrices.
-PowerSGD runs one DDP bucket at a time (see `_powersgd_one_bucket_at_a_time`):
+PowerSGD runs one DDP bucket at a time (see `powersgd_one_bucket_at_a_time`):
 with gloo and several buckets the stock hook mismatches collectives.
 
   python -m benchmarks.torch_peer --compressor=power_sgd --steps=8 \
@@ -160,7 +160,7 @@ def parse_args(argv=None):
   return a
 
 
-def _powersgd_one_bucket_at_a_time(state, bucket):
+def powersgd_one_bucket_at_a_time(state, bucket):
   """`powerSGD_hook`, finished before DDP moves on to the next bucket.
 
   The hook issues the P and Q all-reduces of a bucket from gloo's completion
@@ -174,8 +174,9 @@ def _powersgd_one_bucket_at_a_time(state, bucket):
   return fut
 
 
-def main(argv=None):
-  args = parse_args(argv)
+def join_group(args) -> None:
+  """Joins the workers' gloo group (``--master_addr``, ``--master_port``,
+  ``--world_size``, ``--process_id``), with ``--threads`` threads."""
   if args.threads is not None:
     torch.set_num_threads(args.threads)
   dist.init_process_group(
@@ -185,6 +186,11 @@ def main(argv=None):
       rank=args.process_id,
       timeout=datetime.timedelta(seconds=120),
   )
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  join_group(args)
   torch.manual_seed(args.seed)  # Identical initial params on every worker.
   model = Bert(
       layers=args.layers,
@@ -195,26 +201,31 @@ def main(argv=None):
       max_len=args.max_len,
   )
   torch.manual_seed(args.seed + 1 + args.process_id)  # Per-worker dropout.
-  step_seconds = _train(args, _ddp(args, model))
+  step_seconds = _train(
+      args, ddp(model, args.compressor, args.rank, args.seed)
+  )
   print("RESULT " + json.dumps(_result(args, model, step_seconds)), flush=True)
   dist.destroy_process_group()
 
 
-def _ddp(args, model) -> nn.parallel.DistributedDataParallel:
-  """``model`` under DDP, with PowerSGD's hook for ``--compressor=power_sgd``."""
-  ddp = nn.parallel.DistributedDataParallel(model)
-  if args.compressor == "power_sgd":
+def ddp(
+    model: nn.Module, compressor: str, rank: int, seed: int
+) -> nn.parallel.DistributedDataParallel:
+  """``model`` under DDP, with PowerSGD's hook at ``rank`` for
+  ``compressor="power_sgd"``."""
+  wrapped = nn.parallel.DistributedDataParallel(model)
+  if compressor == "power_sgd":
     state = powerSGD_hook.PowerSGDState(
         process_group=None,
-        matrix_approximation_rank=args.rank,
+        matrix_approximation_rank=rank,
         start_powerSGD_iter=START_POWERSGD_ITER,
         min_compression_rate=2,
         use_error_feedback=True,
         warm_start=True,
-        random_seed=args.seed,
+        random_seed=seed,
     )
-    ddp.register_comm_hook(state, _powersgd_one_bucket_at_a_time)
-  return ddp
+    wrapped.register_comm_hook(state, powersgd_one_bucket_at_a_time)
+  return wrapped
 
 
 def _train(args, ddp) -> list[float]:

@@ -168,18 +168,33 @@ def test_a_named_target_comes_from_the_curves_at_as_many_devices(tmp_path):
         tmp_path, "char_lm", 4))
 
 
-def test_more_seeds_than_rounds_is_refused_before_any_link(tmp_path):
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (
+            ("--repeats=2", "--seeds=0,1,2"),
+            "--seeds names 3 seeds, more than --repeats=2",
+        ),
+        (
+            ("--task=mnist", "--variants=ssgd,torch_power_sgd"),
+            "--variants=torch_power_sgd trains the char LM only",
+        ),
+    ],
+)
+def test_a_run_that_cannot_be_made_is_refused_before_any_link(
+    tmp_path, flags, error
+):
   done = helpers.run_module(
       "benchmarks",
       f"--results_dir={tmp_path}",
       "quality",
       f"--char_lm_path={tmp_path}",
-      "--repeats=2",
-      "--seeds=0,1,2",
+      f"--mnist_path={tmp_path}",
+      *flags,
       timeout=300,
   )
   assert done.returncode != 0
-  assert "--seeds names 3 seeds, more than --repeats=2" in done.stderr
+  assert error in done.stderr
 
 
 @pytest.mark.skipif(
@@ -189,7 +204,8 @@ def test_more_seeds_than_rounds_is_refused_before_any_link(tmp_path):
 @pytest.mark.slow
 def test_two_workers_train_to_a_target_across_a_shaped_link(tmp_path):
   """The trainer in each namespace stops at the target, each round at its
-  own seed's step, and the link comes down."""
+  own seed's step, and the link comes down; so do PyTorch DDP's workers,
+  plain and with the PowerSGD hook, which sends less."""
   text = tmp_path / "text.txt"
   line = "the quick brown fox jumps over the lazy dog and sits on a mat\n"
   text.write_text(line * 3000)
@@ -200,7 +216,7 @@ def test_two_workers_train_to_a_target_across_a_shaped_link(tmp_path):
       "--quick",
       "--task=char_lm",
       f"--char_lm_path={text}",
-      "--variants=ssgd,acp_sgd_warm",
+      "--variants=ssgd,acp_sgd_warm,torch_ssgd,torch_power_sgd",
       "--workers=2",
       "--bandwidths=100mbit",
       "--target=3.5",
@@ -213,11 +229,18 @@ def test_two_workers_train_to_a_target_across_a_shaped_link(tmp_path):
   )
   assert done.returncode == 0, done.stderr[-3000:]
   runs = json.loads((tmp_path / "quality.json").read_text())
-  assert [r["variant"] for r in runs] == ["ssgd", "acp_sgd_warm"]
+  assert [r["variant"] for r in runs] == [
+      "ssgd", "acp_sgd_warm", "torch_ssgd", "torch_power_sgd"
+  ]
+  # The hook sends every gradient in its first two steps, then less.
+  dense, hook = (r["bytes_sent"] / r["steps"] for r in runs[2:])
+  assert 2 / runs[3]["steps"] * dense < hook < dense
   for r in runs:
     assert r["reached"] == "2/2" and r["steps"] < 24
     assert records.runs(r, "seed") == [0, 1]
-    assert r["commit"] and r["train_seconds"] > r["steady_seconds"] > 0
+    assert r["commit"] and r["train_seconds"] >= r["steady_seconds"] > 0
+  # The trainer's first steps compile: its start-up is left out.
+  assert all(r["train_seconds"] > r["steady_seconds"] for r in runs[:2])
   points = json.loads((tmp_path / "quality_curves.json").read_text())
   for r in runs:
     each = zip(records.runs(r, "seed"), records.runs(r, "steps"))
@@ -287,6 +310,39 @@ def test_the_report_pairs_rounds_and_names_only_a_method_first_in_every_one():
   assert "| not reached |" in report_quality.summary_table(run)
   assert "0.00×" not in report_quality.summary_table(run)
   assert report_quality.rows(run)[4]["of_medians"] == "not reached"
+
+
+def test_the_overview_names_each_rounds_first_and_only_seeded_runs():
+  from benchmarks import report_quality
+
+  def seeded(variant, bandwidth, seconds, seeds):
+    row = _quality_row(variant, bandwidth, seconds)
+    return {**row, **{f"seed_run{i}": s for i, s in enumerate(seeds, 1)}}
+
+  run = [
+      seeded("ssgd", "10mbit", [100.0, 120.0, 90.0], [0, 1, 3]),
+      seeded("power_sgd", "10mbit", [20.0, 60.0, 30.0], [0, 1, 3]),
+      seeded("acp_sgd", "10mbit", [25.0, 40.0, math.inf], [0, 1, 3]),
+      seeded("ssgd", "1gbit", [10.0, 10.0, 10.0], [0, 1, 3]),
+      seeded("power_sgd", "1gbit", [12.0, 11.0, 13.0], [0, 1, 3]),
+  ]
+  # A run whose rounds all trained one seed says nothing of which method
+  # comes first: left out.
+  one_seed = [
+      {**seeded("ssgd", "100mbit", [9.0, 9.0], [0, 0]), "date": "earlier"},
+      {**seeded("acp_sgd", "100mbit", [1.0, 1.0], [0, 0]), "date": "earlier"},
+  ]
+  table = report_quality.overview_table(one_seed + run).splitlines()
+  assert len(table) == 4
+  assert table[2] == (
+      "| char LM, AdamW | 2 | 10 Mb/s | test | none | 0: Power-SGD (r=4)"
+      " 5.00×; 1: ACP-SGD (r=4) 3.00×; 3: Power-SGD (r=4) 3.00× |"
+  )
+  # S-SGD first in every round: no ratio to itself.
+  assert table[3] == (
+      "| char LM, AdamW | 2 | 1 Gb/s | test | S-SGD | 0: S-SGD; 1: S-SGD;"
+      " 3: S-SGD |"
+  )
 
 
 def test_the_readme_table_takes_one_run():
