@@ -548,6 +548,9 @@ def main(args) -> None:
       records.read("quality", args.results_dir),
       records.read("quality_curves", args.results_dir),
   )
+  if rows:
+    print("The README's headline, the runs of seeded rounds:")
+    print(report_quality.overview_table(rows))
   for run in records.by_run(rows):
     print(
         f"The README's table of time to quality, {run[0]['task']}, the run"

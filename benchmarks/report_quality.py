@@ -13,7 +13,9 @@ import statistics
 from typing import Any
 
 from benchmarks import convergence
+from benchmarks import launch
 from benchmarks import plots
+from benchmarks import quality
 from benchmarks import records
 from benchmarks import template
 from benchmarks import thresholds
@@ -34,13 +36,23 @@ _COLUMNS = {
 }
 
 
+# The overview's names of the tasks' models and optimizers.
+WORKLOADS = {
+    "char_lm_sgd": "char LM, momentum SGD",
+    "char_lm": "char LM, AdamW",
+    "mnist": "CNN (MNIST), momentum SGD",
+}
+
+
 def label(task: str, variant: str) -> str:
-  """A convergence variant as the report names it: ``ACP-SGD (r=8),
-  60 dense steps``."""
-  v = convergence.VARIANTS[variant]
+  """A variant as the report names it: ``ACP-SGD (r=8), 60 dense steps``,
+  ``PyTorch DDP + PowerSGD hook (r=4)``."""
+  v = quality.variant(variant)
   name = plots.LABELS[v.compressor]
+  if variant in quality.TORCH_VARIANTS:
+    name = "PyTorch DDP" + (" + PowerSGD hook" if v.rank_factor else "")
   if v.rank_factor:
-    name += f" (r={convergence.rank(task, variant)})"
+    name += f" (r={v.rank_factor * convergence.rank(task, 'power_sgd')})"
   if v.comm_dtype:
     name += f", {v.comm_dtype}"
   if v.warmup:
@@ -147,7 +159,7 @@ def rows(run: list[dict[str, Any]]) -> list[dict[str, Any]]:
             {}
             if r.get("composed_only")
             or r.get("composed_warmup", 0)
-            != convergence.VARIANTS[r["variant"]].warmup
+            != quality.variant(r["variant"]).warmup
             else {
                 "composed": r.get("composed_seconds"),
                 "composed_agrees": r.get("composed_agrees"),
@@ -195,8 +207,9 @@ def _plot(run, curves, path: pathlib.Path) -> str:
   points = [
       {
           **p,
-          "compressor": convergence.VARIANTS[p["variant"]].compressor,
-          "thick": convergence.VARIANTS[p["variant"]].rank_factor == 2,
+          "compressor": quality.variant(p["variant"]).compressor,
+          "thick": quality.variant(p["variant"]).rank_factor == 2,
+          "dashed": p["variant"] in quality.TORCH_VARIANTS,
       }
       for p in curves
       if (p["workers"], p["bandwidth"], p["variant"]) in mine
@@ -226,8 +239,15 @@ def quality_section(
 ) -> list[str]:
   """A table per run of ``quality.json``, and its curves drawn into
   ``out``."""
-  blocks = [fill("quality", tolerance=thresholds.COMPOSED_VS_DIRECT)]
-  for i, run in enumerate(records.by_run(with_startup(rows_, curves)), 1):
+  rows_ = with_startup(rows_, curves)
+  blocks = [
+      fill(
+          "quality",
+          tolerance=thresholds.COMPOSED_VS_DIRECT,
+          overview=overview_table(rows_),
+      )
+  ]
+  for i, run in enumerate(records.by_run(rows_), 1):
     blocks.append(
         fill(
             "quality_run",
@@ -279,3 +299,56 @@ def summary_table(rows_: list[dict[str, Any]]) -> str:
     lines.append(line)
   return "\n".join("| " + " | ".join(line) + " |" for line in lines)
 
+
+
+def _firsts(here: list[dict[str, Any]]) -> list[str]:
+  """Each round's seed and first method on one link, with how many times
+  sooner than S-SGD it got there (where S-SGD ran and it is not S-SGD)."""
+  ssgd = next((r for r in here if r["variant"] == "ssgd"), None)
+  seeds = records.runs(here[0], "seed")
+  out = []
+  for i in range(min(len(round_seconds(r)) for r in here)):
+    best = min(here, key=lambda r: round_seconds(r)[i])
+    text = f"{seeds[i]}: {label(best['task'], best['variant'])}"
+    if ssgd is not None and best is not ssgd:
+      text += f" {round_seconds(ssgd)[i] / round_seconds(best)[i]:.2f}×"
+    out.append(text)
+  return out
+
+
+def overview_table(rows_: list[dict[str, Any]]) -> str:
+  """The README's headline: a line for each point (task, workers, link) of
+  the runs whose rounds trained seeds of their own, with the method first
+  to the target in every round (or none) and each round's first, with how
+  many times sooner than S-SGD it got there. Runs of one seed repeat one
+  draw of the training, so they cannot say which method comes first."""
+  head = [
+      "model, optimizer",
+      "workers",
+      "link",
+      "machine",
+      "first in every round",
+      "each round's seed: its first (× sooner than S-SGD)",
+  ]
+  points = []
+  for run in records.by_run(rows_):
+    if len(set(records.runs(run[0], "seed"))) < 2:
+      continue
+    for where in dict.fromkeys((r["workers"], r["bandwidth"]) for r in run):
+      here = [r for r in run if (r["workers"], r["bandwidth"]) == where]
+      first = fastest_every_round(run, *where)
+      task = run[0]["task"]
+      points.append((
+          (list(WORKLOADS).index(task), where[0], launch.BANDWIDTHS[where[1]]),
+          [
+              WORKLOADS[task],
+              str(where[0]),
+              plots.link_label(where[1]),
+              run[0]["machine"].split(" (")[0],
+              label(task, first) if first else "none",
+              "; ".join(_firsts(here)),
+          ],
+      ))
+  lines = [head, ["---"] * len(head)]
+  lines += [line for _, line in sorted(points, key=lambda p: p[0])]
+  return "\n".join("| " + " | ".join(line) + " |" for line in lines)

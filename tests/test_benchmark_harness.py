@@ -212,6 +212,7 @@ def test_the_readme_headline_is_the_committed_time_to_quality_runs():
   assert runs
   for run in runs:
     assert report_quality.summary_table(run) in readme
+  assert report_quality.overview_table(rows) in readme
 
 
 def test_a_record_names_the_commit_it_was_measured_on(monkeypatch, tmp_path):
