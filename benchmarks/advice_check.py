@@ -154,7 +154,8 @@ def quality_points(rows, curves, links, advice) -> list[dict[str, Any]]:
   for run in records.by_run(report_quality.with_startup(rows, curves)):
     points = {}
     # The advice picks among acp_jax's methods, not PyTorch DDP's.
-    for r in (r for r in run if r["variant"] in convergence.VARIANTS):
+    run = [r for r in run if r["variant"] in convergence.VARIANTS]
+    for r in run:
       warmups = [convergence.VARIANTS[r["variant"]].warmup]
       if r["variant"] == "ssgd":
         warmups = {convergence.VARIANTS[x["variant"]].warmup for x in run}
