@@ -54,7 +54,7 @@ TORCH_VARIANTS = {
 TORCH_TASKS = ("char_lm", "char_lm_sgd")
 
 
-def variant(name: str) -> convergence.Variant:
+def variant_spec(name: str) -> convergence.Variant:
   """A variant of ``--variants``: a convergence variant, or PyTorch's."""
   return TORCH_VARIANTS.get(name) or convergence.VARIANTS[name]
 
@@ -120,9 +120,9 @@ def target_loss(target: str, curves: dict[str, Any]) -> float:
 
 
 def _run(
-    network, args, variant_, seed, target, workdir
+    network, args, variant, seed, target, workdir
 ) -> list[dict[str, Any]]:
-  steps = args.compose_steps if variant_ in args.compose else args.steps
+  steps = args.compose_steps if variant in args.compose else args.steps
   flags = [
       f"--task={args.task}",
       f"--seed={seed}",
@@ -132,8 +132,8 @@ def _run(
       f"--target={target}",
       *(["--quick"] if args.quick else []),
   ]
-  if variant_ in TORCH_VARIANTS:
-    v = TORCH_VARIANTS[variant_]
+  if variant in TORCH_VARIANTS:
+    v = TORCH_VARIANTS[variant]
     return launch.on_network(
         network,
         lambda i: [
@@ -151,7 +151,7 @@ def _run(
       network,
       lambda i: launch.jax_cmd(
           "quality",
-          f"--variant={variant_}",
+          f"--variant={variant}",
           f"--workdir={workdir}",
           *flags,
           *launch.distributed(network, i),

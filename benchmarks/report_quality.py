@@ -47,7 +47,7 @@ WORKLOADS = {
 def label(task: str, variant: str) -> str:
   """A variant as the report names it: ``ACP-SGD (r=8), 60 dense steps``,
   ``PyTorch DDP + PowerSGD hook (r=4)``."""
-  v = quality.variant(variant)
+  v = quality.variant_spec(variant)
   name = plots.LABELS[v.compressor]
   if variant in quality.TORCH_VARIANTS:
     name = "PyTorch DDP" + (" + PowerSGD hook" if v.rank_factor else "")
@@ -159,7 +159,7 @@ def rows(run: list[dict[str, Any]]) -> list[dict[str, Any]]:
             {}
             if r.get("composed_only")
             or r.get("composed_warmup", 0)
-            != quality.variant(r["variant"]).warmup
+            != quality.variant_spec(r["variant"]).warmup
             else {
                 "composed": r.get("composed_seconds"),
                 "composed_agrees": r.get("composed_agrees"),
@@ -207,8 +207,8 @@ def _plot(run, curves, path: pathlib.Path) -> str:
   points = [
       {
           **p,
-          "compressor": quality.variant(p["variant"]).compressor,
-          "thick": quality.variant(p["variant"]).rank_factor == 2,
+          "compressor": quality.variant_spec(p["variant"]).compressor,
+          "thick": quality.variant_spec(p["variant"]).rank_factor == 2,
           "dashed": p["variant"] in quality.TORCH_VARIANTS,
       }
       for p in curves
@@ -298,7 +298,6 @@ def summary_table(rows_: list[dict[str, Any]]) -> str:
       line.append(f"**{text}**" if variant == first[c] else text)
     lines.append(line)
   return "\n".join("| " + " | ".join(line) + " |" for line in lines)
-
 
 
 def _firsts(here: list[dict[str, Any]]) -> list[str]:

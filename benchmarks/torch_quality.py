@@ -206,28 +206,27 @@ def evaluate(model, dataset, global_batch, args) -> float:
 
 def bytes_per_step(model, method: str, rank: int) -> tuple[int, int]:
   """What one worker contributes to all-reduces in a dense step and in a
-  compressed one: every gradient; or, with the hook, its P and Q of each
-  matrix it compresses (``(n + m) * r < n * m / 2``, r at most n and m) and
-  every other gradient whole."""
-  dense = compressed = 0
+  compressed one: every gradient; or, with the hook, the P and Q of each
+  gradient it compresses, viewed as (n, m) = (shape[0], the rest), where
+  ``(n + m) * r * 2 < n * m`` (its test at ``min_compression_rate=2``, r at
+  most n and m), and every other gradient whole."""
+  dense = sum(4 * p.numel() for p in model.parameters())
+  if method != "power_sgd":
+    return dense, dense
+  compressed = 0
   for p in model.parameters():
-    dense += 4 * p.numel()
-    if method != "power_sgd":
-      continue
     n = p.shape[0]
     m = p.numel() // n
     r = min(n, m, rank)
-    if p.ndim > 1 and (n + m) * r * 2 < n * m:
-      compressed += 4 * (n + m) * r
-    else:
-      compressed += 4 * p.numel()
-  return dense, compressed if method == "power_sgd" else dense
+    compressed += 4 * ((n + m) * r if (n + m) * r * 2 < n * m else n * m)
+  return dense, compressed
 
 
 def train(args) -> dict:
   """Trains to ``--target`` or ``--steps``; the ``RESULT`` record."""
-  cfg = convergence.config(args.task, "ssgd", args.data_path, args.quick,
-                           args.seed)
+  cfg = convergence.config(
+      args.task, "ssgd", args.data_path, args.quick, args.seed
+  )
   cfg.num_train_steps = args.steps
   model, dataset = initial_model(cfg)
   ddp = torch_peer.ddp(model, args.method, args.rank, args.seed)
