@@ -10,7 +10,7 @@ the final parameters (equal on every worker if they stayed in sync).
 
 The model has the parameter shapes of `train.models.Bert` (torch's Linear
 weights are flax's kernels transposed), so PowerSGD sees the same matrices.
-PowerSGD runs one DDP bucket at a time (see `powersgd_one_bucket_at_a_time`):
+PowerSGD runs one DDP bucket at a time (see `_powersgd_one_bucket_at_a_time`):
 with gloo and several buckets the stock hook mismatches collectives.
 
   python -m benchmarks.torch_peer --compressor=power_sgd --steps=8 \
@@ -160,7 +160,7 @@ def parse_args(argv=None):
   return a
 
 
-def powersgd_one_bucket_at_a_time(state, bucket):
+def _powersgd_one_bucket_at_a_time(state, bucket):
   """`powerSGD_hook`, finished before DDP moves on to the next bucket.
 
   The hook issues the P and Q all-reduces of a bucket from gloo's completion
@@ -224,7 +224,7 @@ def ddp(
         warm_start=True,
         random_seed=seed,
     )
-    wrapped.register_comm_hook(state, powersgd_one_bucket_at_a_time)
+    wrapped.register_comm_hook(state, _powersgd_one_bucket_at_a_time)
   return wrapped
 
 
